@@ -1,0 +1,140 @@
+"""The one error tree of Tandem.
+
+Code anywhere raises these; one Litestar exception handler (``app.api.errors``)
+renders them as OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+Errors from MLX, Pillow, the network or the file system are translated where
+they enter our code (``raise ... from exc``), never left to become a 500.
+
+    AppError                         500 server_error
+    ├── InvalidRequestError          400 invalid_request_error
+    │   ├── ContextLengthError       400 code=context_length_exceeded
+    │   ├── ImageError               400 code=invalid_image
+    │   └── VisionNotSupportedError  400 code=vision_not_supported
+    ├── AuthenticationError          401 authentication_error
+    ├── NotFoundError                404 not_found_error
+    │   └── ModelNotFoundError       404 code=model_not_found
+    ├── PayloadTooLargeError         413 invalid_request_error
+    ├── RateLimitError               429 rate_limit_error (Retry-After)
+    ├── ServiceUnavailableError      503 service_unavailable (Retry-After)
+    │   ├── EngineBusyError          503 code=engine_busy
+    │   ├── EngineDeadError          503 code=engine_unavailable
+    │   └── VisionUnavailableError   503 code=vision_unavailable
+    ├── ConfigError                  raised at start-up: bad models.yaml or flags
+    └── EngineError                  500: a failure inside one generation
+"""
+
+from __future__ import annotations
+
+
+class AppError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+    status_code: int = 500
+    openai_type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = dict(headers or {})
+
+    def to_dict(self) -> dict:
+        """OpenAI's error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequestError(AppError):
+    status_code = 400
+    openai_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    default_code = "context_length_exceeded"
+
+
+class ImageError(InvalidRequestError):
+    """An image part that cannot be used: bad URL, bad bytes, over a cap."""
+
+    default_code = "invalid_image"
+
+
+class VisionNotSupportedError(InvalidRequestError):
+    default_code = "vision_not_supported"
+
+
+class AuthenticationError(AppError):
+    status_code = 401
+    openai_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFoundError(AppError):
+    status_code = 404
+    openai_type = "not_found_error"
+
+
+class ModelNotFoundError(NotFoundError):
+    default_code = "model_not_found"
+
+
+class PayloadTooLargeError(AppError):
+    status_code = 413
+    openai_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class RateLimitError(AppError):
+    status_code = 429
+    openai_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(retry_after))
+
+
+class ServiceUnavailableError(AppError):
+    status_code = 503
+    openai_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(retry_after))
+
+
+class EngineBusyError(ServiceUnavailableError):
+    default_code = "engine_busy"
+
+
+class EngineDeadError(ServiceUnavailableError):
+    default_code = "engine_unavailable"
+
+
+class VisionUnavailableError(ServiceUnavailableError):
+    default_code = "vision_unavailable"
+
+
+class ConfigError(AppError):
+    """models.yaml or the command line is wrong; raised before serving."""
+
+
+class EngineError(AppError):
+    """A failure inside the generation of one request."""
+
+    default_code = "engine_error"
