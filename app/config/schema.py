@@ -1,0 +1,223 @@
+"""The models.yaml schema.
+
+Everything engine-related for a model lives in its entry: where the weights
+come from, how they are loaded, how much KV-cache memory it may use, how many
+sequences run at once, default sampling and capabilities. Command-line flags
+override a model's ``params``; both resolve into one frozen ``EngineParams``.
+
+Every model is ``extra="forbid"``: a typo in models.yaml stops start-up with a
+message naming the file, the key and the allowed values (see ``loader``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float16", "bfloat16", "float32"]
+VisionMode = Literal["disabled", "proxy", "native"]
+PromptCacheMode = Literal["off", "system", "first_message", "prefix"]
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineParams(_Strict):
+    """How one model is loaded and run. Frozen once resolved."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Weight dtype for unquantized weights; None keeps the checkpoint's dtype.
+    dtype: Dtype | None = None
+    # Quantize at load ("q4" / "q8", also --isq). Already-quantized weights load as they are.
+    quantization: Literal["q4", "q8"] | None = None
+    # Quantization group size used with `quantization`.
+    quantization_group_size: Literal[32, 64, 128] = 64
+    # KV-cache memory budget in MB: admission and the prefix cache both live inside it.
+    mem: int = Field(default=1024, ge=16)
+    # Accepted for candle-vllm compatibility; on unified memory they add up to `mem` when set.
+    kvcache_mem_gpu: int | None = Field(default=None, ge=0)
+    kvcache_mem_cpu: int | None = Field(default=None, ge=0)
+    # Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the model dtype.
+    kv_cache_bits: Literal[4, 8] | None = None
+    # Sequences decoded together by the batch generator.
+    max_num_seqs: int = Field(default=8, ge=1, le=256)
+    # Largest prompt slice processed in one step, so decoding streams keep moving.
+    prefill_chunk_size: int = Field(default=512, ge=16)
+    # Context length; None takes the model config's max_position_embeddings.
+    max_model_len: int | None = Field(default=None, ge=64)
+    # Requests waiting for KV budget; one more gets 429 with Retry-After.
+    max_queue: int = Field(default=64, ge=0)
+    # Seconds a request may wait for admission before a 503.
+    queue_timeout_s: float = Field(default=120.0, gt=0)
+    # Which prompt prefixes keep their KV cache for later requests.
+    prompt_cache: PromptCacheMode = "prefix"
+    # Prefixes shorter than this many tokens are not worth caching.
+    cache_min_tokens: int = Field(default=64, ge=1)
+    # Share of `mem` (MB) the prefix cache may hold; evicted LRU beyond it.
+    prompt_cache_mem: int | None = Field(default=None, ge=0)
+
+    # Default sampling; each request may override these.
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # 0 disables top-k.
+    top_k: int = Field(default=0, ge=0)
+    # 0 disables min-p.
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # 1.0 disables the repetition penalty.
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=3.0)
+    # Completion length when a request names none.
+    max_tokens: int = Field(default=512, ge=1)
+
+    # Vision models only: pixel bounds the image is resized into before the VLM.
+    max_pixels: int = Field(default=448 * 448, ge=28 * 28)
+    min_pixels: int = Field(default=28 * 28, ge=1)
+    # Vision models only: images one request may carry.
+    max_images_per_request: int = Field(default=8, ge=1)
+
+    @property
+    def kv_mem_mb(self) -> int:
+        """The KV budget: `mem`, or the gpu+cpu split when only that is given."""
+        if "mem" not in self.model_fields_set and (
+            self.kvcache_mem_gpu or self.kvcache_mem_cpu
+        ):
+            return (self.kvcache_mem_gpu or 0) + (self.kvcache_mem_cpu or 0)
+        return self.mem
+
+    def to_log_string(self) -> str:
+        """One line with every effective value, for the start-up log."""
+        return " ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+
+class VisionProxyConfig(_Strict):
+    # The vision model: a models.yaml entry name (or its hf_id).
+    model: str
+    # Prompt given to the VLM; {user_text} is replaced by the user's own words.
+    prompt_template: str | None = None
+    # Caption length limit in tokens.
+    max_tokens: int = Field(default=256, ge=1, le=4096)
+
+
+class ModelCapabilities(_Strict):
+    # How images reach this model: refused, captioned by a VLM, or sent natively.
+    vision_mode: VisionMode = "disabled"
+    vision_proxy: VisionProxyConfig | None = None
+    # Reserved for native VLMs: the placeholder token for an image.
+    image_token: str | None = None
+    # Stream parser family (app/parsers); None detects it from the chat template.
+    tool_parser: str | None = None
+    # Whether the model reasons; None detects it from the template and name.
+    reasoning: bool | None = None
+
+    @model_validator(mode="after")
+    def _proxy_needs_model(self) -> ModelCapabilities:
+        if self.vision_mode == "proxy" and self.vision_proxy is None:
+            raise ValueError("vision_mode 'proxy' needs vision_proxy.model")
+        return self
+
+
+class ModelEntry(_Strict):
+    # The name clients send as "model".
+    name: str = Field(min_length=1)
+    # A Hugging Face repo id, loaded by mlx-lm / mlx-vlm (needs the hub or its cache).
+    hf_id: str | None = None
+    # A local mlx-lm / mlx-vlm model directory; wins over hf_id.
+    local_path: str | None = None
+    # A llama-architecture GGUF file, converted once into the cache directory.
+    weight_file: str | None = None
+    # A model shipped inside an installed package (offline): "smollm2-135m-instruct".
+    builtin: Literal["smollm2-135m-instruct"] | None = None
+    # What this entry is for: a chat model, or a VLM that captions for others.
+    role: Literal["chat", "vision"] = "chat"
+    params: EngineParams = EngineParams()
+    capabilities: ModelCapabilities = ModelCapabilities()
+
+    @model_validator(mode="after")
+    def _has_source(self) -> ModelEntry:
+        if not (self.hf_id or self.local_path or self.weight_file or self.builtin):
+            raise ValueError(
+                f"model {self.name!r} needs one of builtin, local_path, weight_file, hf_id"
+            )
+        return self
+
+
+class ServerSettings(_Strict):
+    """Limits and security of the HTTP side."""
+
+    # Loopback only by default; set 0.0.0.0 deliberately to serve a LAN.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # When set, every /v1 request needs `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
+    # Browser origins allowed by CORS; empty means CORS is off.
+    cors_origins: list[str] = []
+    # Largest request body in bytes (413 beyond).
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # Messages one chat request may carry.
+    max_messages: int = Field(default=512, ge=1)
+    # Concurrent HTTP connections the ASGI server accepts.
+    max_connections: int = Field(default=256, ge=1)
+    # Listen backlog, so a burst of connections is not reset.
+    backlog: int = Field(default=2048, ge=16)
+    # Which reasoning fields go out: OpenAI-compatible servers disagree on the name.
+    reasoning_fields: list[Literal["reasoning_content", "reasoning"]] = [
+        "reasoning_content",
+        "reasoning",
+    ]
+    # file:// image URLs are allowed only under this directory; None turns them off.
+    image_file_dir: str | None = None
+    # http(s) image URLs: off by default.
+    allow_remote_images: bool = False
+    remote_image_hosts: list[str] = []
+    allow_private_remote_images: bool = False
+    remote_image_timeout_s: float = Field(default=10.0, gt=0)
+    # Largest image in bytes, after base64 decoding or download.
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
+    # Largest decoded image in pixels (decompression-bomb guard).
+    max_image_pixels: int = Field(default=40_000_000, ge=1024)
+    # Cached captions, keyed by image hash, prompt and model.
+    caption_cache_entries: int = Field(default=512, ge=0)
+
+
+class ModelsFile(_Strict):
+    # Reserved: unload an idle vision model after this many seconds (not acted on yet).
+    idle_unload_secs: int | None = Field(default=None, ge=1)
+    # The chat model served when --model is not given; None takes the first chat entry.
+    default_model: str | None = None
+    server: ServerSettings = ServerSettings()
+    models: list[ModelEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _names_unique_and_linked(self) -> ModelsFile:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate model names: {', '.join(dupes)}")
+        for m in self.models:
+            proxy = m.capabilities.vision_proxy
+            if proxy and self.find(proxy.model) is None:
+                raise ValueError(
+                    f"model {m.name!r}: vision_proxy.model {proxy.model!r} is not an entry "
+                    f"(entries: {', '.join(names)})"
+                )
+        if self.default_model and self.find(self.default_model) is None:
+            raise ValueError(f"default_model {self.default_model!r} is not an entry")
+        return self
+
+    def find(self, name: str) -> ModelEntry | None:
+        """The entry called `name`, or whose hf_id is `name`."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        return next((m for m in self.models if m.hf_id == name), None)
+
+    def capabilities_map(self) -> dict[str, ModelCapabilities]:
+        return {m.name: m.capabilities for m in self.models}
+
+    def params_map(self) -> dict[str, EngineParams]:
+        return {m.name: m.params for m in self.models}

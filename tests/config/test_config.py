@@ -1,0 +1,90 @@
+"""models.yaml -> pydantic -> frozen EngineParams, with CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.config.loader import load_models_file, resolve
+from app.config.schema import EngineParams
+from app.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "models.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_repo_models_yaml_is_valid():
+    mf = load_models_file(REPO / "models.yaml")
+    cfg = resolve(mf)
+    assert cfg.primary.name == "smollm2-135m-instruct"
+    assert cfg.vision is not None and cfg.vision.role == "vision"
+
+
+def test_engine_params_are_frozen_and_logged():
+    p = EngineParams()
+    with pytest.raises(ValidationError):
+        p.mem = 5  # type: ignore[misc]
+    line = p.to_log_string()
+    for key in ("dtype=", "mem=1024", "max_num_seqs=8", "prefill_chunk_size=", "temperature="):
+        assert key in line
+
+
+@pytest.mark.parametrize(
+    "yaml_text, key, allowed",
+    [
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtyp: float16}\n", "models[0].params.dtyp", "unknown key"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtype: fp8}\n", "models[0].params.dtype", "'float16', 'bfloat16' or 'float32'"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    capabilities: {vision_mode: maybe}\n", "models[0].capabilities.vision_mode", "'disabled', 'proxy' or 'native'"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {max_num_seqs: 0}\n", "models[0].params.max_num_seqs", "greater than or equal to 1"),
+    ],
+)
+def test_bad_values_name_file_key_and_allowed(tmp_path, yaml_text, key, allowed):
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_models_file(path)
+    msg = info.value.message
+    assert str(path) in msg and key in msg and allowed in msg
+
+
+def test_broken_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_models_file(write(tmp_path, "models: [\n"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_models_file(tmp_path / "nope.yaml")
+
+
+def test_proxy_must_name_an_entry(tmp_path):
+    text = ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n"
+            "    capabilities: {vision_mode: proxy, vision_proxy: {model: ghost}}\n")
+    with pytest.raises(ConfigError, match="ghost"):
+        load_models_file(write(tmp_path, text))
+
+
+def test_cli_overrides_win_and_are_validated(tmp_path):
+    text = "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {mem: 100, max_num_seqs: 2}\n"
+    mf = load_models_file(write(tmp_path, text))
+    cfg = resolve(mf, overrides={"mem": 300, "isq": "q8", "port": 9001, "dtype": None})
+    assert cfg.primary.params.mem == 300
+    assert cfg.primary.params.quantization == "q8"
+    assert cfg.primary.params.max_num_seqs == 2  # from the file
+    assert cfg.server.port == 9001
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        resolve(mf, overrides={"max_num_seqs": -1})
+
+
+def test_kv_split_adds_up_when_mem_not_given():
+    assert EngineParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100).kv_mem_mb == 400
+    assert EngineParams(mem=50, kvcache_mem_gpu=300).kv_mem_mb == 50
+
+
+def test_unknown_served_model(tmp_path):
+    mf = load_models_file(write(tmp_path, "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n"))
+    with pytest.raises(ConfigError, match="no chat model 'b'"):
+        resolve(mf, model="b")

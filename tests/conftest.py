@@ -1,0 +1,134 @@
+"""Shared fixtures: real models only (the embedded demo model, seeded tiny models)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once into the user cache."""
+    from app.engine.demo_model import ensure_demo_model
+
+    return ensure_demo_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """A seeded random-init llama (hidden 64, 2 layers) with the demo tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (demo_model_dir / name).exists():
+            shutil.copy(demo_model_dir / name, out / name)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on a free loopback port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", backlog=2048)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def resolved_config(yaml_text: str, tmp_path: Path, **overrides):
+    from app.config.loader import load_models_file, resolve
+
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml_text)
+    return resolve(load_models_file(path), source=str(path), overrides=overrides)
+
+
+DEMO_YAML = """
+models:
+  - name: demo
+    builtin: smollm2-135m-instruct
+    params: {mem: 64, max_num_seqs: 8, prefill_chunk_size: 256, max_model_len: 2048, temperature: 0.0, max_tokens: 32, cache_min_tokens: 16}
+    capabilities:
+      vision_mode: proxy
+      vision_proxy: {model: vlm, max_tokens: 8}
+  - name: vlm
+    role: vision
+    local_path: {vlm_path}
+    params: {temperature: 0.0}
+"""
+
+
+@pytest.fixture(scope="session")
+def demo_state(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path):
+    """The demo model served with a missing vision model: text keeps working."""
+    from app.main import build_state
+
+    tmp = tmp_path_factory.mktemp("demo-config")
+    config = resolved_config(DEMO_YAML.replace("{vlm_path}", str(tmp / "missing-vlm")), tmp)
+    state = build_state(config)
+    yield state
+    state.worker.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_state) -> Iterator[LiveServer]:
+    from app.main import create_app
+
+    with LiveServer(create_app(demo_state)) as server:
+        yield server
+
+
+@pytest.fixture()
+def client(demo_server: LiveServer):
+    from openai import OpenAI
+
+    with OpenAI(base_url=demo_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
