@@ -1,0 +1,168 @@
+"""Load a models.yaml entry into MLX, mapping its EngineParams onto mlx-lm.
+
+The mapping, one line each:
+- ``dtype``        -> the dtype of unquantized floating-point weights;
+- ``quantization`` -> ``nn.quantize`` at load (weights already quantized are left alone);
+- ``mem``          -> a KV budget in tokens: layers x kv_heads x head_dim x 2 (K and V)
+                      x bytes per element;
+- ``prefill_chunk_size`` / ``max_num_seqs`` -> BatchGenerator's prefill step and batch
+  size (see ``engine.Engine``).
+Must run on the MLX-owner thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from app.config.schema import EngineParams, ModelEntry
+from app.errors import ConfigError
+
+log = logging.getLogger("tandem.engine")
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+QUANT_BITS = {"q4": 4, "q8": 8}
+# Group size of a quantized KV cache; each group stores a scale and a bias (2 bytes each).
+KV_GROUP_SIZE = 64
+
+
+def model_source(entry: ModelEntry) -> str:
+    """A local directory or a hub id for mlx-lm / mlx-vlm ``load``."""
+    if entry.builtin:
+        from app.engine.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model())
+    if entry.local_path:
+        path = Path(entry.local_path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"model {entry.name!r}: local_path {path} is not a directory")
+        return str(path)
+    if entry.weight_file:
+        from app.engine.demo_model import cache_root
+        from app.engine.gguf import convert_gguf
+
+        gguf = Path(entry.weight_file).expanduser()
+        if not gguf.is_file():
+            raise ConfigError(f"model {entry.name!r}: weight_file {gguf} does not exist")
+        out = cache_root() / "converted" / entry.name
+        if not (out / "config.json").exists():
+            convert_gguf(gguf, out)
+        return str(out)
+    assert entry.hf_id is not None
+    return entry.hf_id
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one token of context costs in the KV cache."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_element: float
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(self.layers * self.kv_heads * self.head_dim * 2 * self.bytes_per_element)
+
+    def budget_tokens(self, mem_mb: int) -> int:
+        return (mem_mb * 1024 * 1024) // max(1, self.bytes_per_token)
+
+
+def _config_value(config: dict[str, Any], *keys: str) -> Any:
+    text = config.get("text_config", {})
+    for key in keys:
+        if key in config:
+            return config[key]
+        if key in text:
+            return text[key]
+    return None
+
+
+def kv_geometry(config: dict[str, Any], activation_dtype: mx.Dtype, kv_bits: int | None) -> KVGeometry:
+    """KV geometry from a model config (llama-style field names)."""
+    layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _config_value(config, "num_attention_heads", "n_head")
+    kv_heads = _config_value(config, "num_key_value_heads") or heads
+    head_dim = _config_value(config, "head_dim")
+    if head_dim is None and heads:
+        head_dim = _config_value(config, "hidden_size") // heads
+    if not (layers and kv_heads and head_dim):
+        raise ConfigError("cannot size the KV cache: config lacks layers/heads/head_dim")
+    if kv_bits is None:
+        per_elem = float(activation_dtype.size)
+    else:
+        per_elem = kv_bits / 8 + 2 * 2 / KV_GROUP_SIZE
+    return KVGeometry(int(layers), int(kv_heads), int(head_dim), per_elem)
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def apply_params(model: nn.Module, params: EngineParams) -> None:
+    """dtype and load-time quantization onto a loaded model."""
+    if params.dtype is not None:
+        dtype = DTYPES[params.dtype]
+        # Only floating-point arrays; packed quantized weights are uint32 and stay.
+        model.set_dtype(dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
+    if params.quantization is not None:
+        if _is_quantized(model):
+            log.info("weights are already quantized; quantization=%s not applied", params.quantization)
+        else:
+            nn.quantize(
+                model,
+                group_size=params.quantization_group_size,
+                bits=QUANT_BITS[params.quantization],
+                class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % params.quantization_group_size == 0,
+            )
+    mx.eval(model.parameters())
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype activations (and so the KV cache) take: that of the norms' weights."""
+    for _, value in nn.utils.tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float16
+
+
+@dataclass
+class LoadedModel:
+    """A text model ready for the engine."""
+
+    name: str
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict[str, Any]
+    kv: KVGeometry
+    max_model_len: int
+    path: str
+
+
+def load_text_model(entry: ModelEntry, params: EngineParams) -> LoadedModel:
+    """Load a chat model with mlx-lm and apply its params. MLX thread only."""
+    from mlx_lm import load
+
+    if params.kv_cache_bits is not None:
+        # mlx-lm's BatchGenerator merges per-sequence caches; QuantizedKVCache has no merge.
+        raise ConfigError(
+            f"model {entry.name!r}: kv_cache_bits={params.kv_cache_bits} is not supported by "
+            "mlx-lm's batch generator yet; leave it unset"
+        )
+    source = model_source(entry)
+    try:
+        model, tokenizer, config = load(source, return_config=True)
+    except Exception as exc:  # noqa: BLE001 - any load failure is a config problem for the user
+        raise ConfigError(f"model {entry.name!r}: cannot load {source}: {exc}") from exc
+    apply_params(model, params)
+    kv = kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
+    native_len = _config_value(config, "max_position_embeddings") or 4096
+    max_len = min(params.max_model_len or native_len, native_len)
+    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source)

@@ -1,0 +1,48 @@
+"""Per-request samplers and logits processors, built from mlx-lm's own pieces."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+
+from app.engine.types import SamplingParams
+
+
+def build_sampler(p: SamplingParams):
+    """mlx-lm's sampler; with a seed, one whose randomness is the request's own.
+
+    mlx-lm samples from the global PRNG, which every sequence in a batch
+    shares; a seeded request gets its own key, split at every step, so its
+    output does not depend on what else is running.
+    """
+    if p.temperature == 0 or p.seed is None:
+        return make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+    key = mx.random.key(p.seed)
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
+
+    return sampler
+
+
+def build_logits_processors(p: SamplingParams) -> list:
+    """Repetition, presence and frequency penalties (only those switched on)."""
+    return make_logits_processors(
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+        presence_penalty=p.presence_penalty or None,
+        frequency_penalty=p.frequency_penalty or None,
+    )

@@ -1,0 +1,43 @@
+"""Stop strings matched on text, so they work across token boundaries.
+
+Token-level stop sequences miss a stop string that the model spells with
+different tokens; matching the detokenized text does not. Text that could be
+the start of a stop string is held back until it is clear either way.
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Feed text pieces; get back what is safe to emit and whether to stop."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Returns text that can be emitted now. Sets ``stopped`` on a match."""
+        if not self._stops:
+            return text
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        keep = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """The held-back text, once generation ended without a match."""
+        out, self._held = self._held, ""
+        return "" if self.stopped else out

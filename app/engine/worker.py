@@ -1,0 +1,98 @@
+"""The one thread that makes every MLX call.
+
+MLX is not thread-safe (ml-explore/mlx#2809), so model loading, prefill,
+decoding and vision captioning all run here. Other threads hand work over with
+``submit(fn)`` (a one-off job, run ahead of the next batch step: captioning
+goes before primary generation) and the text engine registers a ``step``
+callback that advances its batch. A job that raises fails its own future only;
+if the loop itself dies, ``dead`` says why and every waiter is told.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+from app.errors import EngineDeadError
+
+log = logging.getLogger("tandem.engine")
+T = TypeVar("T")
+
+
+class MLXWorker:
+    """A thread running submitted jobs first, then one step of the batch."""
+
+    def __init__(self, name: str = "tandem-mlx") -> None:
+        self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._steppers: list[Callable[[], bool]] = []
+        self._on_death: list[Callable[[BaseException], None]] = []
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def add_stepper(self, step: Callable[[], bool], on_death: Callable[[BaseException], None]) -> None:
+        """``step()`` advances some work by one slice and returns whether work remains."""
+        self._steppers.append(step)
+        self._on_death.append(on_death)
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the MLX thread, ahead of the next batch step."""
+        fut: Future[T] = Future()
+        if self.dead is not None or self._stop.is_set():
+            fut.set_exception(EngineDeadError("the MLX engine thread is not running"))
+            return fut
+        self._jobs.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            fn, fut = self._jobs.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's
+                fut.set_exception(exc)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_jobs()
+                busy = False
+                for step in self._steppers:
+                    busy = step() or busy
+                if not busy and not self._jobs:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - recorded, reported, never silent
+            log.exception("MLX engine thread died")
+            self.dead = exc
+            for notify in self._on_death:
+                notify(exc)
+        finally:
+            err = EngineDeadError("the MLX engine thread stopped")
+            while self._jobs:
+                _, fut = self._jobs.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
