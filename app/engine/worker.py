@@ -91,6 +91,11 @@ class MLXWorker:
             for notify in self._on_death:
                 notify(exc)
         finally:
+            # Streams belong to the thread that made them; left behind, they abort the
+            # process at exit (mlx-vlm's atexit cleanup only clears the main thread's).
+            import mlx.core as mx
+
+            mx.clear_streams()
             err = EngineDeadError("the MLX engine thread stopped")
             while self._jobs:
                 _, fut = self._jobs.popleft()

@@ -1,0 +1,43 @@
+"""Vision: image input, the mlx-vlm captioner, the caption cache, the proxy.
+
+Layering: works on plain OpenAI-format message dicts; never imports Litestar,
+pydantic or ``app.api``. mlx-vlm is imported only when a captioner loads.
+"""
+
+from __future__ import annotations
+
+from app.vision.cache import CaptionCache, CaptionKey
+from app.vision.captioner import (
+    DEFAULT_NO_TEXT_PROMPT,
+    DEFAULT_PROMPT_TEMPLATE,
+    Captioner,
+    MlxExecutor,
+    MlxVlmCaptioner,
+)
+from app.vision.images import ImagePolicy, LoadedImage, downscale, load_image
+from app.vision.proxy import (
+    CaptionInfo,
+    ProxyResult,
+    VisionProxy,
+    has_images,
+    reject_images,
+)
+
+__all__ = [
+    "DEFAULT_NO_TEXT_PROMPT",
+    "DEFAULT_PROMPT_TEMPLATE",
+    "CaptionCache",
+    "CaptionInfo",
+    "CaptionKey",
+    "Captioner",
+    "ImagePolicy",
+    "LoadedImage",
+    "MlxExecutor",
+    "MlxVlmCaptioner",
+    "ProxyResult",
+    "VisionProxy",
+    "downscale",
+    "has_images",
+    "load_image",
+    "reject_images",
+]

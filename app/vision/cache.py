@@ -1,0 +1,70 @@
+"""Caption cache: an LRU of captions keyed by image bytes, prompt and model.
+
+Chat UIs such as Open WebUI send the whole conversation on every turn, images
+included, so without this cache every turn would caption every earlier image
+again. It lives on the event loop (no lock): the proxy is its only user.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+
+class CaptionKey(NamedTuple):
+    """What a caption depends on."""
+
+    sha256: str  # of the image's raw bytes
+    prompt: str  # the text the VLM was asked with
+    model: str  # the captioner's name
+
+
+class CaptionCache:
+    """Least-recently-used captions, bounded by entry count, with hit/miss counters."""
+
+    def __init__(self, max_entries: int = 512) -> None:
+        # 512 captions of ~1 KB each: well under a megabyte.
+        if max_entries < 0:
+            raise ValueError("max_entries must be >= 0")
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[CaptionKey, str] = OrderedDict()
+
+    def get(self, key: CaptionKey) -> str | None:
+        """The cached caption for ``key`` (now most recently used), or None."""
+        caption = self._entries.get(key)
+        if caption is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return caption
+
+    def put(self, key: CaptionKey, caption: str) -> None:
+        """Store ``caption``, evicting the least recently used entry when full."""
+        if self.max_entries == 0:
+            return
+        self._entries[key] = caption
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def clear(self) -> None:
+        """Drop every entry; counters are kept."""
+        self._entries.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logs and a metrics endpoint."""
+        return {
+            "entries": len(self._entries),
+            "max_entries": self.max_entries,
+            "hits": self.hits,
+            "misses": self.misses,
+        }

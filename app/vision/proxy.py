@@ -1,0 +1,297 @@
+"""Proxy vision: replace image parts with captions so a text-only model can answer.
+
+Works on plain OpenAI-format message dicts. A message with images, e.g.
+
+    {"role": "user", "content": [
+        {"type": "text", "text": "What breed is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}
+
+becomes a text-only message whose content is a string:
+
+    {"role": "user", "content": "What breed is this?\\n\\nImage 1: A brown dog ..."}
+
+Combining rules (from the design): no text -> the caption lines alone; no
+captions -> the text; else ``f"{text}\\n\\n" + "\\n".join(lines)``.
+
+Numbering: N counts images across the whole request, in order. Chat UIs resend
+the history on every turn and append new images at the end, so "Image 3" names
+the same picture on every turn, and the model never sees two "Image 1"s from
+different turns (which per-message numbering would give it).
+
+Roles: an image in any role is captioned (a tool result can carry a
+screenshot); the primary model cannot read image parts from any role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from app.errors import (
+    AppError,
+    ImageError,
+    InvalidRequestError,
+    VisionNotSupportedError,
+)
+from app.vision.cache import CaptionCache, CaptionKey
+from app.vision.captioner import Captioner
+from app.vision.images import ImagePolicy, LoadedImage, load_image
+
+logger = logging.getLogger("tandem.vision")
+
+UNAVAILABLE = "[Image {n}: not available, no vision model loaded]"
+FAILED = "[Image {n}: could not be described]"
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """Where an image part sits in the request, and its URL."""
+
+    message_index: int
+    part_index: int
+    url: str
+
+    @property
+    def param(self) -> str:
+        """The part's path in the request body, for error messages."""
+        return f"messages[{self.message_index}].content[{self.part_index}].image_url"
+
+
+@dataclass(frozen=True)
+class CaptionInfo:
+    """One image's caption, for logs and for the response's debugging extras."""
+
+    message_index: int
+    image_index: int  # N in "Image N", 1-based across the request
+    caption: str
+    cached: bool
+    latency_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, for the response's extras."""
+        return asdict(self)
+
+
+@dataclass
+class ProxyResult:
+    """The rewritten messages and what happened to each image."""
+
+    messages: list[dict]
+    captions: list[CaptionInfo] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _image_part_dicts(messages: list[dict]) -> Iterator[tuple[int, int, dict]]:
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    yield i, j, part
+
+
+def has_images(messages: list[dict]) -> bool:
+    """Whether any message has an ``image_url`` part."""
+    return next(_image_part_dicts(messages), None) is not None
+
+
+def reject_images(messages: list[dict], model: str) -> None:
+    """For ``vision_mode: disabled``: ``VisionNotSupportedError`` if there are images."""
+    for i, j, _ in _image_part_dicts(messages):
+        raise VisionNotSupportedError(
+            f"model {model} does not accept images",
+            param=f"messages[{i}].content[{j}]",
+        )
+
+
+def image_parts(messages: list[dict]) -> list[ImagePart]:
+    """Every image part in order; ``ImageError`` for one without a URL string.
+
+    ``image_url`` may be ``{"url": ..., "detail": ...}`` or a bare string.
+    """
+    parts = []
+    for i, j, part in _image_part_dicts(messages):
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        if not isinstance(url, str) or not url.strip():
+            param = f"messages[{i}].content[{j}].image_url"
+            raise ImageError(f"{param}: image part has no URL", param=param)
+        parts.append(ImagePart(i, j, url))
+    return parts
+
+
+def message_text(message: dict, message_index: int) -> str:
+    """The text parts of a message joined by newlines; other part types refused."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        return (content or "").strip()
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind != "image_url":
+            param = f"messages[{message_index}].content[{j}]"
+            raise InvalidRequestError(
+                f"{param}: content part of type {kind!r} cannot be sent to a text-only model",
+                param=param,
+            )
+    return "\n".join(texts).strip()
+
+
+def combine(text: str, lines: list[str]) -> str:
+    """The design's rule for a message's text and its image lines."""
+    if not text:
+        return "\n".join(lines)
+    if not lines:
+        return text
+    return f"{text}\n\n" + "\n".join(lines)
+
+
+class VisionProxy:
+    """Rewrites image-bearing messages into text with captions from a ``Captioner``.
+
+    ``captioner`` None means vision is unavailable (``unavailable_reason`` says
+    why, for the warning): images become placeholders, the request goes on.
+    """
+
+    def __init__(
+        self,
+        captioner: Captioner | None,
+        cache: CaptionCache,
+        policy: ImagePolicy,
+        *,
+        unavailable_reason: str | None = None,
+    ) -> None:
+        self.captioner = captioner
+        self.cache = cache
+        self.policy = policy
+        self.unavailable_reason = unavailable_reason
+        # One image at a time: VLM work never runs concurrently with itself, and
+        # a request waiting here finds a caption another request just made.
+        self._lock = asyncio.Lock()
+
+    async def rewrite(self, messages: list[dict]) -> ProxyResult:
+        """Messages with every image replaced by text. ``messages`` is not modified.
+
+        All images are checked (count, URL, decode) before any is captioned, so
+        a bad image fails the request with a 400 before any VLM time is spent.
+        """
+        parts = image_parts(messages)
+        if not parts:
+            return ProxyResult(messages=list(messages))
+        self._check_count(parts)
+        # A broken image is the client's mistake whether or not vision is loaded.
+        images = [
+            await asyncio.to_thread(load_image, p.url, self.policy, param=p.param) for p in parts
+        ]
+        if self.captioner is None:
+            return self._placeholders(messages, parts)
+        result = ProxyResult(messages=list(messages))
+        failed = 0
+        for i, numbered in _by_message(parts, images):
+            text = message_text(messages[i], i)
+            lines = []
+            for n, image in numbered:
+                info = await self._caption(i, n, image, text or None)
+                if info is None:
+                    failed += 1
+                    lines.append(FAILED.format(n=n))
+                else:
+                    result.captions.append(info)
+                    lines.append(f"Image {n}: {info.caption}")
+            result.messages[i] = {**messages[i], "content": combine(text, lines)}
+        if failed:
+            result.warnings.append(f"{failed} image(s) could not be described by the vision model")
+        return result
+
+    def _check_count(self, parts: list[ImagePart]) -> None:
+        limit = self.policy.max_images_per_request
+        if len(parts) > limit:
+            extra = parts[limit]
+            raise ImageError(
+                f"{extra.param}: this request has {len(parts)} images; "
+                f"at most {limit} are accepted",
+                param=extra.param,
+                code="too_many_images",
+            )
+
+    def _placeholders(self, messages: list[dict], parts: list[ImagePart]) -> ProxyResult:
+        result = ProxyResult(messages=list(messages))
+        for i, numbered in _by_message(parts, [None] * len(parts)):
+            text = message_text(messages[i], i)
+            lines = [UNAVAILABLE.format(n=n) for n, _ in numbered]
+            result.messages[i] = {**messages[i], "content": combine(text, lines)}
+        reason = f" ({self.unavailable_reason})" if self.unavailable_reason else ""
+        result.warnings.append(
+            f"{len(parts)} image(s) were not described: no vision model is loaded{reason}"
+        )
+        logger.warning(
+            "vision unavailable%s: %d image(s) replaced by placeholders", reason, len(parts)
+        )
+        return result
+
+    async def _caption(
+        self, message_index: int, n: int, image: LoadedImage, user_text: str | None
+    ) -> CaptionInfo | None:
+        """Caption one image through the cache; None if the VLM failed on it."""
+        captioner = self.captioner
+        assert captioner is not None
+        key = CaptionKey(image.sha256, captioner.prompt(user_text), captioner.name)
+        started = time.perf_counter()
+        caption = self.cache.get(key)
+        cached = caption is not None
+        if not cached:
+            async with self._lock:
+                if key in self.cache:  # captioned by another request while we waited
+                    caption, cached = self.cache.get(key), True
+                else:
+                    caption = await _describe(captioner, image, user_text, n)
+                    if caption is None:
+                        return None
+                    self.cache.put(key, caption)
+        assert caption is not None
+        return self._info(message_index, n, image, caption, cached, started)
+
+    def _info(
+        self, i: int, n: int, image: LoadedImage, caption: str, cached: bool, started: float
+    ) -> CaptionInfo:
+        latency_ms = (time.perf_counter() - started) * 1000
+        logger.info(
+            "image %d (message %d, sha256 %s): %s in %.0f ms; cache %s",
+            n,
+            i,
+            image.sha256[:12],
+            "cache hit" if cached else "captioned",
+            latency_ms,
+            self.cache.stats(),
+        )
+        return CaptionInfo(i, n, caption, cached, latency_ms)
+
+
+async def _describe(
+    captioner: Captioner, image: LoadedImage, user_text: str | None, n: int
+) -> str | None:
+    try:
+        caption = await captioner.describe(image, user_text)
+    except InvalidRequestError:
+        raise
+    except AppError:
+        # The primary model can still answer the text; the warning says what was lost.
+        logger.exception("vision model failed on image %d (sha256 %s)", n, image.sha256[:12])
+        return None
+    return caption.strip() or "(the vision model gave no description)"
+
+
+def _by_message(
+    parts: list[ImagePart], images: list[Any]
+) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
+    """Group (N, image) by message index, N counting from 1 across the request."""
+    grouped: dict[int, list[tuple[int, Any]]] = {}
+    for n, (part, image) in enumerate(zip(parts, images, strict=True), start=1):
+        grouped.setdefault(part.message_index, []).append((n, image))
+    yield from grouped.items()

@@ -1,0 +1,242 @@
+"""VisionProxy.rewrite with a fake Captioner at the protocol seam."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+import pytest
+
+from app.errors import EngineError, ImageError, InvalidRequestError, VisionNotSupportedError
+from app.vision.cache import CaptionCache
+from app.vision.captioner import Captioner
+from app.vision.images import ImagePolicy, LoadedImage
+from app.vision.proxy import VisionProxy, has_images, reject_images
+from tests.vision.sample_images import data_url, image_bytes
+
+RED = data_url(image_bytes((255, 0, 0)))
+GREEN = data_url(image_bytes((0, 255, 0)))
+BLUE = data_url(image_bytes((0, 0, 255)))
+BROKEN = "data:image/png;base64,AAAA"
+
+
+class FakeCaptioner:
+    """Names the colour of the image's first pixel; records every call."""
+
+    name = "fake-vlm"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[str, str | None]] = []
+        self.fail = fail
+        self.running = 0
+        self.max_running = 0
+
+    def prompt(self, user_text: str | None) -> str:
+        return f"Describe. The user asked: {user_text}"
+
+    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
+        self.calls.append((image.sha256, user_text))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        await asyncio.sleep(0.01)
+        self.running -= 1
+        if self.fail:
+            raise EngineError("model fell over")
+        r, g, b = image.image.getpixel((0, 0))
+        return {(255, 0, 0): "red square", (0, 255, 0): "green square"}.get(
+            (r, g, b), "blue square"
+        )
+
+
+def user(*parts: dict | str) -> dict:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return {"role": "user", "content": content}
+
+
+def img(url: str, bare: bool = False) -> dict:
+    return {"type": "image_url", "image_url": url if bare else {"url": url, "detail": "auto"}}
+
+
+def make(captioner=None, **policy) -> VisionProxy:
+    return VisionProxy(
+        captioner, CaptionCache(), ImagePolicy(**policy), unavailable_reason="out of memory"
+    )
+
+
+def rewrite(proxy: VisionProxy, messages: list[dict]):
+    return asyncio.run(proxy.rewrite(messages))
+
+
+def test_fake_is_a_captioner():
+    assert isinstance(FakeCaptioner(), Captioner)
+
+
+def test_messages_without_images_pass_through():
+    messages = [{"role": "system", "content": "Be brief."}, user("hi", "there")]
+    result = rewrite(make(FakeCaptioner()), messages)
+    assert result.messages == messages
+    assert result.captions == [] and result.warnings == []
+
+
+@pytest.mark.parametrize(
+    "parts,expected",
+    [
+        (("What is this?", img(RED)), "What is this?\n\nImage 1: red square"),
+        ((img(RED),), "Image 1: red square"),
+        (("  ", img(RED)), "Image 1: red square"),
+        (
+            ("Compare", img(RED), "with", img(GREEN)),
+            "Compare\nwith\n\nImage 1: red square\nImage 2: green square",
+        ),
+    ],
+    ids=["text+image", "image only", "blank text", "two images"],
+)
+def test_combining_rules(parts, expected):
+    result = rewrite(make(FakeCaptioner()), [user(*parts)])
+    assert result.messages == [{"role": "user", "content": expected}]
+
+
+def test_numbering_runs_across_messages_and_roles_are_kept():
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        user("First", img(RED)),
+        {"role": "assistant", "content": "A red square."},
+        user("And these?", img(GREEN), img(BLUE, bare=True)),
+        {"role": "tool", "tool_call_id": "call_1", "content": [img(RED)]},
+    ]
+    original = copy.deepcopy(messages)
+    result = rewrite(make(FakeCaptioner()), messages)
+    assert messages == original, "the caller's messages must not be modified"
+    assert result.messages[0] == messages[0] and result.messages[2] == messages[2]
+    assert result.messages[1]["content"] == "First\n\nImage 1: red square"
+    assert (
+        result.messages[3]["content"] == "And these?\n\nImage 2: green square\nImage 3: blue square"
+    )
+    assert result.messages[4] == {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": "Image 4: red square",
+    }
+    assert [(c.message_index, c.image_index) for c in result.captions] == [
+        (1, 1),
+        (3, 2),
+        (3, 3),
+        (4, 4),
+    ]
+
+
+def test_earlier_images_are_cache_hits_in_a_later_turn(caplog):
+    fake = FakeCaptioner()
+    proxy = make(fake)
+    turn1 = [user("What is this?", img(RED))]
+    rewrite(proxy, turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": "Red."}, user("And this?", img(GREEN))]
+    with caplog.at_level(logging.INFO, logger="tandem.vision"):
+        result = rewrite(proxy, turn2)
+    assert len(fake.calls) == 2, "the red image must not be captioned again"
+    assert [(c.image_index, c.cached) for c in result.captions] == [(1, True), (2, False)]
+    assert result.messages[0]["content"] == "What is this?\n\nImage 1: red square"
+    assert proxy.cache.hits == 1
+    assert any("cache hit" in r.getMessage() for r in caplog.records)
+
+
+def test_same_image_twice_in_one_request_is_captioned_once():
+    fake = FakeCaptioner()
+    result = rewrite(make(fake), [user("Same?", img(RED), img(RED))])
+    assert len(fake.calls) == 1
+    assert [c.cached for c in result.captions] == [False, True]
+
+
+def test_concurrent_requests_caption_serially_and_once_per_image():
+    fake = FakeCaptioner()
+    proxy = make(fake)
+
+    async def both():
+        return await asyncio.gather(
+            proxy.rewrite([user(img(RED), img(GREEN))]),
+            proxy.rewrite([user(img(RED), img(BLUE))]),
+        )
+
+    asyncio.run(both())
+    assert fake.max_running == 1
+    assert sorted(sha for sha, _ in fake.calls) == sorted(set(sha for sha, _ in fake.calls))
+    assert len(fake.calls) == 3
+
+
+def test_unavailable_vision_gives_placeholders_and_a_warning():
+    messages = [user("Look", img(RED)), user(img(GREEN), img(BLUE))]
+    result = rewrite(make(None), messages)
+    assert (
+        result.messages[0]["content"] == "Look\n\n[Image 1: not available, no vision model loaded]"
+    )
+    assert result.messages[1]["content"] == (
+        "[Image 2: not available, no vision model loaded]\n"
+        "[Image 3: not available, no vision model loaded]"
+    )
+    assert len(result.warnings) == 1 and "out of memory" in result.warnings[0]
+    assert result.captions == []
+
+
+def test_a_failing_captioner_degrades_to_a_placeholder_not_an_error():
+    fake = FakeCaptioner(fail=True)
+    proxy = make(fake)
+    result = rewrite(proxy, [user("Hm", img(RED))])
+    assert result.messages[0]["content"] == "Hm\n\n[Image 1: could not be described]"
+    assert result.warnings and result.captions == []
+    rewrite(proxy, [user("Hm", img(RED))])
+    assert len(fake.calls) == 2, "failures are not cached"
+
+
+def test_a_bad_image_fails_before_any_captioning():
+    fake = FakeCaptioner()
+    messages = [
+        user("ok", img(RED)),
+        {"role": "assistant", "content": "x"},
+        user("bad", img(BROKEN)),
+    ]
+    with pytest.raises(ImageError) as info:
+        rewrite(make(fake), messages)
+    assert info.value.param == "messages[2].content[1].image_url"
+    assert "messages[2].content[1]" in info.value.message
+    assert fake.calls == []
+
+
+def test_too_many_images():
+    with pytest.raises(ImageError) as info:
+        rewrite(
+            make(FakeCaptioner(), max_images_per_request=2),
+            [user(img(RED), img(GREEN)), user(img(BLUE))],
+        )
+    assert info.value.code == "too_many_images"
+    assert info.value.param == "messages[1].content[0].image_url"
+
+
+@pytest.mark.parametrize(
+    "image_url", [{}, {"url": ""}, {"url": 5}, None], ids=["no url", "empty", "number", "none"]
+)
+def test_image_part_without_url(image_url):
+    messages = [user("x", {"type": "image_url", "image_url": image_url})]
+    with pytest.raises(ImageError) as info:
+        rewrite(make(FakeCaptioner()), messages)
+    assert info.value.param == "messages[0].content[1].image_url"
+
+
+def test_other_part_types_next_to_an_image_are_refused():
+    messages = [user(img(RED), {"type": "input_audio", "input_audio": {}})]
+    with pytest.raises(InvalidRequestError) as info:
+        rewrite(make(FakeCaptioner()), messages)
+    assert info.value.param == "messages[0].content[1]"
+
+
+def test_has_images_and_reject_images():
+    plain = [user("hi"), {"role": "assistant", "content": None}]
+    with_image = plain + [user("see", img(RED))]
+    assert not has_images(plain) and has_images(with_image)
+    reject_images(plain, "ministral")
+    with pytest.raises(
+        VisionNotSupportedError, match="model ministral does not accept images"
+    ) as info:
+        reject_images(with_image, "ministral")
+    assert info.value.param == "messages[2].content[1]"
+    assert info.value.status_code == 400

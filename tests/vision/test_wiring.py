@@ -1,0 +1,75 @@
+"""build_proxy from a resolved models.yaml: a loaded captioner, or placeholders and a reason."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from app.config.loader import resolve
+from app.config.schema import ModelsFile
+from app.vision.captioner import MlxVlmCaptioner
+from app.vision.wiring import build_proxy
+from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.vision.sample_images import data_url, striped_bytes
+
+
+@pytest.fixture(scope="module")
+def mlx_thread():
+    import mlx.core as mx
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.submit(mx.clear_streams).result()  # per-thread MLX streams must go before exit
+    pool.shutdown()
+
+
+def models_file(vision_path: Path, image_dir: Path) -> ModelsFile:
+    return ModelsFile.model_validate(
+        {
+            "server": {"image_file_dir": str(image_dir), "caption_cache_entries": 7},
+            "models": [
+                {
+                    "name": "chat",
+                    "builtin": "smollm2-135m-instruct",
+                    "capabilities": {
+                        "vision_mode": "proxy",
+                        "vision_proxy": {"model": "eyes", "max_tokens": 5},
+                    },
+                },
+                {
+                    "name": "eyes",
+                    "role": "vision",
+                    "local_path": str(vision_path),
+                    "params": {"max_images_per_request": 3, "max_pixels": 112 * 112},
+                },
+            ],
+        }
+    )
+
+
+def test_build_proxy_loads_the_vision_model(tmp_path, mlx_thread):
+    model_dir = build_tiny_qwen2_vl(tmp_path / "eyes")
+    proxy, reason = build_proxy(resolve(models_file(model_dir, tmp_path)), mlx_thread)
+    assert reason is None
+    assert isinstance(proxy.captioner, MlxVlmCaptioner) and proxy.captioner.name == "eyes"
+    assert proxy.captioner.max_tokens == 5 and proxy.captioner.max_pixels == 112 * 112
+    assert proxy.policy.max_images_per_request == 3
+    assert proxy.policy.allowed_file_dir == tmp_path
+    assert proxy.cache.max_entries == 7
+    image = {"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}
+    result = asyncio.run(proxy.rewrite([{"role": "user", "content": [image]}]))
+    assert result.messages[0]["content"].startswith("Image 1: ")
+    assert result.captions[0].as_dict()["image_index"] == 1
+
+
+def test_a_vision_model_that_fails_to_load_leaves_placeholders(tmp_path, mlx_thread):
+    proxy, reason = build_proxy(resolve(models_file(tmp_path / "absent", tmp_path)), mlx_thread)
+    assert reason is not None and "cannot load vision model eyes" in reason
+    assert proxy.captioner is None
+    image = {"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}
+    result = asyncio.run(proxy.rewrite([{"role": "user", "content": [image]}]))
+    assert result.messages[0]["content"] == "[Image 1: not available, no vision model loaded]"
+    assert reason in result.warnings[0]
