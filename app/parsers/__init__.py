@@ -1,0 +1,84 @@
+"""Stream parsers for reasoning and tool calls, one module per model family.
+
+A parser turns a model's generated text, in chunks of any size, into events
+(``events.py``); non-streaming feeds the whole text, then ``collect`` folds
+the events. Nothing here imports the API, the engine, Litestar or MLX.
+
+    PARSERS["qwen"](reasoning=True)              # the family named in models.yaml
+    make_parser(detect_parser(name, template), reasoning=True, tools_offered=True)
+
+A family's module name, registry key and ``tool_parser:`` value in models.yaml
+are one string; users type it, so a rename breaks configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.errors import ConfigError
+from app.parsers import generic, llama, mistral, qwen
+from app.parsers.base import REASONING_MARKERS, Family, StreamParser, new_call_id
+from app.parsers.detect import detect_parser, is_reasoning_model, template_opens_reasoning
+from app.parsers.events import (
+    ContentDelta,
+    Event,
+    ParsedOutput,
+    ParsedToolCall,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+    collect,
+)
+
+PARSERS: dict[str, Family] = {module.FAMILY.name: module.FAMILY for module in (generic, llama, mistral, qwen)}
+
+
+def make_parser(
+    name: str,
+    *,
+    reasoning: bool,
+    starts_in_reasoning: bool = False,
+    tools_offered: bool = False,
+    id_factory: Callable[[], str] | None = None,
+) -> StreamParser:
+    """A fresh parser of family ``name`` for one response.
+
+    ``reasoning``: reasoning markers are read (thinking is on for the request).
+    ``starts_in_reasoning``: the prompt opened the reasoning block.
+    ``tools_offered``: a bare JSON call object counts as a call.
+    ``id_factory``: makes tool call ids (default ``call_`` + 24 random alphanumerics).
+    """
+    family = PARSERS.get(name)
+    if family is None:
+        raise ConfigError(f"unknown tool_parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+    return family(
+        reasoning=reasoning,
+        starts_in_reasoning=starts_in_reasoning,
+        tools_offered=tools_offered,
+        id_factory=id_factory,
+    )
+
+
+__all__ = [
+    "PARSERS",
+    "REASONING_MARKERS",
+    "ContentDelta",
+    "Event",
+    "Family",
+    "ParsedOutput",
+    "ParsedToolCall",
+    "ReasoningDelta",
+    "StreamParser",
+    "ToolCallArgsDelta",
+    "ToolCallEnd",
+    "ToolCallError",
+    "ToolCallStart",
+    "collect",
+    "detect_parser",
+    "is_reasoning_model",
+    "make_parser",
+    "new_call_id",
+    "template_opens_reasoning",
+]

@@ -1,0 +1,269 @@
+"""The stream parser: a small state machine driven by a family's markers.
+
+    content ──opener──▶ reasoning ──closer──▶ content
+       │                    │
+       └──── call start ────┴──▶ call reader ──call end──▶ (back where it was)
+
+A family declares its markers (``Family``); ``FamilyParser`` runs them. Text
+is scanned for the markers of the current state; a suffix that could begin a
+marker is held back until the next chunk shows what it is, so any chunking of
+the same text gives the same events, concatenated.
+
+Choices where models or specs leave room:
+
+- Every family knows all reasoning marker pairs. Inside reasoning any closer
+  ends it and a repeated opener is dropped (templates that open the block
+  in the prompt sometimes get it again from the model).
+- Output that starts inside reasoning (``starts_in_reasoning``) and never
+  closes it stays reasoning: the deltas went out as reasoning already.
+- With ``reasoning=False`` markers are text, except that an empty block
+  (``<think>\\n\\n</think>``) is dropped; a stray closer in content is
+  dropped when reasoning is on.
+- Whitespace at the edges of each content or reasoning stretch is trimmed
+  (``</think>\\n\\n`` leaves no leading newlines on the answer); whitespace
+  between two stretches of the same kind is kept.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.parsers.calls import BareJson, CallFormat, CallReader
+from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
+from app.parsers.scan import split_marker
+
+REASONING_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<think>", "</think>"),
+    ("[THINK]", "[/THINK]"),
+    ("<reasoning>", "</reasoning>"),
+    ("<thought>", "</thought>"),
+)
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI-style tool call id: ``call_`` and 24 letters or digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+class StreamParser(Protocol):
+    """Turns generated text, in chunks of any size, into events."""
+
+    def feed(self, text: str) -> list[Event]:
+        """Read the next chunk; return the events it completes."""
+
+    def finish(self) -> list[Event]:
+        """The output ended: release held-back text and close what is open."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's output format; calling it makes a parser.
+
+    ``bare_json`` lets a ``{"name": ..., "arguments": ...}`` answer count as a
+    call when tools were offered: the API asks for that form when the chat
+    template cannot describe tools itself.
+    """
+
+    name: str
+    call_formats: tuple[CallFormat, ...] = ()
+    reasoning_markers: tuple[tuple[str, str], ...] = REASONING_MARKERS
+    bare_json: bool = True
+
+    def __call__(
+        self,
+        *,
+        reasoning: bool,
+        starts_in_reasoning: bool = False,
+        tools_offered: bool = False,
+        id_factory: Callable[[], str] | None = None,
+    ) -> StreamParser:
+        return FamilyParser(
+            self,
+            reasoning=reasoning,
+            starts_in_reasoning=starts_in_reasoning,
+            tools_offered=tools_offered,
+            id_factory=id_factory,
+        )
+
+
+class _Channel:
+    """Content or reasoning text, trimmed at the edges of each stretch.
+
+    Trailing whitespace waits until more text of the same kind shows it is
+    inner whitespace; at the end of the output it is dropped.
+    """
+
+    def __init__(self, kind: type[ContentDelta] | type[ReasoningDelta]) -> None:
+        self._kind = kind
+        self._pending = ""
+        self._fresh = True
+        self.emitted = False
+
+    def push(self, text: str) -> list[Event]:
+        """Text of this kind; returns the delta that can go out now."""
+        if self._fresh:
+            text = text.lstrip()
+            if not text:
+                return []
+            self._fresh = False
+        body = text.rstrip()
+        if not body:
+            self._pending += text
+            return []
+        out, self._pending = self._pending + body, text[len(body) :]
+        self.emitted = True
+        return [self._kind(out)]
+
+    def boundary(self) -> None:
+        """A marker interrupted this kind of text: trim around it."""
+        self._fresh = True
+
+    def tail(self) -> list[Event]:
+        """Whitespace that ended the output with no marker after it: kept, since
+        a stop string or max_tokens may have cut the text just after it."""
+        if self._fresh or not self._pending:
+            return []
+        out, self._pending = self._pending, ""
+        return [self._kind(out)]
+
+
+class FamilyParser:
+    """The ``StreamParser`` for one response, run by a ``Family``'s markers."""
+
+    def __init__(
+        self,
+        family: Family,
+        *,
+        reasoning: bool,
+        starts_in_reasoning: bool = False,
+        tools_offered: bool = False,
+        id_factory: Callable[[], str] | None = None,
+    ) -> None:
+        self._reasoning_on = reasoning
+        self._in_reasoning = reasoning and starts_in_reasoning
+        self._bare_json = tools_offered and family.bare_json
+        self._new_id = id_factory or new_call_id
+        self._formats = {fmt.start: fmt for fmt in family.call_formats}
+        self._closer_of = dict(family.reasoning_markers)
+        self._closers = frozenset(self._closer_of.values())
+        starts, openers = tuple(self._formats), tuple(self._closer_of)
+        self._reasoning_markers = starts + openers + tuple(self._closers)
+        self._content_markers = self._reasoning_markers if reasoning else starts + openers
+        self._content = _Channel(ContentDelta)
+        self._thought = _Channel(ReasoningDelta)
+        self._held = ""
+        self._call: CallReader | None = None
+        self._calls = 0
+        self._finished = False
+
+    def feed(self, text: str) -> list[Event]:
+        """Read the next chunk of generated text."""
+        out: list[Event] = []
+        if not self._finished:
+            self._consume(text, out)
+        return out
+
+    def finish(self) -> list[Event]:
+        """Close an open call and release held-back text."""
+        out: list[Event] = []
+        if self._finished:
+            return out
+        self._finished = True
+        while self._call is not None:
+            call, self._call = self._call, None
+            events, rest = call.finish()
+            out += events
+            self._consume(rest, out)
+        held, self._held = self._held, ""
+        out += self._channel().push(held)
+        if self._channel() is self._content:
+            out += self._content.tail()
+        return out
+
+    # CallContext, for the call readers.
+
+    def start_call(self, name: str) -> ToolCallStart:
+        """Number the next call and give it an id."""
+        self._calls += 1
+        return ToolCallStart(self._calls - 1, self._new_id(), name)
+
+    def fail_call(self, message: str, raw: str, index: int | None = None) -> list[Event]:
+        """Report an unreadable call; its raw text goes out as content."""
+        return [ToolCallError(message, raw, index), *self._content.push(raw)]
+
+    def content(self, text: str) -> list[Event]:
+        """Send ordinary content."""
+        return self._content.push(text)
+
+    def decline(self) -> None:
+        """Bare JSON was not a call: from here on it is all content."""
+        self._bare_json = False
+
+    # The state machine.
+
+    def _channel(self) -> _Channel:
+        return self._thought if self._in_reasoning else self._content
+
+    def _consume(self, text: str | None, out: list[Event]) -> None:
+        while text is not None:
+            if self._call is None:
+                text = self._scan(self._held + text, out)
+                continue
+            events, text = self._call.feed(text)
+            out += events
+            if text is not None:
+                self._call = None
+
+    def _scan(self, buf: str, out: list[Event]) -> str | None:
+        """Release text up to the next marker and act on it; ``None`` when all is read."""
+        self._held = ""
+        if self._bare_json and not self._in_reasoning and not self._content.emitted:
+            stripped = buf.lstrip()
+            if stripped[:1] in ("{", "["):
+                self._call = BareJson(self)
+                return stripped
+        markers = self._reasoning_markers if self._in_reasoning else self._content_markers
+        before, marker, after = split_marker(buf, markers)
+        out += self._channel().push(before)
+        if marker is None:
+            self._held = after
+            return None
+        return self._on_marker(marker, after, out)
+
+    def _on_marker(self, marker: str, after: str, out: list[Event]) -> str | None:
+        if marker in self._formats:
+            self._channel().boundary()
+            self._call = self._formats[marker].open(self)
+            return after
+        if marker in self._closers:
+            if self._in_reasoning:
+                self._in_reasoning = False
+                self._thought.boundary()
+                self._content.boundary()
+            return after  # a stray closer in content is dropped
+        if self._in_reasoning:
+            return after  # the template opened reasoning and the model did again
+        if self._reasoning_on:
+            self._in_reasoning = True
+            self._content.boundary()
+            return after
+        return self._skip_empty_block(marker, after, out)
+
+    def _skip_empty_block(self, opener: str, after: str, out: list[Event]) -> str | None:
+        """With reasoning off, drop ``<think></think>``; other blocks stay text."""
+        closer = self._closer_of[opener]
+        inner = after.lstrip()
+        if inner.startswith(closer):
+            self._content.boundary()
+            return inner[len(closer) :]
+        if closer.startswith(inner):
+            self._held = opener + after  # too early to tell
+            return None
+        out += self._content.push(opener)
+        return after

@@ -1,0 +1,392 @@
+"""Tool-call formats: how a call is read once its start marker is seen.
+
+A family module lists its formats by their markers; each format opens a
+reader that takes the text after the marker and emits call events until the
+call ends, then hands back the text that follows. The formats:
+
+    TaggedJson    <tool_call>{"name": "f", "arguments": {...}}</tool_call>
+    NamedTag      <function=f>{...}</function>
+    NameThenArgs  [TOOL_CALLS]f[ARGS]{...}   or   [TOOL_CALLS][{"name": "f", ...}]
+    bare JSON     {"name": "f", "arguments": {...}} as the whole output
+
+A call that cannot be read becomes ``ToolCallError`` plus its raw text as
+content. A call header that goes wrong (no valid name where one belongs)
+turns the rest of the output into content: where exactly it went wrong may
+depend on how the text was chunked, and the result must not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from app.parsers.json_args import (
+    HEAD,
+    ArgsStream,
+    CallSpec,
+    JsonValueReader,
+    could_be_call,
+    decode,
+    parse_calls,
+    same_arguments,
+)
+from app.parsers.scan import split_marker
+
+# Function names: OpenAI allows [A-Za-z0-9_-]; MCP-style names add dots and colons.
+NAME = re.compile(r"[\w.:-]{1,128}")
+# A call header longer than this is not a header.
+MAX_HEADER = 512
+HEADER_ERROR = "malformed tool call: no valid function name"
+
+
+class CallContext(Protocol):
+    """What a call reader needs from the parser that opened it."""
+
+    def start_call(self, name: str) -> ToolCallStart:
+        """Number the next call and give it an id."""
+
+    def fail_call(self, message: str, raw: str, index: int | None = None) -> list[Event]:
+        """Report a call that cannot be read, and keep its raw text as content."""
+
+    def content(self, text: str) -> list[Event]:
+        """Send ordinary content."""
+
+    def decline(self) -> None:
+        """Bare JSON was not a call after all: stop looking for one."""
+
+
+class CallReader(Protocol):
+    """Reads a tool call (or a run of them) from the text after its marker."""
+
+    def feed(self, text: str) -> tuple[list[Event], str | None]:
+        """Events so far, and once the call has ended the text after it."""
+
+    def finish(self) -> tuple[list[Event], str]:
+        """Output ended inside the call: events, and text to read as ordinary output."""
+
+
+class CallFormat(Protocol):
+    """A tool-call format, known by the marker that starts it."""
+
+    @property
+    def start(self) -> str:
+        """The marker that opens a call."""
+
+    def open(self, ctx: CallContext) -> CallReader:
+        """A reader for one call whose start marker was just seen."""
+
+
+def emit_calls(ctx: CallContext, calls: list[CallSpec]) -> list[Event]:
+    """Events for calls that were parsed whole."""
+    events: list[Event] = []
+    for call in calls:
+        start = ctx.start_call(call.name)
+        events += [start, ToolCallArgsDelta(start.index, call.arguments_json), ToolCallEnd(start.index)]
+    return events
+
+
+class _ObjectCall:
+    """A ``{"name": ..., "arguments": {...}}`` call whose text arrives in pieces.
+
+    Once the head up to the arguments value is in, the call starts and the
+    arguments stream; with another key order it is parsed whole at the end.
+    """
+
+    def __init__(self, ctx: CallContext, *, need_arguments: bool = False) -> None:
+        self._ctx = ctx
+        self._need_arguments = need_arguments
+        self.text = ""
+        self.index: int | None = None
+        self._args: ArgsStream | None = None
+        self._tail = ""
+
+    def push(self, text: str) -> list[Event]:
+        """Read more of the call's text."""
+        self.text += text
+        if self._args is None:
+            return self._try_start()
+        return self._push_args(text)
+
+    def _try_start(self) -> list[Event]:
+        match = HEAD.match(self.text)
+        if match is None:
+            return []
+        name, error = decode(match.group(1))
+        if error or not isinstance(name, str) or not name.strip():
+            return []  # close() reports it
+        start = self._ctx.start_call(name.strip())
+        self.index = start.index
+        self._args = ArgsStream(start.index)
+        return [start, *self._push_args(self.text[match.end() :])]
+
+    def _push_args(self, text: str) -> list[Event]:
+        assert self._args is not None
+        events, used = self._args.push(text)
+        self._tail += text[used:]
+        return events
+
+    def close(self) -> list[Event] | str:
+        """The events that complete the call(s), or why the text is not a call."""
+        calls = parse_calls(self.text, need_arguments=self._need_arguments)
+        if self._args is None or self.index is None:
+            return calls if isinstance(calls, str) else emit_calls(self._ctx, calls)
+        if isinstance(calls, list) and len(calls) == 1:
+            streamed = self._args.streamed
+            if streamed is None:
+                return [ToolCallArgsDelta(self.index, calls[0].arguments_json), ToolCallEnd(self.index)]
+            if same_arguments(streamed, calls[0].arguments_json):
+                return [ToolCallEnd(self.index)]
+            return "tool call arguments are ambiguous"
+        if self._args.done and not self._tail.strip():
+            # Models sometimes drop the object's final brace; the arguments are whole.
+            return self._args.finish()
+        return calls if isinstance(calls, str) else "expected one tool call"
+
+
+@dataclass(frozen=True)
+class TaggedJson:
+    """A call object between two tags: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+
+    start: str
+    end: str
+
+    def open(self, ctx: CallContext) -> CallReader:
+        """A reader for the call object up to the end tag."""
+        return _TaggedJsonReader(ctx, self)
+
+
+class _TaggedJsonReader:
+    def __init__(self, ctx: CallContext, fmt: TaggedJson) -> None:
+        self._ctx = ctx
+        self._fmt = fmt
+        self._body = _ObjectCall(ctx)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[list[Event], str | None]:
+        before, marker, after = split_marker(self._held + text, (self._fmt.end,))
+        events = self._body.push(before)
+        if marker is None:
+            self._held = after
+            return events, None
+        return events + self._close(marker), after
+
+    def finish(self) -> tuple[list[Event], str]:
+        # No end tag (cut off or forgotten): the body may still be a whole call.
+        return self._close(self._held), ""
+
+    def _close(self, end: str) -> list[Event]:
+        result = self._body.close()
+        if isinstance(result, str):
+            return self._ctx.fail_call(result, self._fmt.start + self._body.text + end, self._body.index)
+        return result
+
+
+class BareJson:
+    """``{"name": ..., "arguments": ...}`` or a list of those, without markers.
+
+    Not a marker format: the parser opens it when content starts with ``{`` or
+    ``[`` and tools were offered. ``strict`` (after an explicit call marker)
+    reports what is not a call as an error; otherwise it goes out as content.
+    """
+
+    def __init__(self, ctx: CallContext, *, strict: bool = False, prefix: str = "") -> None:
+        self._ctx = ctx
+        self._strict = strict
+        self._prefix = prefix
+        self._reader = JsonValueReader()
+        self._text = ""
+        self._body = _ObjectCall(ctx, need_arguments=not strict)
+
+    def feed(self, text: str) -> tuple[list[Event], str | None]:
+        """Read until the JSON value ends."""
+        used = self._reader.feed(text)
+        self._text += text[:used]
+        events = self._body.push(text[:used])
+        if self._reader.done:
+            return self._close(events, text[used:])
+        if not self._strict and self._body.index is None and not could_be_call(self._text):
+            return self._decline(text[used:])
+        return events, None
+
+    def finish(self) -> tuple[list[Event], str]:
+        """Output ended before the value did."""
+        if self._body.index is None and not self._strict:
+            return self._decline("")
+        return self._close([], "")
+
+    def _close(self, events: list[Event], rest: str) -> tuple[list[Event], str]:
+        # Until a call has started, bare JSON may turn out to be an answer.
+        tentative = not self._strict and self._body.index is None
+        if tentative and not could_be_call(self._text):
+            return self._decline(rest)
+        result = self._body.close()
+        if isinstance(result, str):
+            if tentative:
+                return self._decline(rest)
+            return events + self._ctx.fail_call(result, self._prefix + self._text, self._body.index), rest
+        return events + result, rest
+
+    def _decline(self, rest: str) -> tuple[list[Event], str]:
+        self._ctx.decline()
+        return [], self._text + rest
+
+
+class _HeaderReader:
+    """Shared by formats that put the function name in a header before the
+    arguments: reads the header, then the arguments value."""
+
+    def __init__(self, ctx: CallContext, start: str) -> None:
+        self._ctx = ctx
+        self._raw = start
+        self._header = ""
+        self._held = ""
+        self._args: ArgsStream | None = None
+        self._dead = False
+
+    def _die(self, rest: str = "") -> tuple[list[Event], str | None]:
+        """The header is wrong: report it; the rest of the output is content."""
+        self._dead = True
+        raw, self._held = self._raw + self._header + self._held, ""
+        return self._ctx.fail_call(HEADER_ERROR, raw) + self._ctx.content(rest), None
+
+    def _begin(self, name: str, marker: str) -> ToolCallStart:
+        self._raw += self._header + marker
+        start = self._ctx.start_call(name)
+        self._args = ArgsStream(start.index)
+        return start
+
+    def _close(self, tail: str = "", end: str = "") -> list[Event]:
+        assert self._args is not None
+        result = self._args.finish(tail)
+        if isinstance(result, str):
+            raw = self._raw + self._args.text + tail + end
+            return self._ctx.fail_call(result, raw, self._args.index)
+        return result
+
+
+@dataclass(frozen=True)
+class NamedTag:
+    """The name in the opening tag, the arguments as its body: ``<function=f>{...}</function>``."""
+
+    start: str
+    name_end: str
+    end: str
+
+    def open(self, ctx: CallContext) -> CallReader:
+        """A reader for the name, then the body up to the end tag."""
+        return _NamedTagReader(ctx, self)
+
+
+class _NamedTagReader(_HeaderReader):
+    def __init__(self, ctx: CallContext, fmt: NamedTag) -> None:
+        super().__init__(ctx, fmt.start)
+        self._fmt = fmt
+        self._tail = ""
+
+    def feed(self, text: str) -> tuple[list[Event], str | None]:
+        if self._dead:
+            return self._ctx.content(text), None
+        if self._args is None:
+            return self._feed_name(text)
+        return self._feed_body(text)
+
+    def finish(self) -> tuple[list[Event], str]:
+        if self._dead:
+            return [], ""
+        if self._args is None:
+            return self._die()[0], ""
+        return self._close(self._tail, self._held), ""
+
+    def _feed_name(self, text: str) -> tuple[list[Event], str | None]:
+        before, marker, after = split_marker(self._held + text, (self._fmt.name_end,))
+        self._header += before
+        self._held = "" if marker else after
+        if len(self._header) > MAX_HEADER:
+            return self._die(marker + after if marker else "")
+        if marker is None:
+            return [], None
+        if not NAME.fullmatch(self._header.strip()):
+            return self._die(marker + after)
+        start = self._begin(self._header.strip(), marker)
+        events, rest = self._feed_body(after)
+        return [start, *events], rest
+
+    def _feed_body(self, text: str) -> tuple[list[Event], str | None]:
+        assert self._args is not None
+        before, marker, after = split_marker(self._held + text, (self._fmt.end,))
+        self._held = "" if marker else after
+        events, used = self._args.push(before)
+        self._tail += before[used:]
+        if marker is None:
+            return events, None
+        return events + self._close(self._tail, marker), after
+
+
+@dataclass(frozen=True)
+class NameThenArgs:
+    """A start marker, the name, an arguments marker and the arguments:
+    ``[TOOL_CALLS]f[ARGS]{...}``. A JSON value right after the start marker
+    is a call object or a list of them instead: ``[TOOL_CALLS][{"name": ...}]``.
+    ``id_marker`` splits a model-written call id off the name (ignored).
+    """
+
+    start: str
+    args_marker: str
+    id_marker: str = ""
+
+    def open(self, ctx: CallContext) -> CallReader:
+        """A reader for the header, then the self-delimiting arguments value."""
+        return _NameThenArgsReader(ctx, self)
+
+
+class _NameThenArgsReader(_HeaderReader):
+    def __init__(self, ctx: CallContext, fmt: NameThenArgs) -> None:
+        super().__init__(ctx, fmt.start)
+        self._fmt = fmt
+        self._json: BareJson | None = None
+
+    def feed(self, text: str) -> tuple[list[Event], str | None]:
+        if self._dead:
+            return self._ctx.content(text), None
+        if self._json is not None:
+            return self._json.feed(text)
+        if self._args is None:
+            return self._feed_header(text)
+        return self._feed_args(text)
+
+    def finish(self) -> tuple[list[Event], str]:
+        if self._dead:
+            return [], ""
+        if self._json is not None:
+            return self._json.finish()
+        if self._args is None:
+            return self._die()[0], ""
+        return self._close(), ""
+
+    def _feed_header(self, text: str) -> tuple[list[Event], str | None]:
+        buf, self._held = self._held + text, ""
+        if not self._header.strip() and (self._header + buf).lstrip()[:1] in ("[", "{"):
+            self._json = BareJson(self._ctx, strict=True, prefix=self._fmt.start)
+            return self._json.feed(self._header + buf)
+        before, marker, after = split_marker(buf, (self._fmt.args_marker,))
+        self._header += before
+        if len(self._header) > MAX_HEADER:
+            return self._die(marker + after if marker else "")
+        if marker is None:
+            self._held = after
+            return [], None
+        name = self._header.split(self._fmt.id_marker)[0] if self._fmt.id_marker else self._header
+        if not NAME.fullmatch(name.strip()):
+            return self._die(marker + after)
+        start = self._begin(name.strip(), marker)
+        events, rest = self._feed_args(after)
+        return [start, *events], rest
+
+    def _feed_args(self, text: str) -> tuple[list[Event], str | None]:
+        assert self._args is not None
+        events, used = self._args.push(text)
+        if not self._args.done:
+            return events, None
+        return events + self._close(), text[used:]

@@ -1,0 +1,70 @@
+"""Which parser family a model needs, and whether it reasons.
+
+The chat template is the best witness: it renders past tool calls and
+reasoning in the model's own markers (mlx-lm's ``_infer_tool_parser`` reads
+it the same way). The model name is the fallback, with the reasoning-model
+name patterns of the streaming spec.
+"""
+
+from __future__ import annotations
+
+import re
+
+from app.parsers.base import REASONING_MARKERS
+
+# First match wins: Hermes-style Llama fine-tunes say <tool_call>, so qwen
+# comes before the Llama header tokens.
+_TEMPLATE_HINTS = (
+    ("[TOOL_CALLS]", "mistral"),
+    ("[THINK]", "mistral"),
+    ("<tool_call>", "qwen"),
+    ("<function=", "llama"),
+    ("<|python_tag|>", "llama"),
+    ("<|start_header_id|>", "llama"),
+)
+_NAME_HINTS = (
+    # DeepSeek-R1 distills carry a Qwen or Llama name but DeepSeek's template.
+    (re.compile(r"deepseek"), "generic"),
+    (re.compile(r"mistral|ministral|magistral|devstral|mixtral|codestral|pixtral"), "mistral"),
+    (re.compile(r"qwen|qwq|hermes"), "qwen"),
+    (re.compile(r"llama"), "llama"),
+)
+# deepseek-r1*, qwq-*, *reasoning*, *thinking* (ministral-*-reasoning among them),
+# and Magistral, which always reasons.
+_REASONING_NAMES = re.compile(r"deepseek-r1|qwq|reasoning|thinking|magistral")
+_REASONING_TEMPLATE = (*(opener for opener, _ in REASONING_MARKERS), "enable_thinking")
+
+
+def detect_parser(model_name: str, chat_template: str | None) -> str:
+    """The parser family for a model: from its template's markers, else its name, else ``generic``."""
+    for marker, family in _TEMPLATE_HINTS:
+        if chat_template and marker in chat_template:
+            return family
+    name = _base_name(model_name)
+    for pattern, family in _NAME_HINTS:
+        if pattern.search(name):
+            return family
+    return "generic"
+
+
+def is_reasoning_model(model_name: str, chat_template: str | None) -> bool:
+    """Whether the model writes reasoning: its template knows reasoning markers, or its name says so."""
+    if chat_template and any(marker in chat_template for marker in _REASONING_TEMPLATE):
+        return True
+    return _REASONING_NAMES.search(_base_name(model_name)) is not None
+
+
+def template_opens_reasoning(rendered_prompt: str) -> bool:
+    """Whether the prompt ends inside an open reasoning block (``...<think>\\n``, ``...[THINK]``).
+
+    Then the output starts as reasoning (Qwen3 and DeepSeek-R1 open ``<think>``
+    in the generation prompt; Ministral reasoning opens ``[THINK]`` when
+    thinking is on). A prompt ending in an empty closed block does not count.
+    """
+    tail = rendered_prompt.rstrip()
+    return any(tail.endswith(opener) for opener, _ in REASONING_MARKERS)
+
+
+def _base_name(model_name: str) -> str:
+    """``mlx-community/Qwen3-4B-4bit`` -> ``qwen3-4b-4bit``."""
+    return model_name.rsplit("/", 1)[-1].lower()

@@ -1,0 +1,24 @@
+"""Mistral, Ministral, Magistral, Devstral: ``[THINK]`` and ``[TOOL_CALLS]``.
+
+Raw output of newer models (Ministral 3, Magistral, Mistral Small 3.2; one
+``[TOOL_CALLS]`` per call; Ministral reasoning opens ``[THINK]`` in its template
+when thinking is on)::
+
+    [THINK]The user wants the weather in Paris.[/THINK]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}
+
+Some templates write a call id: ``[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{...}``
+(our ids replace it). Older models (v3 tokenizer, Mistral 7B v0.3, Mixtral)::
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+There is no end marker: the arguments end with their JSON value. These are
+the two shapes mlx-lm's ``tool_parsers/mistral.py`` reads whole.
+"""
+
+from __future__ import annotations
+
+from app.parsers.base import Family
+from app.parsers.calls import NameThenArgs
+
+FAMILY = Family("mistral", call_formats=(NameThenArgs("[TOOL_CALLS]", "[ARGS]", id_marker="[CALL_ID]"),))
