@@ -1,0 +1,154 @@
+"""POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+from litestar import Controller, Request, post
+from litestar.params import JSONBody
+from litestar.response import ServerSentEvent
+
+from app.api.prompting import PreparedChat, message_dict, prepare_chat, prepare_completion
+from app.api.render import ChunkWriter, chat_response, new_id, sse, usage
+from app.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from app.api.state import AppState
+from app.engine.types import GenerationRequest, TokenDelta
+from app.errors import AppError, InvalidRequestError, ModelNotFoundError
+from app.parsers import make_parser
+from app.vision.proxy import has_images, reject_images
+
+log = logging.getLogger("tandem.api")
+
+
+def check_model(state: AppState, name: str) -> None:
+    if name not in (state.profile.name, state.config.primary.hf_id):
+        raise ModelNotFoundError(f"model {name!r} does not exist; this server serves {state.profile.name!r}", param="model")
+
+
+async def _vision_messages(state: AppState, req: ChatCompletionRequest) -> tuple[list[dict] | None, dict]:
+    """Proxy-mode rewrite of image parts into captions; None when there are no images."""
+    raw = [m.model_dump(exclude_none=True) for m in req.messages]
+    if not has_images(raw):
+        return None, {}
+    if state.vision.mode != "proxy":
+        reject_images(raw, state.profile.name)
+    result = await state.vision.proxy.rewrite(raw)
+    ext = {"captions": [c.as_dict() for c in result.captions], "warnings": list(result.warnings)}
+    return [message_dict(ChatMessage.model_validate(d)) for d in result.messages], ext
+
+
+async def prepare(state: AppState, req: ChatCompletionRequest) -> tuple[PreparedChat, dict]:
+    """Validate, caption images, render the template and tokenize (off the event loop)."""
+    check_model(state, req.model)
+    if len(req.messages) > state.config.server.max_messages:
+        raise InvalidRequestError(f"at most {state.config.server.max_messages} messages", param="messages")
+    messages, ext = await _vision_messages(state, req)
+    prepared = await anyio.to_thread.run_sync(prepare_chat, state.profile, req, messages)
+    if req.extensions:
+        ext["prompt"] = prepared.prompt_text
+    return prepared, ext
+
+
+async def generate_events(state: AppState, prepared: PreparedChat) -> AsyncIterator[tuple[list, TokenDelta]]:
+    """Engine deltas run through the request's stream parser: (events, delta) pairs."""
+    parser = make_parser(prepared.parser, reasoning=prepared.reasoning,
+                         starts_in_reasoning=prepared.starts_in_reasoning, tools_offered=prepared.tools_offered)
+    async for delta in state.engine.stream(prepared.gen):
+        events = parser.feed(delta.text) if delta.text else []
+        if delta.finish_reason is not None:
+            events += parser.finish()
+        yield events, delta
+
+
+async def _generate_text(state: AppState, gen: GenerationRequest) -> tuple[str, TokenDelta]:
+    parts, last = [], None
+    async for delta in state.engine.stream(gen):
+        parts.append(delta.text)
+        last = delta
+    assert last is not None
+    return "".join(parts), last
+
+
+class ChatController(Controller):
+    path = "/v1"
+
+    @post("/chat/completions", status_code=200, summary="Create a chat completion")
+    async def chat_completions(self, data: JSONBody[ChatCompletionRequest], request: Request) -> Any:
+        state: AppState = request.app.state.tandem
+        prepared, ext = await prepare(state, data)
+        if data.stream:
+            return ServerSentEvent(_chat_stream(state, data, prepared, ext))
+        events, last = [], None
+        async for evs, last in generate_events(state, prepared):
+            events += evs
+        u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return chat_response(data.model, events, last.finish_reason or "stop", u, state.reasoning_fields, ext)
+
+    @post("/completions", status_code=200, summary="Create a text completion")
+    async def completions(self, data: JSONBody[CompletionRequest], request: Request) -> Any:
+        state: AppState = request.app.state.tandem
+        check_model(state, data.model)
+        gen = await anyio.to_thread.run_sync(prepare_completion, state.profile, data)
+        if data.stream:
+            return ServerSentEvent(_completion_stream(state, data, gen))
+        text, last = await _generate_text(state, gen)
+        return _completion_body(new_id("cmpl"), data.model, (data.prompt if data.echo else "") + text,
+                                last.finish_reason, usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
+
+
+def _completion_body(cid: str, model: str, text: str, finish: str | None, u: dict | None) -> dict:
+    body = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if u is not None:
+        body["usage"] = u
+    return body
+
+
+def _error_event(exc: Exception) -> str:
+    err = exc if isinstance(exc, AppError) else AppError("internal error during generation")
+    if not isinstance(exc, AppError):
+        log.exception("stream failed", exc_info=exc)
+    return sse(err.to_dict())
+
+
+async def _chat_stream(state: AppState, req: ChatCompletionRequest, prepared: PreparedChat, ext: dict) -> AsyncIterator[str]:
+    writer = ChunkWriter(req.model, state.reasoning_fields)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    first = writer.first()
+    if ext.get("warnings") or ext.get("captions") or req.extensions:
+        first["extensions"] = ext
+    yield sse(first)
+    try:
+        async for events, delta in generate_events(state, prepared):
+            for chunk in writer.events(events):
+                yield sse(chunk)
+            if delta.finish_reason is not None:
+                yield sse(writer.last(delta.finish_reason))
+                if include_usage:
+                    yield sse(writer.usage_chunk(usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)))
+    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
+        yield _error_event(exc)
+        return
+    yield "[DONE]"
+
+
+async def _completion_stream(state: AppState, req: CompletionRequest, gen: GenerationRequest) -> AsyncIterator[str]:
+    cid = new_id("cmpl")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        if req.echo:
+            yield sse(_completion_body(cid, req.model, req.prompt, None, None))
+        async for delta in state.engine.stream(gen):
+            if delta.text or delta.finish_reason:
+                yield sse(_completion_body(cid, req.model, delta.text, delta.finish_reason, None))
+            if delta.finish_reason is not None and include_usage:
+                body = _completion_body(cid, req.model, "", None, usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens))
+                body["choices"] = []
+                yield sse(body)
+    except Exception as exc:  # noqa: BLE001
+        yield _error_event(exc)
+        return
+    yield "[DONE]"

@@ -1,0 +1,186 @@
+"""OpenAI wire models for requests (pydantic, validated at the edge).
+
+Responses are built as plain dicts in ``render``: they are produced per token
+and need no validation. Unknown request fields are accepted and ignored, as
+OpenAI clients send many (``user``, ``store``, ``metadata``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(_Lenient):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Lenient):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url", "input_image"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v: Any) -> Any:
+        return {"url": v} if isinstance(v, str) else v
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+class FunctionCall(_Lenient):
+    name: str = Field(min_length=1)
+    # A JSON string as OpenAI sends it; an object is accepted and serialized.
+    arguments: str = "{}"
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_to_json(cls, v: Any) -> Any:
+        if isinstance(v, (dict, list)):
+            return json.dumps(v, ensure_ascii=False)
+        return "{}" if v is None else v
+
+
+class ToolCall(_Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # Earlier assistant turns may carry their reasoning back.
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_rules(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs tool_call_id")
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a '{self.role}' message needs content")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an 'assistant' message needs content or tool_calls")
+        return self
+
+    def text(self) -> str:
+        """The text parts joined (images excluded)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(_Lenient):
+    enable_thinking: bool | None = None
+
+
+class _SamplingFields(_Lenient):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=3.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Thinking switches: Tandem's own, vLLM/Qwen's template kwargs, OpenAI's effort.
+    thinking: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Tandem extension: return captions, warnings and parser chunks.
+    extensions: bool = False
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def thinking_requested(self) -> bool | None:
+        if self.thinking is not None:
+            return self.thinking
+        if self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort != "none"
+        return None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] = Field(min_length=1)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt is supported")
+            return v[0]
+        return v

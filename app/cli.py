@@ -1,0 +1,102 @@
+"""Command line: `tandem serve`, `tandem models prepare-demo`, `tandem models list`.
+
+Flags override the served model's params from models.yaml; both resolve into
+one EngineParams, logged once at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from app.errors import ConfigError
+
+DEFAULT_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.yaml"
+
+
+def _models_file(path: str | None) -> Path:
+    if path:
+        return Path(path)
+    env = os.environ.get("TANDEM_MODELS_FILE")
+    return Path(env) if env else DEFAULT_MODELS_FILE
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("--models-file", help="models.yaml to read (default: the repo's models.yaml)")
+    p.add_argument("--model", help="models.yaml entry to serve (default: default_model)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--isq", choices=["q4", "q8"], help="quantize at load")
+    p.add_argument("--mem", type=int, help="KV-cache budget in MB")
+    p.add_argument("--kv-cache-bits", type=int, choices=[4, 8])
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--prefill-chunk-size", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-queue", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--no-vision", action="store_true", help="do not load the vision model")
+    p.add_argument("--log-level", default="info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Local OpenAI-compatible MLX server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    models = sub.add_parser("models", help="manage models").add_subparsers(dest="action", required=True)
+    models.add_parser("prepare-demo", help="convert the embedded SmolLM2 GGUF into an MLX model")
+    ls = models.add_parser("list", help="list models.yaml entries")
+    ls.add_argument("--models-file")
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
+    from app.main import build_state, create_app
+
+    source = _models_file(args.models_file)
+    overrides = {k: getattr(args, k) for k in (*PARAM_FLAGS, *SERVER_FLAGS)}
+    config = resolve(load_models_file(source), source=str(source), model=args.model, overrides=overrides)
+    state = build_state(config, load_vision=not args.no_vision)
+    app = create_app(state)
+    s = config.server
+    logging.getLogger("tandem").info("serving %s on http://%s:%d/v1", config.primary.name, s.host, s.port)
+    uvicorn.run(
+        app, host=s.host, port=s.port, log_level=args.log_level,
+        limit_concurrency=s.max_connections, backlog=s.backlog, timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return serve(args)
+        if args.action == "prepare-demo":
+            from app.engine.demo_model import ensure_demo_model
+
+            print(ensure_demo_model(progress=True))
+            return 0
+        from app.config.loader import load_models_file
+
+        for m in load_models_file(_models_file(args.models_file)).models:
+            print(f"{m.name}\t{m.role}\t{m.builtin or m.local_path or m.weight_file or m.hf_id}")
+        return 0
+    except ConfigError as exc:
+        print(f"tandem: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Proxy vision end to end: the demo chat model, a tiny real Qwen2-VL, the openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.conftest import DEMO_YAML, LiveServer, resolved_config
+from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.vision.sample_images import data_url, image_bytes, png_claiming_size, striped_bytes
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory, demo_model_dir):
+    from app.main import build_state, create_app
+
+    tmp = tmp_path_factory.mktemp("vision-e2e")
+    vlm = build_tiny_qwen2_vl(tmp / "vlm")
+    state = build_state(resolved_config(DEMO_YAML.replace("{vlm_path}", str(vlm)), tmp))
+    assert state.vision.available, state.vision.reason
+    with LiveServer(create_app(state)) as server:
+        yield server, state
+    state.worker.stop()
+
+
+def user(text, *urls):
+    return {"role": "user", "content": [{"type": "text", "text": text}]
+            + [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
+
+
+def post(base, messages, **kw):
+    return httpx.post(base + "/v1/chat/completions", timeout=120,
+                      json={"model": "demo", "messages": messages, "max_tokens": 2, "temperature": 0, **kw})
+
+
+def test_caption_replaces_image_in_the_prompt(vision_server):
+    server, _ = vision_server
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model="demo", max_tokens=2, temperature=0, extra_body={"extensions": True},
+        messages=[user("What colour is this?", data_url(striped_bytes(1)))])
+    ext = r.model_extra["extensions"]
+    (caption,) = ext["captions"]
+    assert caption["cached"] is False and caption["caption"]
+    prompt = ext["prompt"]
+    assert "What colour is this?" in prompt
+    assert f"Image 1: {caption['caption']}" in prompt
+    assert "data:image" not in prompt and "image_url" not in prompt
+
+
+def test_earlier_image_hits_the_caption_cache(vision_server):
+    server, _ = vision_server
+    img = data_url(striped_bytes(2))
+    first = post(server.base_url, [user("Describe it.", img)]).json()["extensions"]["captions"]
+    history = [user("Describe it.", img), {"role": "assistant", "content": "A picture."},
+               {"role": "user", "content": "And what else?"}]
+    again = post(server.base_url, history).json()["extensions"]["captions"]
+    assert first[0]["cached"] is False and again[0]["cached"] is True
+    assert again[0]["caption"] == first[0]["caption"]
+
+
+def test_streaming_reports_captions_in_the_first_chunk(vision_server):
+    server, _ = vision_server
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="demo", max_tokens=2, temperature=0, stream=True,
+        messages=[user("Hi", data_url(striped_bytes(3)))]))
+    assert chunks[0].model_extra["extensions"]["captions"][0]["caption"]
+
+
+BAD_IMAGES = [
+    ("garbage base64", "data:image/png;base64,@@not-base64@@", "invalid_image"),
+    ("not an image", data_url(b"hello, I am text"), "invalid_image"),
+    ("truncated", data_url(image_bytes(size=(64, 64))[:60]), "invalid_image"),
+    ("too many pixels", data_url(png_claiming_size(50_000, 50_000)), "image_too_large"),
+    ("unsupported scheme", "ftp://example.com/cat.png", "invalid_image"),
+    ("file outside allowed dir", "file:///etc/passwd", "invalid_image"),
+    ("remote off by default", "http://127.0.0.1:9/x.png", "invalid_image"),
+]
+
+
+@pytest.mark.parametrize("name, url, code", BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
+def test_bad_images_get_400_naming_the_part(vision_server, name, url, code):
+    server, _ = vision_server
+    messages = [{"role": "system", "content": "Be brief."}, user("Look:", url)]
+    r = post(server.base_url, messages)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code
+    assert err["param"].startswith("messages[1].content[1]")
+    assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+
+
+def test_too_many_images(vision_server):
+    server, state = vision_server
+    cap = state.config.vision.params.max_images_per_request
+    r = post(server.base_url, [user("All of them", *[data_url(image_bytes((i, 0, 0))) for i in range(cap + 1)])])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_images"
+
+
+def test_unavailable_vision_gives_placeholder_and_warning(client, demo_server):
+    r = post(demo_server.base_url, [user("What is this?", data_url(image_bytes()))], extensions=True)
+    assert r.status_code == 200, r.text
+    ext = r.json()["extensions"]
+    assert "[Image 1: not available, no vision model loaded]" in ext["prompt"]
+    assert ext["warnings"] and "missing-vlm" in ext["warnings"][0]
+
+
+def test_disabled_vision_refuses_images(tmp_path, tiny_model_dir):
+    from app.main import build_state, create_app
+
+    yaml = f"models:\n  - name: tiny\n    local_path: {tiny_model_dir}\n    params: {{mem: 16, max_tokens: 2}}\n"
+    state = build_state(resolved_config(yaml, tmp_path))
+    try:
+        with LiveServer(create_app(state)) as server:
+            r = httpx.post(server.base_url + "/v1/chat/completions",
+                           json={"model": "tiny", "messages": [user("hi", data_url(image_bytes()))]})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "vision_not_supported"
+            assert "does not accept images" in r.json()["error"]["message"]
+    finally:
+        state.worker.stop()
