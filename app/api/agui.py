@@ -56,7 +56,7 @@ def _part(part: Any) -> dict[str, Any]:
     if part.type == "image":
         src = part.source
         if src.type == "data":
-            return {"type": "image_url", "image_url": {"url": f"data:{src.mimeType};base64,{src.value}"}}
+            return {"type": "image_url", "image_url": {"url": f"data:{src.mime_type};base64,{src.value}"}}
         if src.type == "url":
             return {"type": "image_url", "image_url": {"url": src.value}}
     raise InvalidRequestError(f"AG-UI content part {part.type!r} is not supported", param="messages")
@@ -73,19 +73,19 @@ def to_chat_request(inp: RunAgentInput, model: str) -> ChatCompletionRequest:
             messages.append({"role": "user", "content": content})
         elif m.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": m.content}
-            if m.toolCalls:
+            if m.tool_calls:
                 msg["tool_calls"] = [{"id": tc.id, "type": "function",
                                       "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                                     for tc in m.toolCalls]
+                                     for tc in m.tool_calls]
             messages.append(msg)
         elif m.role == "tool":
             content = m.content if isinstance(m.content, str) else json.dumps([p.model_dump() for p in m.content])
-            messages.append({"role": "tool", "content": content, "tool_call_id": m.toolCallId})
+            messages.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
         # activity and reasoning messages are UI state, not model input
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.parameters or {"type": "object", "properties": {}}}}
              for t in inp.tools or []]
-    props = inp.forwardedProps if isinstance(inp.forwardedProps, dict) else {}
+    props = inp.forwarded_props if isinstance(inp.forwarded_props, dict) else {}
     body = {"model": model, "messages": messages, "stream": True, **({"tools": tools} if tools else {})}
     for key in ("temperature", "max_tokens", "top_p", "thinking", "seed"):
         if key in props:
@@ -152,7 +152,7 @@ def encode(event: BaseEvent) -> str:
 async def agui_events(state: AppState, inp: RunAgentInput) -> AsyncIterator[str]:
     from app.api.chat import generate_events, prepare
 
-    yield encode(RunStartedEvent(threadId=inp.threadId, runId=inp.runId, protocolVersion=PROTOCOL_VERSION))
+    yield encode(RunStartedEvent(threadId=inp.thread_id, runId=inp.run_id, protocolVersion=PROTOCOL_VERSION))
     renderer = AguiRenderer()
     try:
         req = to_chat_request(inp, state.profile.name)
@@ -171,7 +171,7 @@ async def agui_events(state: AppState, inp: RunAgentInput) -> AsyncIterator[str]
             yield encode(ev)
         yield encode(RunErrorEvent(message=err.message, code=err.code or err.openai_type))
         return
-    yield encode(RunFinishedEvent(threadId=inp.threadId, runId=inp.runId))
+    yield encode(RunFinishedEvent(threadId=inp.thread_id, runId=inp.run_id))
 
 
 @post("/v1/agui", status_code=200, summary="Run the model as an AG-UI agent (SSE of AG-UI events)")
