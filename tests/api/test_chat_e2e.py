@@ -155,3 +155,14 @@ def test_eight_concurrent_streams_complete(demo_server):
 
     results = asyncio.run(main())
     assert len(results) == 8 and all(f in ("stop", "length") for _, f in results)
+
+
+def test_cached_tokens_reported_for_a_shared_system_prompt(client, demo_state):
+    system = {"role": "system", "content": "You are a concise geography tutor. Answer in one short sentence."}
+    kw = dict(model="demo", max_tokens=2, temperature=0)
+    client.chat.completions.create(messages=[system, {"role": "user", "content": "Capital of Italy?"}], **kw)
+    r = client.chat.completions.create(messages=[system, {"role": "user", "content": "Capital of Spain?"}], **kw)
+    tok = demo_state.profile.tokenizer
+    head = tok.apply_chat_template([system], tokenize=False, add_generation_prompt=False)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(tok.encode(head, add_special_tokens=False))
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens

@@ -165,3 +165,45 @@ def test_failing_sampler_fails_one_request_only(engine, monkeypatch):
         asyncio.run(run(engine, bad))
     _, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=3)))
     assert last.completion_tokens == 3 and engine.worker.alive
+
+
+def test_short_request_is_not_starved_by_a_long_prefill(tiny_model_dir):
+    """A short request arriving during a long chunked prefill finishes first."""
+    eng = make_engine(tiny_model_dir, prefill_chunk_size=16, prompt_cache="off")
+    try:
+        long_prompt = prompt(eng, "tell me everything about the history of the world " * 60)
+        assert len(long_prompt) > 400
+
+        async def scenario():
+            order = []
+
+            async def go(name, req):
+                await run(eng, req)
+                order.append(name)
+
+            long = asyncio.create_task(go("long", GenerationRequest(long_prompt, max_tokens=4)))
+            await asyncio.sleep(0.01)
+            short = asyncio.create_task(go("short", GenerationRequest(prompt(eng, "Hi"), max_tokens=4)))
+            await asyncio.gather(long, short)
+            return order
+
+        assert asyncio.run(scenario()) == ["short", "long"]
+    finally:
+        eng.worker.stop()
+
+
+def test_system_prefix_is_cached_for_a_different_question(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, prompt_cache="system")
+    try:
+        system = prompt(eng, "You are a helpful assistant that answers in one word. " * 4)
+        a = GenerationRequest(system + prompt(eng, " First question?"), max_tokens=2, cache_prefix_len=len(system))
+        b = GenerationRequest(system + prompt(eng, " Another one entirely?"), max_tokens=2, cache_prefix_len=len(system))
+        _, first = asyncio.run(run(eng, a))
+        _, second = asyncio.run(run(eng, b))
+        assert first.cached_tokens == 0
+        assert second.cached_tokens == len(system)
+        # "system" mode keeps only the prefix, not whole conversations.
+        _, third = asyncio.run(run(eng, a))
+        assert third.cached_tokens == len(system)
+    finally:
+        eng.worker.stop()
