@@ -123,7 +123,3 @@ def resolve(
         vision = models_file.find(proxy.model)
     return ResolvedConfig(source, primary, vision, server, models_file)
 
-
-def params_with_defaults(params: EngineParams, **fields: Any) -> EngineParams:
-    """A copy of frozen params with some fields changed (validated)."""
-    return EngineParams.model_validate({**params.model_dump(), **fields})

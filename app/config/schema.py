@@ -118,6 +118,9 @@ class ModelCapabilities(_Strict):
     def _proxy_needs_model(self) -> ModelCapabilities:
         if self.vision_mode == "proxy" and self.vision_proxy is None:
             raise ValueError("vision_mode 'proxy' needs vision_proxy.model")
+        if self.vision_mode == "native":
+            # Reserved in the schema so configs can name it; refused until it is built.
+            raise ValueError("vision_mode 'native' (a VLM as the chat model) is not supported yet; use 'proxy' or 'disabled'")
         return self
 
 

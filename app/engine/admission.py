@@ -62,10 +62,6 @@ class Admission(Generic[T]):
                 retry_after=2,
             )
 
-    def enqueue(self, item: T, tokens: int) -> None:
-        self.check(tokens)
-        self.waiting.append(Waiting(item, tokens))
-
     def release(self, tokens: int) -> None:
         self.reserved -= tokens
         self.running -= 1

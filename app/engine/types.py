@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -59,4 +59,3 @@ class EngineStats:
     prompt_cache_bytes: int
     prompt_cache_hits: int = 0
     prompt_cache_tokens_saved: int = 0
-    extra: dict = field(default_factory=dict)

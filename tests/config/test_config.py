@@ -88,3 +88,9 @@ def test_unknown_served_model(tmp_path):
     mf = load_models_file(write(tmp_path, "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n"))
     with pytest.raises(ConfigError, match="no chat model 'b'"):
         resolve(mf, model="b")
+
+
+def test_native_vision_is_refused_at_startup(tmp_path):
+    text = "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    capabilities: {vision_mode: native}\n"
+    with pytest.raises(ConfigError, match="not supported yet"):
+        load_models_file(write(tmp_path, text))
