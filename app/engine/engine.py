@@ -75,6 +75,7 @@ class TextEngine:
         self._cancelled: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         self._accepting = True
+        self._last_wait_log = 0.0
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
@@ -204,6 +205,14 @@ class TextEngine:
 
         with self._lock:
             admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict)
+            waiting = len(self.admission.waiting)
+        if waiting and time.monotonic() - self._last_wait_log > 5:
+            self._last_wait_log = time.monotonic()
+            log.info(
+                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
+                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
+                self.admission.running, self.prompt_cache.nbytes // 2**20,
+            )
         for seq in admitted:
             try:
                 self._insert(seq)
