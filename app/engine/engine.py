@@ -17,12 +17,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
-from app.config.schema import EngineParams
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
 from app.engine.loader import LoadedModel
@@ -31,6 +30,9 @@ from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError, EngineError
+
+if TYPE_CHECKING:  # the engine takes config objects but never imports pydantic
+    from app.config.schema import EngineParams
 
 log = logging.getLogger("tandem.engine")
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from app.config.schema import EngineParams, ModelEntry
 from app.errors import ConfigError
+
+if TYPE_CHECKING:  # the engine takes config objects but never imports pydantic
+    from app.config.schema import EngineParams, ModelEntry
 
 log = logging.getLogger("tandem.engine")
 
