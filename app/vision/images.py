@@ -75,6 +75,11 @@ class LoadedImage:
 
 def load_image(url: str, policy: ImagePolicy, *, param: str) -> LoadedImage:
     """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``."""
+    return decode_image(read_image(url, policy, param=param), policy, param=param)
+
+
+def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
+    """The encoded bytes at ``url`` (scheme rules and byte caps applied), not yet decoded."""
     if not isinstance(url, str) or not url.strip():
         raise ImageError(f"{param}: image URL must be a non-empty string", param=param)
     url = url.strip()
@@ -91,7 +96,8 @@ def load_image(url: str, policy: ImagePolicy, *, param: str) -> LoadedImage:
             "use a data: URL with base64 image bytes",
             param=param,
         )
-    return decode_image(raw, policy, param=param)
+    _check_bytes(len(raw), policy.max_image_bytes, param)
+    return raw
 
 
 def decode_image(raw: bytes, policy: ImagePolicy, *, param: str) -> LoadedImage:

@@ -25,8 +25,10 @@ screenshot); the primary model cannot read image parts from any role.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,12 +41,22 @@ from app.errors import (
 )
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
-from app.vision.images import ImagePolicy, LoadedImage, load_image
+from app.vision.images import ImagePolicy, LoadedImage, decode_image, read_image
 
 logger = logging.getLogger("tandem.vision")
 
 UNAVAILABLE = "[Image {n}: not available, no vision model loaded]"
 FAILED = "[Image {n}: could not be described]"
+
+
+@dataclass
+class _Image:
+    """An image's bytes and hash; decoded only when it must be checked or captioned."""
+
+    sha256: str
+    raw: bytes
+    param: str
+    loaded: LoadedImage | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,10 @@ class VisionProxy:
         # One image at a time: VLM work never runs concurrently with itself, and
         # a request waiting here finds a caption another request just made.
         self._lock = asyncio.Lock()
+        # Hashes of images that decoded cleanly under this policy: chat UIs resend
+        # every earlier image on every turn, and a repeat should cost a hash, not a decode.
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._known_max = max(64, cache.max_entries)
 
     async def rewrite(self, messages: list[dict]) -> ProxyResult:
         """Messages with every image replaced by text. ``messages`` is not modified.
@@ -186,9 +202,7 @@ class VisionProxy:
             return ProxyResult(messages=list(messages))
         self._check_count(parts)
         # A broken image is the client's mistake whether or not vision is loaded.
-        images = [
-            await asyncio.to_thread(load_image, p.url, self.policy, param=p.param) for p in parts
-        ]
+        images = [await self._check(p) for p in parts]
         if self.captioner is None:
             return self._placeholders(messages, parts)
         result = ProxyResult(messages=list(messages))
@@ -208,6 +222,24 @@ class VisionProxy:
         if failed:
             result.warnings.append(f"{failed} image(s) could not be described by the vision model")
         return result
+
+    async def _check(self, part: ImagePart) -> _Image:
+        """Read the bytes; decode them (the check) unless this exact image decoded before."""
+        raw = await asyncio.to_thread(read_image, part.url, self.policy, param=part.param)
+        sha = hashlib.sha256(raw).hexdigest()
+        if sha in self._known:
+            self._known.move_to_end(sha)
+            return _Image(sha, raw, part.param)
+        loaded = await asyncio.to_thread(decode_image, raw, self.policy, param=part.param)
+        self._known[sha] = None
+        if len(self._known) > self._known_max:
+            self._known.popitem(last=False)
+        return _Image(sha, raw, part.param, loaded)
+
+    async def _decoded(self, image: _Image) -> LoadedImage:
+        if image.loaded is None:
+            image.loaded = await asyncio.to_thread(decode_image, image.raw, self.policy, param=image.param)
+        return image.loaded
 
     def _check_count(self, parts: list[ImagePart]) -> None:
         limit = self.policy.max_images_per_request
@@ -236,7 +268,7 @@ class VisionProxy:
         return result
 
     async def _caption(
-        self, message_index: int, n: int, image: LoadedImage, user_text: str | None
+        self, message_index: int, n: int, image: _Image, user_text: str | None
     ) -> CaptionInfo | None:
         """Caption one image through the cache; None if the VLM failed on it."""
         captioner = self.captioner
@@ -250,7 +282,7 @@ class VisionProxy:
                 if key in self.cache:  # captioned by another request while we waited
                     caption, cached = self.cache.get(key), True
                 else:
-                    caption = await _describe(captioner, image, user_text, n)
+                    caption = await _describe(captioner, await self._decoded(image), user_text, n)
                     if caption is None:
                         return None
                     self.cache.put(key, caption)
@@ -258,7 +290,7 @@ class VisionProxy:
         return self._info(message_index, n, image, caption, cached, started)
 
     def _info(
-        self, i: int, n: int, image: LoadedImage, caption: str, cached: bool, started: float
+        self, i: int, n: int, image: _Image, caption: str, cached: bool, started: float
     ) -> CaptionInfo:
         latency_ms = (time.perf_counter() - started) * 1000
         logger.info(

@@ -240,3 +240,33 @@ def test_has_images_and_reject_images():
         reject_images(with_image, "ministral")
     assert info.value.param == "messages[2].content[1]"
     assert info.value.status_code == 400
+
+
+def test_repeated_image_is_not_decoded_again(monkeypatch):
+    """Chat UIs resend earlier images every turn: a repeat costs a hash, not a decode."""
+    import asyncio
+
+    import app.vision.proxy as proxy_mod
+    from app.vision.cache import CaptionCache
+    from app.vision.images import ImagePolicy
+    from app.vision.proxy import VisionProxy
+    from tests.vision.sample_images import data_url, striped_bytes
+
+    class Fixed:
+        name = "fixed"
+
+        def prompt(self, user_text):
+            return "describe"
+
+        async def describe(self, image, user_text):
+            return f"{image.size[0]}x{image.size[1]}"
+
+    decodes = []
+    real = proxy_mod.decode_image
+    monkeypatch.setattr(proxy_mod, "decode_image", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    proxy = VisionProxy(Fixed(), CaptionCache(8), ImagePolicy())
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}]}]
+    first = asyncio.run(proxy.rewrite(msg))
+    again = asyncio.run(proxy.rewrite(msg))
+    assert len(decodes) == 1
+    assert again.captions[0].cached and again.messages == first.messages
