@@ -98,7 +98,7 @@ models:
     params: {mem: 64, max_num_seqs: 8, prefill_chunk_size: 256, max_model_len: 2048, temperature: 0.0, max_tokens: 32, cache_min_tokens: 16}
     capabilities:
       # Thinking on, so the reasoning path runs end to end (SmolLM2 ignores the switch).
-      reasoning: true
+      reasoning_parser: generic
       vision_mode: proxy
       vision_proxy: {model: vlm, max_tokens: 8}
   - name: vlm

@@ -14,8 +14,8 @@ from typing import Any
 from app.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from app.config.schema import EngineParams
 from app.engine.types import GenerationRequest, SamplingParams
-from app.errors import ContextLengthError, InvalidRequestError
-from app.parsers import detect_parser, is_reasoning_model, template_opens_reasoning
+from app.errors import ConfigError, ContextLengthError, InvalidRequestError
+from app.parsers import PARSERS, detect_parser, is_reasoning_model, template_opens_reasoning
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,12 @@ def make_profile(name: str, tokenizer: Any, params: EngineParams, max_model_len:
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
         template = json.dumps(template)
-    reasoning = caps.reasoning if caps.reasoning is not None else is_reasoning_model(name, template)
-    parser = caps.tool_parser or detect_parser(name, template)
+    declared = caps.reasoning_parser
+    for key, value in (("tool_parser", caps.tool_parser), ("reasoning_parser", declared)):
+        if value not in (None, "none") and value not in PARSERS:
+            raise ConfigError(f"model {name!r}: capabilities.{key} {value!r} is not a parser; known: {', '.join(sorted(PARSERS))}")
+    reasoning = is_reasoning_model(name, template) if declared is None else declared != "none"
+    parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
     return ModelProfile(name, tokenizer, params, max_model_len, parser, reasoning, "tools" in template)
 
 

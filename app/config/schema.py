@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 Dtype = Literal["float16", "bfloat16", "float32"]
 VisionMode = Literal["disabled", "proxy", "native"]
@@ -109,10 +109,12 @@ class ModelCapabilities(_Strict):
     vision_proxy: VisionProxyConfig | None = None
     # Reserved for native VLMs: the placeholder token for an image.
     image_token: str | None = None
-    # Stream parser family (app/parsers); None detects it from the chat template.
+    # Stream parser family for tool calls (app/parsers: qwen, mistral, llama, generic);
+    # None detects it from the chat template.
     tool_parser: str | None = None
-    # Whether the model reasons; None detects it from the template and name.
-    reasoning: bool | None = None
+    # The model reasons, with this family's markers ("none": it does not);
+    # None detects it from the chat template, then the model name.
+    reasoning_parser: str | None = None
 
     @model_validator(mode="after")
     def _proxy_needs_model(self) -> ModelCapabilities:
@@ -155,8 +157,9 @@ class ServerSettings(_Strict):
     # Loopback only by default; set 0.0.0.0 deliberately to serve a LAN.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    # When set, every /v1 request needs `Authorization: Bearer <api_key>`.
-    api_key: str | None = None
+    # When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>`;
+    # a SecretStr, so printing the settings never shows it.
+    api_key: SecretStr | None = None
     # Browser origins allowed by CORS; empty means CORS is off.
     cors_origins: list[str] = []
     # Largest request body in bytes (413 beyond).
@@ -167,6 +170,8 @@ class ServerSettings(_Strict):
     max_connections: int = Field(default=256, ge=1)
     # Listen backlog, so a burst of connections is not reset.
     backlog: int = Field(default=2048, ge=16)
+    # On SIGTERM/SIGINT: seconds running requests get to finish before they end with an error event.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
     # Which reasoning fields go out: OpenAI-compatible servers disagree on the name.
     reasoning_fields: list[Literal["reasoning_content", "reasoning"]] = [
         "reasoning_content",
