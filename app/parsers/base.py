@@ -74,6 +74,8 @@ class Family:
     call_formats: tuple[CallFormat, ...] = ()
     reasoning_markers: tuple[tuple[str, str], ...] = REASONING_MARKERS
     bare_json: bool = True
+    # Makes tool call ids; a family whose chat template checks ids brings its own.
+    call_id: Callable[[], str] = new_call_id
 
     def __call__(
         self,
@@ -148,7 +150,7 @@ class FamilyParser:
         self._reasoning_on = reasoning
         self._in_reasoning = reasoning and starts_in_reasoning
         self._bare_json = tools_offered and family.bare_json
-        self._new_id = id_factory or new_call_id
+        self._new_id = id_factory or family.call_id
         self._formats = {fmt.start: fmt for fmt in family.call_formats}
         self._closer_of = dict(family.reasoning_markers)
         self._closers = frozenset(self._closer_of.values())

@@ -18,7 +18,22 @@ the two shapes mlx-lm's ``tool_parsers/mistral.py`` reads whole.
 
 from __future__ import annotations
 
+import secrets
+import string
+
 from app.parsers.base import Family
 from app.parsers.calls import NameThenArgs
 
-FAMILY = Family("mistral", call_formats=(NameThenArgs("[TOOL_CALLS]", "[ARGS]", id_marker="[CALL_ID]"),))
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral chat templates refuse tool call ids that are not 9 letters or digits."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+FAMILY = Family(
+    "mistral",
+    call_formats=(NameThenArgs("[TOOL_CALLS]", "[ARGS]", id_marker="[CALL_ID]"),),
+    call_id=mistral_call_id,
+)

@@ -109,3 +109,16 @@ def test_parsers_import_nothing_from_the_edges() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not [n for n in names if banned.match(n)], f"{path.name} imports {names}"
+
+
+def test_mistral_call_ids_fit_its_chat_template():
+    """Mistral templates raise on tool call ids that are not 9 alphanumerics."""
+    from app.parsers import ToolCallStart, make_parser
+
+    p = make_parser("mistral", reasoning=False, tools_offered=True)
+    events = p.feed('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') + p.finish()
+    (start,) = [e for e in events if isinstance(e, ToolCallStart)]
+    assert len(start.id) == 9 and start.id.isalnum()
+    q = make_parser("qwen", reasoning=False, tools_offered=True)
+    (other,) = [e for e in q.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>') + q.finish() if isinstance(e, ToolCallStart)]
+    assert other.id.startswith("call_")
