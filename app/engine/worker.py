@@ -2,9 +2,11 @@
 
 MLX is not thread-safe (ml-explore/mlx#2809), so model loading, prefill,
 decoding and vision captioning all run here. Other threads hand work over with
-``submit(fn)`` (a one-off job, run ahead of the next batch step: captioning
-goes before primary generation) and the text engine registers a ``step``
-callback that advances its batch. A job that raises fails its own future only;
+``submit(fn)`` (a one-off job, run ahead of the next batch step) or
+``submit_steps(make_gen)`` (a long job as a generator, e.g. a caption token by
+token: one step of it runs before each batch step, so captioning goes ahead
+of primary generation without freezing the text streams while it runs), and
+the text engine registers a ``step`` callback that advances its batch. A job that raises fails its own future only;
 if the loop itself dies, ``dead`` says why and every waiter is told.
 """
 
@@ -14,7 +16,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Callable, Generator, TypeVar
 
 from app.errors import EngineDeadError
 
@@ -27,6 +29,8 @@ class MLXWorker:
 
     def __init__(self, name: str = "tandem-mlx") -> None:
         self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
+        self._step_jobs: deque[tuple[Callable[[], Generator], Future]] = deque()
+        self._current: tuple[Generator, Future] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._steppers: list[Callable[[], bool]] = []
@@ -56,6 +60,18 @@ class MLXWorker:
         self._wake.set()
         return fut
 
+    def submit_steps(self, make: Callable[[], Generator[object, None, T]]) -> Future[T]:
+        """Run the generator ``make()`` on the MLX thread, one step per loop turn,
+        interleaved with the batch; the future gets its return value. Step jobs
+        run one at a time, in order."""
+        fut: Future[T] = Future()
+        if self.dead is not None or self._stop.is_set():
+            fut.set_exception(EngineDeadError("the MLX engine thread is not running"))
+            return fut
+        self._step_jobs.append((make, fut))
+        self._wake.set()
+        return fut
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -75,14 +91,39 @@ class MLXWorker:
             except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's
                 fut.set_exception(exc)
 
+    def _advance(self) -> bool:
+        """One step of the current step job; returns whether one is running."""
+        if self._current is None:
+            while self._step_jobs:
+                make, fut = self._step_jobs.popleft()
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        self._current = (make(), fut)
+                    except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's
+                        fut.set_exception(exc)
+                        continue
+                    break
+        if self._current is None:
+            return False
+        gen, fut = self._current
+        try:
+            next(gen)
+        except StopIteration as done:
+            self._current = None
+            fut.set_result(done.value)
+        except BaseException as exc:  # noqa: BLE001
+            self._current = None
+            fut.set_exception(exc)
+        return True
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._run_jobs()
-                busy = False
+                busy = self._advance()
                 for step in self._steppers:
                     busy = step() or busy
-                if not busy and not self._jobs:
+                if not busy and not self._jobs and not self._step_jobs:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - recorded, reported, never silent
@@ -100,4 +141,8 @@ class MLXWorker:
             while self._jobs:
                 _, fut = self._jobs.popleft()
                 if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
+            pending = [f for _, f in self._step_jobs] + ([self._current[1]] if self._current else [])
+            for fut in pending:
+                if not fut.done():
                     fut.set_exception(err)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -133,8 +133,11 @@ class MlxVlmCaptioner:
         if not self.loaded:
             raise VisionUnavailableError(f"vision model {self.name} is not loaded")
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
-        job = partial(self._generate_on_mlx_thread, pixels, self.prompt(user_text))
-        return await asyncio.wrap_future(self._executor.submit(job))
+        steps = partial(self._caption_steps, pixels, self.prompt(user_text))
+        submit_steps = getattr(self._executor, "submit_steps", None)
+        if submit_steps is not None:  # the engine thread: one token per turn, between batch steps
+            return await asyncio.wrap_future(submit_steps(steps))
+        return await asyncio.wrap_future(self._executor.submit(partial(_run_to_end, steps)))
 
     def _load_on_mlx_thread(self) -> None:
         # Imported here: mlx-vlm pulls in transformers (~1 s), needless when vision is off.
@@ -188,21 +191,38 @@ class MlxVlmCaptioner:
         }
         return apply_chat_template(processor, model.config, message, num_images=1)
 
-    def _generate_on_mlx_thread(self, pixels: Any, prompt: str) -> str:
-        from mlx_vlm import generate
+    def _caption_steps(self, pixels: Any, prompt: str) -> Generator[None, None, str]:
+        """mlx-vlm's ``generate``, one token per step, so the MLX thread can
+        interleave text decoding while a caption is being written."""
+        from mlx_vlm import stream_generate
 
         try:
             chat_prompt = self._chat_prompt(self._model, self._processor, prompt)
-            result = generate(
-                self._model,
-                self._processor,
-                chat_prompt,
-                image=[pixels],
-                max_tokens=self.max_tokens,
-                temperature=0.0,
-                skip_special_tokens=True,
-                verbose=False,
-            )
+            tokenizer = getattr(self._processor, "tokenizer", self._processor)
+            if hasattr(tokenizer, "stopping_criteria"):  # as mlx_vlm.generate does
+                tokenizer.stopping_criteria.reset(self._model.config.eos_token_id)
+            text = []
+            for response in stream_generate(
+                self._model, self._processor, chat_prompt, image=[pixels],
+                max_tokens=self.max_tokens, temperature=0.0, skip_special_tokens=True,
+            ):
+                if not getattr(response, "is_draft", False):
+                    text.append(response.text)
+                yield
+            caption = "".join(text)
+            clean = getattr(self._processor, "clean_output", None)
+            if callable(clean):
+                caption = clean(caption)
         except Exception as exc:
             raise EngineError(f"vision model {self.name} failed: {exc}") from exc
-        return result.text.strip()
+        return caption.strip()
+
+
+def _run_to_end(make: Callable[[], Generator[None, None, T]]) -> T:
+    """Drive a step generator to its return value (executors without submit_steps)."""
+    gen = make()
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
