@@ -193,7 +193,7 @@ class ServerSettings(_Strict):
 
 
 class ModelsFile(_Strict):
-    # Reserved: unload an idle vision model after this many seconds (not acted on yet).
+    # Unload the vision model after this many seconds unused; it reloads on the next image.
     idle_unload_secs: int | None = Field(default=None, ge=1)
     # The chat model served when --model is not given; None takes the first chat entry.
     default_model: str | None = None

@@ -82,6 +82,7 @@ class MlxVlmCaptioner:
         max_pixels: int | None = None,
         min_pixels: int | None = None,
         max_context_chars: int = 2000,
+        idle_unload_s: float | None = None,
     ) -> None:
         try:
             template_probe = prompt_template.format(user_text="x")
@@ -102,6 +103,11 @@ class MlxVlmCaptioner:
         self._executor = executor
         self._model: Any = None
         self._processor: Any = None
+        # Unload after this long unused (models.yaml idle_unload_secs); reloaded on demand.
+        self.idle_unload_s = idle_unload_s
+        self.unloaded = False
+        self._last_used = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def loaded(self) -> bool:
@@ -130,14 +136,39 @@ class MlxVlmCaptioner:
 
     async def describe(self, image: LoadedImage, user_text: str | None) -> str:
         """Caption ``image``; ``EngineError`` if the model fails on it."""
-        if not self.loaded:
+        if not self.loaded and not self.unloaded:
             raise VisionUnavailableError(f"vision model {self.name} is not loaded")
+        self._touch()
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
         steps = partial(self._caption_steps, pixels, self.prompt(user_text))
         submit_steps = getattr(self._executor, "submit_steps", None)
         if submit_steps is not None:  # the engine thread: one token per turn, between batch steps
             return await asyncio.wrap_future(submit_steps(steps))
         return await asyncio.wrap_future(self._executor.submit(partial(_run_to_end, steps)))
+
+    def _touch(self) -> None:
+        self._last_used = time.monotonic()
+        if self.idle_unload_s and self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().call_later(self.idle_unload_s, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        idle = time.monotonic() - self._last_used
+        if idle < self.idle_unload_s:
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(self.idle_unload_s - idle, self._idle_check)
+        elif self.loaded:
+            self._executor.submit(self._unload_on_mlx_thread)
+
+    def _unload_on_mlx_thread(self) -> None:
+        if time.monotonic() - self._last_used < (self.idle_unload_s or 0):
+            return  # used again while this job waited
+        import mlx.core as mx
+
+        self._model = self._processor = None
+        self.unloaded = True
+        mx.clear_cache()
+        logger.info("vision model %s unloaded after %.0f s idle", self.name, self.idle_unload_s)
 
     def _load_on_mlx_thread(self) -> None:
         # Imported here: mlx-vlm pulls in transformers (~1 s), needless when vision is off.
@@ -196,6 +227,10 @@ class MlxVlmCaptioner:
         interleave text decoding while a caption is being written."""
         from mlx_vlm import stream_generate
 
+        if self._model is None:  # unloaded while idle: load again, here on the MLX thread
+            self._load_on_mlx_thread()
+            self.unloaded = False
+            logger.info("vision model %s reloaded", self.name)
         try:
             chat_prompt = self._chat_prompt(self._model, self._processor, prompt)
             tokenizer = getattr(self._processor, "tokenizer", self._processor)

@@ -66,6 +66,7 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor) -> tuple[VisionPr
             max_tokens=proxy_config.max_tokens,
             max_pixels=params.max_pixels,
             min_pixels=params.min_pixels,
+            idle_unload_s=config.models_file.idle_unload_secs,
         )
         captioner.load()
     except AppError as exc:  # ConfigError from the load, EngineDeadError from the thread
