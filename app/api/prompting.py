@@ -39,7 +39,11 @@ def make_profile(name: str, tokenizer: Any, params: EngineParams, max_model_len:
     for key, value in (("tool_parser", caps.tool_parser), ("reasoning_parser", declared)):
         if value not in (None, "none") and value not in PARSERS:
             raise ConfigError(f"model {name!r}: capabilities.{key} {value!r} is not a parser; known: {', '.join(sorted(PARSERS))}")
-    reasoning = is_reasoning_model(name, template) if declared is None else declared != "none"
+    if declared is None:
+        # mlx-lm's tokenizer wrapper knows the single-token think markers of many families.
+        reasoning = bool(getattr(tokenizer, "has_thinking", False)) or is_reasoning_model(name, template)
+    else:
+        reasoning = declared != "none"
     parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
     return ModelProfile(name, tokenizer, params, max_model_len, parser, reasoning, "tools" in template)
 
