@@ -24,7 +24,8 @@ from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
-from app.engine.loader import LoadedModel
+from app.engine.kv_quant import make_quantized_prompt_cache
+from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.sampling import build_logits_processors, build_sampler
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest, TokenDelta
@@ -233,6 +234,8 @@ class TextEngine:
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]
+        if cache is None and p.kv_cache_bits is not None:
+            cache = make_quantized_prompt_cache(self.loaded.model, p.kv_cache_bits, KV_GROUP_SIZE)
         cached = len(prompt) - len(rest)
         if cached:
             self.cache_hits += 1
@@ -323,4 +326,20 @@ class TextEngine:
         for seq in waiting + list(self._running.values()):
             self._finish_with_error(seq, err)
         self._running.clear()
+
+    def abort_all(self, exc: BaseException):
+        """End every queued and running request with ``exc`` (a shutdown past its grace
+        period); returns the worker's Future for it."""
+        return self.worker.submit(lambda: self._abort_all(exc))
+
+    def _abort_all(self, exc: BaseException) -> None:
+        self._take_inbox()
+        with self._lock:
+            waiting = self.admission.fail_all()
+        for seq in waiting:
+            self._finish_with_error(seq, exc)
+        for seq in list(self._running.values()):
+            self._bg.remove([seq.uid])
+            self._release(seq)
+            self._finish_with_error(seq, exc)
 

@@ -5,6 +5,8 @@ The mapping, one line each:
 - ``quantization`` -> ``nn.quantize`` at load (weights already quantized are left alone);
 - ``mem``          -> a KV budget in tokens: layers x kv_heads x head_dim x 2 (K and V)
                       x bytes per element;
+- ``kv_cache_bits`` -> K/V stored quantized (``kv_quant``), bits/8 bytes per element
+                      plus a scale and a bias per group of ``KV_GROUP_SIZE``;
 - ``prefill_chunk_size`` / ``max_num_seqs`` -> BatchGenerator's prefill step and batch
   size (see ``engine.Engine``).
 Must run on the MLX-owner thread.
@@ -29,7 +31,7 @@ log = logging.getLogger("tandem.engine")
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 QUANT_BITS = {"q4": 4, "q8": 8}
-# Group size of a quantized KV cache; each group stores a scale and a bias (2 bytes each).
+# Group size of a quantized KV cache; each group stores a scale and a bias.
 KV_GROUP_SIZE = 64
 
 
@@ -98,8 +100,8 @@ def kv_geometry(config: dict[str, Any], activation_dtype: mx.Dtype, kv_bits: int
         raise ConfigError("cannot size the KV cache: config lacks layers/heads/head_dim")
     if kv_bits is None:
         per_elem = float(activation_dtype.size)
-    else:
-        per_elem = kv_bits / 8 + 2 * 2 / KV_GROUP_SIZE
+    else:  # packed codes, plus a scale and a bias (activation dtype) per group
+        per_elem = kv_bits / 8 + 2 * activation_dtype.size / KV_GROUP_SIZE
     return KVGeometry(int(layers), int(kv_heads), int(head_dim), per_elem)
 
 
@@ -152,12 +154,6 @@ def load_text_model(entry: ModelEntry, params: EngineParams) -> LoadedModel:
     """Load a chat model with mlx-lm and apply its params. MLX thread only."""
     from mlx_lm import load
 
-    if params.kv_cache_bits is not None:
-        # mlx-lm's BatchGenerator merges per-sequence caches; QuantizedKVCache has no merge.
-        raise ConfigError(
-            f"model {entry.name!r}: kv_cache_bits={params.kv_cache_bits} is not supported by "
-            "mlx-lm's batch generator yet; leave it unset"
-        )
     source = model_source(entry)
     try:
         model, tokenizer, config = load(source, return_config=True)
@@ -165,6 +161,13 @@ def load_text_model(entry: ModelEntry, params: EngineParams) -> LoadedModel:
         raise ConfigError(f"model {entry.name!r}: cannot load {source}: {exc}") from exc
     apply_params(model, params)
     kv = kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
+    if params.kv_cache_bits is not None:
+        from app.engine.kv_quant import check_quantizable
+
+        try:
+            check_quantizable(model, kv.head_dim, params.kv_cache_bits, KV_GROUP_SIZE)
+        except ConfigError as exc:
+            raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
     return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source)
