@@ -7,12 +7,22 @@ one EngineParams, logged once at start-up.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import uvicorn
 
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    from app.api.state import AppState
+    from app.config.schema import ServerSettings
 
 DEFAULT_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.yaml"
 
@@ -30,7 +40,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="models.yaml entry to serve (default: default_model)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1 and /metrics")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--isq", choices=["q4", "q8"], help="quantize at load")
     p.add_argument("--mem", type=int, help="KV-cache budget in MB")
@@ -56,9 +66,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def uvicorn_config(app: Any, server: ServerSettings, log_level: str = "info") -> uvicorn.Config:
+    """Tandem under uvicorn: its limits, its log format, a drain as long as the grace period."""
+    return uvicorn.Config(
+        app, host=server.host, port=server.port, log_level=log_level,
+        log_config=None,  # uvicorn's records (the access log too) go through our format, request id included
+        limit_concurrency=server.max_connections, backlog=server.backlog,
+        # Past the grace period the engine ends what still runs; the extra seconds let those streams close.
+        timeout_graceful_shutdown=server.shutdown_grace_s + 5,
+    )
 
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT the engine drains (``app.main.drain``) while uvicorn drains its connections."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        from app.main import drain
+
+        drained = asyncio.create_task(drain(self.state))
+        await super().shutdown(sockets)
+        drained.cancel()  # done by now, unless a second Ctrl-C forced the exit
+
+
+@contextlib.contextmanager
+def _exit_zero_after_drain() -> Iterator[None]:
+    """uvicorn re-raises the signal it stopped on after draining; by then the shutdown was
+    clean, so the process exits 0 (as launchd and systemd expect) instead of dying by it."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve(args: argparse.Namespace) -> int:
     from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
     from app.main import build_state, create_app
 
@@ -66,20 +112,27 @@ def serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (*PARAM_FLAGS, *SERVER_FLAGS)}
     config = resolve(load_models_file(source), source=str(source), model=args.model, overrides=overrides)
     state = build_state(config, load_vision=not args.no_vision)
-    app = create_app(state)
     s = config.server
+    server = DrainingServer(uvicorn_config(create_app(state), s, args.log_level), state)
     logging.getLogger("tandem").info("serving %s on http://%s:%d/v1", config.primary.name, s.host, s.port)
-    uvicorn.run(
-        app, host=s.host, port=s.port, log_level=args.log_level,
-        limit_concurrency=s.max_connections, backlog=s.backlog, timeout_graceful_shutdown=30,
-    )
+    with _exit_zero_after_drain():
+        server.run()
+    state.worker.stop()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """One line per record, with the request id it was made for ("-" outside requests)."""
+    from app.api.request_id import RequestIdFilter
+
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(args, "log_level", "info").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "info").upper())
     try:
         if args.command == "serve":
             return serve(args)

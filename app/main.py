@@ -12,23 +12,25 @@ import hmac
 import logging
 import time
 
-from litestar import Litestar, Request, Router
+from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
+from app.api import request_id
+from app.api.agui import agui
 from app.api.chat import ChatController
 from app.api.errors import EXCEPTION_HANDLERS
-from app.api.agui import agui
 from app.api.meta import get_model, health, list_models
+from app.api.metrics import metrics
 from app.api.prompting import make_profile
 from app.api.state import AppState, VisionState
 from app.config.loader import ResolvedConfig
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.worker import MLXWorker
-from app.errors import AuthenticationError
+from app.errors import AuthenticationError, EngineDeadError
 
 log = logging.getLogger("tandem")
 
@@ -39,7 +41,11 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
     log.info("model %s: EngineParams %s", primary.name, primary.params.to_log_string())
     worker = MLXWorker()
     worker.start()
-    loaded = worker.submit(lambda: load_text_model(primary, primary.params)).result()
+    try:
+        loaded = worker.submit(lambda: load_text_model(primary, primary.params)).result()
+    except BaseException:
+        worker.stop()  # a failed load leaves no thread behind; the caller reports why
+        raise
     engine = TextEngine(worker, loaded, primary.params)
     profile = make_profile(primary.name, loaded.tokenizer, primary.params, loaded.max_model_len, primary.capabilities)
     log.info("model %s: parser=%s reasoning=%s", primary.name, profile.parser, profile.reasoning)
@@ -74,40 +80,52 @@ def _api_key_guard(key: str):
         header = connection.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise AuthenticationError("missing or invalid API key (Authorization: Bearer <key>)")
+            raise AuthenticationError(
+                "missing or invalid API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     return guard
 
 
-async def _drain(state: AppState, timeout: float = 30.0) -> None:
-    """Graceful shutdown: refuse new work, let running streams finish, then stop MLX."""
+async def drain(state: AppState) -> None:
+    """Graceful shutdown of the engine: refuse new requests (503), give running ones
+    ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
+    when streaming). The HTTP server drains its connections meanwhile."""
     state.engine.stop_accepting()
-    deadline = time.monotonic() + timeout
+    grace = state.config.server.shutdown_grace_s
+    deadline = time.monotonic() + grace
     while state.engine.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    state.worker.stop()
+    if state.engine.in_flight and state.worker.alive:
+        log.warning("shutdown: ending %d requests still running after %gs", state.engine.in_flight, grace)
+        aborted = state.engine.abort_all(EngineDeadError("the server is shutting down", retry_after=10))
+        await asyncio.wrap_future(aborted)
 
 
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
-    guards = [_api_key_guard(server.api_key)] if server.api_key else []
+    guards = [_api_key_guard(server.api_key.get_secret_value())] if server.api_key else []
     cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
 
     async def on_shutdown(app: Litestar) -> None:
-        await _drain(app.state.tandem)
-
-    async def request_id(request: Request) -> None:
-        request.state.request_id = request.headers.get("x-request-id") or f"req-{time.monotonic_ns():x}"
+        await drain(app.state.tandem)
+        app.state.tandem.worker.stop()
 
     app = Litestar(
-        # /health stays open for probes; everything under /v1 needs the key when one is set.
-        route_handlers=[Router("/", route_handlers=[ChatController, agui, list_models, get_model], guards=guards), health],
+        # /health stays open for probes; /v1 and /metrics need the key when one is set.
+        route_handlers=[
+            Router("/", route_handlers=[ChatController, agui, list_models, get_model, metrics], guards=guards),
+            health,
+        ],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),
-        before_request=request_id,
+        before_request=request_id.before_request,
+        # Every response, errors and SSE included, is tagged with its request id and counted.
+        before_send=[request_id.before_send, state.metrics.before_send],
         on_shutdown=[on_shutdown],
+        logging_config=None,  # the process's logging (app.cli.configure_logging) stays as it is
         debug=False,
     )
     app.state.tandem = state

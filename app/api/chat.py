@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any, AsyncIterator
+from dataclasses import replace
+from typing import Any, AsyncIterator, TypeVar
 
 import anyio
 from litestar import Controller, Request, post
@@ -13,19 +15,80 @@ from litestar.response import ServerSentEvent
 
 from app.api.prompting import PreparedChat, message_dict, prepare_chat, prepare_completion
 from app.api.render import ChunkWriter, chat_response, new_id, sse, usage
+from app.api.request_id import REQUEST_ID
 from app.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from app.api.state import AppState
 from app.engine.types import GenerationRequest, TokenDelta
-from app.errors import AppError, InvalidRequestError, ModelNotFoundError
+from app.errors import AppError, ContextLengthError, InvalidRequestError, ModelNotFoundError
 from app.parsers import make_parser
 from app.vision.proxy import has_images, reject_images
 
 log = logging.getLogger("tandem.api")
+T = TypeVar("T")
 
 
 def check_model(state: AppState, name: str) -> None:
     if name not in (state.profile.name, state.config.primary.hf_id):
         raise ModelNotFoundError(f"model {name!r} does not exist; this server serves {state.profile.name!r}", param="model")
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_token_chars(tokenizer: Any) -> int:
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def check_prompt_chars(state: AppState, chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+
+    A token spans at most the longest vocabulary entry in characters, so a prompt
+    of more than max_model_len times that cannot fit (doubled, for normalizers
+    that merge characters). Tokenizing megabytes takes seconds of CPU; this takes none.
+    """
+    limit = 2 * state.profile.max_model_len * _longest_token_chars(state.profile.tokenizer)
+    if chars > limit:
+        raise ContextLengthError(
+            f"this model's maximum context length is {state.profile.max_model_len} tokens; "
+            f"a prompt of {chars} characters cannot fit (at most {limit} are accepted)",
+            param=param,
+        )
+
+
+def _vocab_size(state: AppState) -> int | None:
+    config = state.engine.loaded.config
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+
+
+def engine_stream(state: AppState, gen: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    """The engine's deltas for ``gen``, tagged with the request id and timed for /metrics."""
+    vocab = _vocab_size(state)
+    if vocab and gen.sampling.top_k >= vocab:
+        # Keeping every token is no top-k at all; mlx-lm would raise mid-batch, failing its neighbours.
+        gen = replace(gen, sampling=replace(gen.sampling, top_k=0))
+    return state.metrics.observe(state.engine.stream(replace(gen, request_id=REQUEST_ID.get())))
+
+
+class EventStream(ServerSentEvent):
+    """An SSE response that keeps ``text/event-stream``: Litestar would let the handler's
+    media type (JSON, for the non-streaming answer) override it."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        return super().to_asgi_response(*args, **{**kwargs, "media_type": None})
+
+
+async def started(items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``items`` once its first item is in, so that a refusal before the first token (queue
+    full 429, queue timeout 503, over the KV budget 400) is an HTTP error, not a 200 stream."""
+    first = await items.__anext__()
+
+    async def chained() -> AsyncIterator[T]:
+        try:
+            yield first
+            async for item in items:
+                yield item
+        finally:
+            await items.aclose()  # a vanished client cancels the generation
+
+    return chained()
 
 
 async def _vision_messages(state: AppState, req: ChatCompletionRequest) -> tuple[list[dict] | None, dict]:
@@ -45,6 +108,7 @@ async def prepare(state: AppState, req: ChatCompletionRequest) -> tuple[Prepared
     check_model(state, req.model)
     if len(req.messages) > state.config.server.max_messages:
         raise InvalidRequestError(f"at most {state.config.server.max_messages} messages", param="messages")
+    check_prompt_chars(state, sum(len(m.text()) for m in req.messages), "messages")
     messages, ext = await _vision_messages(state, req)
     prepared = await anyio.to_thread.run_sync(prepare_chat, state.profile, req, messages)
     if req.extensions:
@@ -56,7 +120,7 @@ async def generate_events(state: AppState, prepared: PreparedChat) -> AsyncItera
     """Engine deltas run through the request's stream parser: (events, delta) pairs."""
     parser = make_parser(prepared.parser, reasoning=prepared.reasoning,
                          starts_in_reasoning=prepared.starts_in_reasoning, tools_offered=prepared.tools_offered)
-    async for delta in state.engine.stream(prepared.gen):
+    async for delta in engine_stream(state, prepared.gen):
         events = parser.feed(delta.text) if delta.text else []
         if delta.finish_reason is not None:
             events += parser.finish()
@@ -65,7 +129,7 @@ async def generate_events(state: AppState, prepared: PreparedChat) -> AsyncItera
 
 async def _generate_text(state: AppState, gen: GenerationRequest) -> tuple[str, TokenDelta]:
     parts, last = [], None
-    async for delta in state.engine.stream(gen):
+    async for delta in engine_stream(state, gen):
         parts.append(delta.text)
         last = delta
     assert last is not None
@@ -80,7 +144,7 @@ class ChatController(Controller):
         state: AppState = request.app.state.tandem
         prepared, ext = await prepare(state, data)
         if data.stream:
-            return ServerSentEvent(_chat_stream(state, data, prepared, ext))
+            return EventStream(_chat_stream(state, data, await started(generate_events(state, prepared)), ext))
         events, last = [], None
         async for evs, last in generate_events(state, prepared):
             events += evs
@@ -91,9 +155,10 @@ class ChatController(Controller):
     async def completions(self, data: JSONBody[CompletionRequest], request: Request) -> Any:
         state: AppState = request.app.state.tandem
         check_model(state, data.model)
+        check_prompt_chars(state, len(data.prompt), "prompt")
         gen = await anyio.to_thread.run_sync(prepare_completion, state.profile, data)
         if data.stream:
-            return ServerSentEvent(_completion_stream(state, data, gen))
+            return EventStream(_completion_stream(data, await started(engine_stream(state, gen))))
         text, last = await _generate_text(state, gen)
         return _completion_body(new_id("cmpl"), data.model, (data.prompt if data.echo else "") + text,
                                 last.finish_reason, usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
@@ -114,7 +179,9 @@ def _error_event(exc: Exception) -> str:
     return sse(err.to_dict())
 
 
-async def _chat_stream(state: AppState, req: ChatCompletionRequest, prepared: PreparedChat, ext: dict) -> AsyncIterator[str]:
+async def _chat_stream(
+    state: AppState, req: ChatCompletionRequest, generated: AsyncIterator[tuple[list, TokenDelta]], ext: dict
+) -> AsyncIterator[str]:
     writer = ChunkWriter(req.model, state.reasoning_fields)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     first = writer.first()
@@ -122,7 +189,7 @@ async def _chat_stream(state: AppState, req: ChatCompletionRequest, prepared: Pr
         first["extensions"] = ext
     yield sse(first)
     try:
-        async for events, delta in generate_events(state, prepared):
+        async for events, delta in generated:
             for chunk in writer.events(events):
                 yield sse(chunk)
             if delta.finish_reason is not None:
@@ -135,13 +202,13 @@ async def _chat_stream(state: AppState, req: ChatCompletionRequest, prepared: Pr
     yield "[DONE]"
 
 
-async def _completion_stream(state: AppState, req: CompletionRequest, gen: GenerationRequest) -> AsyncIterator[str]:
+async def _completion_stream(req: CompletionRequest, deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[str]:
     cid = new_id("cmpl")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         if req.echo:
             yield sse(_completion_body(cid, req.model, req.prompt, None, None))
-        async for delta in state.engine.stream(gen):
+        async for delta in deltas:
             if delta.text or delta.finish_reason:
                 yield sse(_completion_body(cid, req.model, delta.text, delta.finish_reason, None))
             if delta.finish_reason is not None and include_usage:

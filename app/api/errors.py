@@ -62,13 +62,17 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
 
 
 def app_error_handler(_: Request, exc: AppError) -> Response:
-    if exc.status_code >= 500:
-        log.error("%s: %s", type(exc).__name__, exc.message)
+    if exc.status_code >= 500:  # a 503 (busy, shutting down) is the server working as designed
+        log.log(logging.WARNING if exc.status_code == 503 else logging.ERROR, "%s: %s", type(exc).__name__, exc.message)
     return Response(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
 
 
-def http_error_handler(_: Request, exc: HTTPException) -> Response:
+def http_error_handler(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    if status == 413:
+        limit = request.app.state.tandem.config.server.max_body_bytes
+        message = f"request body is larger than {limit} bytes (server.max_body_bytes)"
+        return Response(error_body(message, "invalid_request_error", code="request_too_large"), status_code=413)
     if isinstance(exc, ValidationException):
         message, param = _validation_message(exc)
         if "JSON" in (exc.detail or "") or "decode" in (exc.detail or "").lower():

@@ -9,6 +9,7 @@ from litestar import Request, Response, get
 from litestar.params import FromPath
 
 from app.api.state import AppState
+from app.errors import EngineDeadError
 
 
 def _vision(state: AppState) -> dict[str, Any]:
@@ -19,6 +20,8 @@ def _vision(state: AppState) -> dict[str, Any]:
 @get("/v1/models", summary="List the served models")
 async def list_models(request: Request) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
+    if not state.worker.alive:  # UIs poll this to decide whether the server works: it does not
+        raise EngineDeadError("the engine is not running; see /health")
     entry = {
         "id": state.profile.name,
         "object": "model",

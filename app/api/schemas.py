@@ -127,11 +127,17 @@ class _SamplingFields(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=3.0)
-    seed: int | None = None
+    # Any 64-bit seed, signed or not; MLX takes it unsigned, so negatives wrap (-1 -> 2**64 - 1).
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+
+    @field_validator("seed")
+    @classmethod
+    def _unsigned_seed(cls, v: int | None) -> int | None:
+        return None if v is None else v % 2**64
 
     @field_validator("stop")
     @classmethod

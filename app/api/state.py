@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.api.metrics import Metrics
 from app.api.prompting import ModelProfile
 from app.config.loader import ResolvedConfig
 from app.engine.engine import TextEngine
@@ -31,7 +32,7 @@ class AppState:
     profile: ModelProfile
     vision: VisionState
     started: float = field(default_factory=time.time)
-    metrics: Any = None
+    metrics: Metrics = field(default_factory=Metrics)
 
     @property
     def reasoning_fields(self) -> tuple[str, ...]:

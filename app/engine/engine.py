@@ -26,7 +26,7 @@ from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
-from app.engine.sampling import build_logits_processors, build_sampler
+from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
@@ -317,6 +317,7 @@ class TextEngine:
             self._release(seq)
             self._finish_with_error(seq, EngineError(f"generation failed: {exc}"))
         self._bg = self._new_batch()
+        reset_random_state()
 
     def _on_worker_death(self, exc: BaseException) -> None:
         err = EngineDeadError(f"the engine thread died: {exc}")

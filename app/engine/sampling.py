@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -37,6 +39,17 @@ def build_sampler(p: SamplingParams):
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
 
     return sampler
+
+
+def reset_random_state() -> None:
+    """A fresh global PRNG key, after a failed batch step.
+
+    mlx-lm's samplers are ``mx.compile``d with ``mx.random.state`` as input and
+    output; one that raises while being traced (``apply_top_k`` refuses a top_k
+    at or above the vocabulary size) leaves a tracer in that state, and every
+    later unseeded sample fails with "eval an array without a primitive".
+    """
+    mx.random.seed(time.time_ns() % 2**64)
 
 
 def build_logits_processors(p: SamplingParams) -> list:

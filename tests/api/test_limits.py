@@ -1,0 +1,175 @@
+"""Every limit over HTTP: refused fast, in OpenAI's error shape, and the server keeps serving.
+
+One private server on the tiny model with tight limits, run the way `tandem serve`
+runs it (uvicorn's connection limit and backlog included).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.vision.sample_images import data_url, image_bytes, png_claiming_size
+
+BODY_LIMIT = 4 * 1024 * 1024
+SERVER = {"max_body_bytes": BODY_LIMIT, "max_messages": 4, "max_connections": 8,
+          "max_image_bytes": 64 * 1024, "max_image_pixels": 1_000_000}
+# One sequence at a time and a queue of one: the third request finds the server full.
+PARAMS = {"max_num_seqs": 1, "max_queue": 1, "queue_timeout_s": 2.0}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory, tiny_model_dir):
+    yaml = tiny_yaml(tiny_model_dir, SERVER, PARAMS, vision={"max_images_per_request": 2})
+    with serving(tmp_path_factory.mktemp("limits"), yaml) as served:
+        yield served
+
+
+def chat(srv, messages=HI, **kw):
+    return srv.post("/v1/chat/completions", {"model": "tiny", "messages": messages, **kw})
+
+
+def assert_serving(srv):
+    assert srv.get("/health").json()["status"] == "ok"
+    r = chat(srv, max_tokens=1)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_body_over_the_limit_is_413(srv):
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * BODY_LIMIT + b'"}]}'
+    r = srv.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 413, "request_too_large")
+    assert str(BODY_LIMIT) in err["message"]
+    # Without a content-length the body is counted as it arrives.
+    r = srv.post("/v1/chat/completions", content=iter([body[:1 << 20]] * 5), headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, "request_too_large")
+    assert_serving(srv)
+
+
+def test_too_many_messages(srv):
+    err = assert_openai_error(chat(srv, HI * 5), 400)
+    assert err["param"] == "messages" and "at most 4" in err["message"]
+
+
+def test_megabyte_prompts_are_refused_before_tokenizing(srv):
+    """2 MB of prompt would take seconds of tokenizer CPU each; they are refused by length."""
+    huge = "word " * 400_000
+    requests = [("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": huge}]}),
+                ("/v1/completions", {"model": "tiny", "prompt": huge})] * 3
+
+    def send(req):
+        started = time.monotonic()
+        return srv.post(*req), time.monotonic() - started
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(send, requests))
+        health_started = time.monotonic()
+        assert srv.get("/health").status_code == 200
+        assert time.monotonic() - health_started < 1.0
+    for r, took in results:
+        err = assert_openai_error(r, 400, "context_length_exceeded")
+        assert "characters" in err["message"]
+        assert took < 2.0, took
+    assert_serving(srv)
+
+
+def test_max_tokens_beyond_the_context(srv):
+    r = srv.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 5000})
+    assert assert_openai_error(r, 400, "context_length_exceeded")["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("name, urls, code", [
+    ("too many images", [data_url(image_bytes((i, 0, 0))) for i in range(3)], "too_many_images"),
+    ("too many bytes", [data_url(bytes(100_000))], "image_too_large"),  # refused before any decode
+    ("too many pixels", [data_url(png_claiming_size(2000, 2000))], "image_too_large"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_image_limits(srv, name, urls, code):
+    content = [{"type": "text", "text": "Look"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    assert_openai_error(chat(srv, [{"role": "user", "content": content}]), 400, code)
+
+
+def stream_lines(srv, max_tokens, stack):
+    """Open a streaming chat and return its line iterator once generation runs."""
+    r = stack.enter_context(httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": HI, "max_tokens": max_tokens, "stream": True}))
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+    return lines
+
+
+def test_full_queue_429_and_queue_timeout_503(srv):
+    """A long stream holds the only slot; the next request waits, the one after finds the
+    queue full (429); the waiting one times out (503). Streaming requests get the same
+    statuses: nothing is sent before the engine has taken the request."""
+    from contextlib import ExitStack
+
+    engine = srv.state.engine
+    with ExitStack() as stack:
+        running = stream_lines(srv, 1500, stack)  # kept: dropping the iterator closes the stream
+        waited = {}
+        waiter = threading.Thread(target=lambda: waited.update(r=chat(srv, stream=True)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while engine.stats().waiting < 1:
+            assert time.monotonic() < deadline, (engine.stats(), waited)
+            time.sleep(0.01)
+        for stream in (False, True):
+            r = chat(srv, stream=stream)
+            assert_openai_error(r, 429, "rate_limit_exceeded")
+            assert int(r.headers["retry-after"]) > 0
+        waiter.join(timeout=30)
+        r = waited["r"]
+        assert_openai_error(r, 503, "engine_busy")
+        assert int(r.headers["retry-after"]) > 0
+        assert '"finish_reason":null' in next(line for line in running if line)  # still streaming
+    deadline = time.monotonic() + 20
+    while engine.stats().active:  # the closed stream's sequence is cancelled
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert_serving(srv)
+
+
+def test_connections_beyond_the_limit_get_503(srv):
+    limit = srv.state.config.server.max_connections
+    host, port = srv.base_url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(limit)]
+    try:
+        time.sleep(0.2)
+        assert srv.get("/health").status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while srv.get("/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("seed, status", [(-1, 200), (2**64 - 1, 200), (2**64, 400), (-(2**63) - 1, 400)])
+def test_seeds_are_64_bit(srv, seed, status):
+    """MLX takes an unsigned 64-bit seed: a negative one wraps, a wider one is a 400 (it was a 500)."""
+    r = chat(srv, max_tokens=1, temperature=1.0, seed=seed)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert assert_openai_error(r, 400)["param"] == "seed"
+
+
+def test_a_burst_of_connections_is_answered_not_reset(tmp_path, tiny_model_dir):
+    """200 clients connecting at once, with the default backlog and connection limit."""
+    import asyncio
+
+    async def burst(base: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=200)) as c:
+            return [r.status_code for r in await asyncio.gather(*(c.get("/health") for _ in range(200)))]
+
+    with serving(tmp_path, tiny_yaml(tiny_model_dir)) as defaults:
+        assert defaults.state.config.server.backlog >= 1024
+        assert asyncio.run(burst(defaults.base_url)) == [200] * 200

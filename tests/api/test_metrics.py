@@ -1,0 +1,130 @@
+"""Observability: /metrics in Prometheus' text format, x-request-id on every response, ids in logs."""
+
+from __future__ import annotations
+
+import logging
+import re
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from app.api.request_id import RequestIdFilter
+from tests.api.serving import serving, tiny_yaml
+
+HI = [{"role": "user", "content": "Hi"}]
+SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory, tiny_model_dir):
+    with serving(tmp_path_factory.mktemp("metrics"), tiny_yaml(tiny_model_dir, vision={})) as served:
+        yield served
+
+
+def scrape(srv) -> dict[str, float]:
+    """/metrics parsed, checking the format on the way: ``{'name{labels}': value}``."""
+    r = srv.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples, typed = {}, {}
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            typed[name] = kind
+        elif not line.startswith("#"):
+            m = SAMPLE.match(line)
+            assert m, f"not a sample line: {line!r}"
+            name = m.group(1)
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in typed else name
+            assert family in typed, f"{name} has no # TYPE"
+            samples[name + (m.group(2) or "")] = float(m.group(3))
+    for name, kind in typed.items():
+        if kind == "histogram":  # cumulative buckets, ending in +Inf == count
+            buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
+            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
+    return samples
+
+
+def test_metrics_count_requests_tokens_and_latency(srv):
+    before = scrape(srv)
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": HI, "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.read().endswith(b"data: [DONE]\r\n\r\n")
+    r = srv.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+    assert srv.get("/v1/nowhere").status_code == 404
+    after = scrape(srv)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('tandem_http_responses_total{route="/v1/chat/completions",status="200"}') == 1
+    assert delta('tandem_http_responses_total{route="/v1/completions",status="200"}') == 1
+    assert delta('tandem_http_responses_total{route="unmatched",status="404"}') == 1
+    assert delta('tandem_generations_total{outcome="length"}') == 2
+    assert delta("tandem_completion_tokens_total") == 5
+    assert delta("tandem_prompt_tokens_total") > 2
+    assert delta("tandem_time_to_first_token_seconds_count") == 2
+    assert delta("tandem_inter_token_latency_seconds_count") == 3  # tokens after the first
+    assert after["tandem_engine_up"] == 1 and after["tandem_kv_budget_tokens"] > 0
+    assert "tandem_caption_cache_hits_total" in after and "tandem_caption_cache_misses_total" in after
+
+
+def test_gauges_show_a_running_request_and_a_cancelled_one(srv):
+    with ExitStack() as stack:
+        r = stack.enter_context(httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": HI, "max_tokens": 1000, "stream": True}))
+        lines = r.iter_lines()
+        next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+        during = scrape(srv)
+        assert during["tandem_requests_running"] == 1 and during["tandem_kv_reserved_tokens"] > 1000
+    for _ in range(200):
+        after = scrape(srv)
+        if after["tandem_requests_running"] == 0 and after.get('tandem_generations_total{outcome="cancelled"}'):
+            break
+    assert after["tandem_requests_running"] == 0 and after["tandem_kv_reserved_tokens"] == 0
+    assert after['tandem_generations_total{outcome="cancelled"}'] >= 1
+
+
+def test_every_response_carries_a_request_id(srv):
+    responses = {
+        "json": srv.post("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 1}),
+        "sse": srv.post("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 1, "stream": True}),
+        "400": srv.post("/v1/chat/completions", {"model": "tiny", "messages": []}),
+        "404": srv.get("/v1/nowhere"),
+        "405": srv.get("/v1/chat/completions"),
+        "health": srv.get("/health"),
+    }
+    ids = {name: r.headers.get("x-request-id") for name, r in responses.items()}
+    assert all(re.fullmatch(r"req-[0-9a-f]{24}", i or "") for i in ids.values()), ids
+    assert len(set(ids.values())) == len(ids)
+
+
+@pytest.mark.parametrize("sent, reused", [
+    ("trace-1234.abc:def/ghi", True),
+    ("x" * 129, False),  # too long
+    ("two words", False),
+    ("inject\u00e9d", False),
+    ("", False),
+])
+def test_a_sane_client_request_id_is_reused(srv, sent, reused):
+    r = srv.get("/health", headers={"x-request-id": sent.encode("latin-1")})
+    assert (r.headers["x-request-id"] == sent) is reused
+    if not reused:
+        assert r.headers["x-request-id"].startswith("req-")
+
+
+def test_log_records_carry_the_request_id(srv, caplog):
+    caplog.handler.addFilter(RequestIdFilter())
+    try:
+        with caplog.at_level(logging.INFO, logger="tandem"):
+            r = srv.post("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 1},
+                         headers={"x-request-id": "client-id-42"})
+    finally:
+        caplog.handler.filters.clear()
+    assert r.headers["x-request-id"] == "client-id-42"
+    (done,) = [rec for rec in caplog.records if rec.getMessage().startswith("generation length")]
+    assert done.request_id == "client-id-42"
+    assert "completion_tokens=1" in done.getMessage()

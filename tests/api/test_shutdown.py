@@ -1,0 +1,99 @@
+"""Graceful shutdown of a real `python -m app serve` process on SIGTERM and SIGINT.
+
+On the signal the server stops accepting connections at once, lets running
+streams finish within ``server.shutdown_grace_s``, ends what is left with one
+error event (never a cut connection), and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.serving import tiny_yaml
+from tests.conftest import REPO, free_port
+
+
+def start(tmp_path: Path, model_dir: Path, grace: float, procs: list) -> tuple[subprocess.Popen, str]:
+    models = tmp_path / "models.yaml"
+    models.write_text(tiny_yaml(model_dir, {"shutdown_grace_s": grace}))
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port), "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    procs.append(proc)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        assert time.monotonic() < deadline, "server did not start"
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def stream_then_signal(proc: subprocess.Popen, base: str, sig: int, max_tokens: int) -> tuple[list[dict | str], bool]:
+    """Start a stream, send ``sig`` once tokens flow, read the stream to its end.
+
+    Returns the stream's events and whether a new connection was refused meanwhile."""
+    events: list[dict | str] = []
+    refused = False
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 2:
+                os.kill(proc.pid, sig)
+                time.sleep(0.3)  # uvicorn notices the signal within 0.1 s
+                try:
+                    httpx.get(base + "/health", timeout=2)
+                except httpx.ConnectError:
+                    refused = True
+    return events, refused
+
+
+@pytest.fixture()
+def server_process(tmp_path, tiny_model_dir):
+    """Starts `python -m app serve` with a given grace period; kills what is left at the end."""
+    procs: list[subprocess.Popen] = []
+    yield lambda grace: start(tmp_path, tiny_model_dir, grace, procs)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_sigint_lets_a_running_stream_finish_then_exits_0(server_process):
+    proc, base = server_process(30)
+    events, refused = stream_then_signal(proc, base, signal.SIGINT, max_tokens=120)
+    assert refused, "the listener was still accepting after the signal"
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_ends_a_stream_past_the_grace_period_with_an_error_event(server_process):
+    proc, base = server_process(0.5)
+    started = time.monotonic()
+    events, refused = stream_then_signal(proc, base, signal.SIGTERM, max_tokens=1900)
+    assert refused
+    error = events[-1]["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert all("choices" in e for e in events[:-1])
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - started < 15  # not the 1900 tokens, not uvicorn's own timeout
