@@ -18,7 +18,6 @@ from app.parsers import (
     ContentDelta,
     ReasoningDelta,
     ToolCallArgsDelta,
-    ToolCallEnd,
     ToolCallError,
     ToolCallStart,
     collect,

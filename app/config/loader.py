@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from app.config.schema import EngineParams, ModelEntry, ModelsFile, ServerSettings
+from app.config.schema import ModelEntry, ModelsFile, ServerSettings
 from app.errors import ConfigError
 
 

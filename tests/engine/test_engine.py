@@ -6,22 +6,11 @@ import asyncio
 
 import pytest
 
-from app.config.schema import EngineParams, ModelEntry
-from app.engine.engine import TextEngine
-from app.engine.loader import load_text_model
 from app.engine.types import GenerationRequest, SamplingParams
-from app.engine.worker import MLXWorker
+from tests.engine.engines import make_engine, run
 from app.errors import ContextLengthError, EngineError, RateLimitError
 
 
-def make_engine(path, **params) -> TextEngine:
-    p = EngineParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
-                        "cache_min_tokens": 8, **params})
-    entry = ModelEntry(name="tiny", local_path=str(path), params=p)
-    worker = MLXWorker()
-    worker.start()
-    loaded = worker.submit(lambda: load_text_model(entry, p)).result()
-    return TextEngine(worker, loaded, p)
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +20,6 @@ def engine(tiny_model_dir):
     eng.worker.stop()
 
 
-async def run(engine, req):
-    text, last = [], None
-    async for d in engine.stream(req):
-        text.append(d.text)
-        last = d
-    return "".join(text), last
 
 
 def prompt(engine, text="Hello there, how are you today?"):

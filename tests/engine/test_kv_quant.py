@@ -18,11 +18,10 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from app.config.schema import EngineParams, ModelEntry
-from app.engine.engine import TextEngine
 from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.loader import load_text_model
 from app.engine.types import GenerationRequest
-from app.engine.worker import MLXWorker
+from tests.engine.engines import make_engine, run
 from app.errors import ConfigError
 
 CONFIG = {
@@ -53,13 +52,6 @@ def model(model_dir):
     return load(str(model_dir))[0]
 
 
-def make_engine(path, **params) -> TextEngine:
-    p = EngineParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
-                        "cache_min_tokens": 8, **params})
-    worker = MLXWorker()
-    worker.start()
-    loaded = worker.submit(lambda: load_text_model(ModelEntry(name="tiny", local_path=str(path), params=p), p)).result()
-    return TextEngine(worker, loaded, p)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +61,6 @@ def engine8(model_dir):
     eng.worker.stop()
 
 
-async def run(engine, req):
-    text, last = [], None
-    async for d in engine.stream(req):
-        text.append(d.text)
-        last = d
-    return "".join(text), last
 
 
 def requests(engine, n, max_tokens=8):

@@ -1,0 +1,30 @@
+"""Helpers for engine tests: a TextEngine on a real model directory, and a run to the end."""
+
+from __future__ import annotations
+
+from app.config.schema import EngineParams, ModelEntry
+from app.engine.engine import TextEngine
+from app.engine.loader import load_text_model
+from app.engine.types import GenerationRequest, TokenDelta
+from app.engine.worker import MLXWorker
+
+
+def make_engine(path, **params) -> TextEngine:
+    """Its own MLX thread and model; stop it with ``engine.worker.stop()``."""
+    p = EngineParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
+                        "cache_min_tokens": 8, **params})
+    entry = ModelEntry(name="tiny", local_path=str(path), params=p)
+    worker = MLXWorker()
+    worker.start()
+    loaded = worker.submit(lambda: load_text_model(entry, p)).result()
+    return TextEngine(worker, loaded, p)
+
+
+async def run(engine: TextEngine, req: GenerationRequest) -> tuple[str, TokenDelta]:
+    """The whole text of one request and its final delta."""
+    text, last = [], None
+    async for d in engine.stream(req):
+        text.append(d.text)
+        last = d
+    assert last is not None
+    return "".join(text), last
