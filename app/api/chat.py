@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from contextlib import aclosing
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
-from litestar import Controller, Request, post
+from litestar import Controller, Request, Response, post
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
@@ -129,11 +130,49 @@ async def generate_events(state: AppState, prepared: PreparedChat) -> AsyncItera
 
 async def _generate_text(state: AppState, gen: GenerationRequest) -> tuple[str, TokenDelta]:
     parts, last = [], None
-    async for delta in engine_stream(state, gen):
-        parts.append(delta.text)
-        last = delta
+    async with aclosing(engine_stream(state, gen)) as deltas:
+        async for delta in deltas:
+            parts.append(delta.text)
+            last = delta
     assert last is not None
     return "".join(parts), last
+
+
+async def _collect_events(state: AppState, prepared: PreparedChat) -> tuple[list, TokenDelta]:
+    events, last = [], None
+    async with aclosing(generate_events(state, prepared)) as pairs:
+        async for evs, last in pairs:
+            events += evs
+    assert last is not None
+    return events, last
+
+
+class ClientGone(Exception):
+    """The client hung up before its (non-streaming) answer was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first: a non-streaming
+    request whose client gave up (an Open WebUI task, a timed-out SDK call) stops
+    generating and frees its KV instead of running to max_tokens."""
+    result: list[T] = []
+
+    async def watch() -> None:
+        # The body is already read: the next ASGI message is the disconnect, if any.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tg.cancel_scope.cancel()
+
+    async def run() -> None:
+        result.append(await work)
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        tg.start_soon(run)
+    if not result:
+        raise ClientGone
+    return result[0]
 
 
 class ChatController(Controller):
@@ -145,9 +184,10 @@ class ChatController(Controller):
         prepared, ext = await prepare(state, data)
         if data.stream:
             return EventStream(_chat_stream(state, data, await started(generate_events(state, prepared)), ext))
-        events, last = [], None
-        async for evs, last in generate_events(state, prepared):
-            events += evs
+        try:
+            events, last = await unless_disconnected(request, _collect_events(state, prepared))
+        except ClientGone:
+            return Response(b"", status_code=499)  # nobody is listening; nginx's "client closed request"
         u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         return chat_response(data.model, events, last.finish_reason or "stop", u, state.reasoning_fields, ext)
 
@@ -159,7 +199,10 @@ class ChatController(Controller):
         gen = await anyio.to_thread.run_sync(prepare_completion, state.profile, data)
         if data.stream:
             return EventStream(_completion_stream(data, await started(engine_stream(state, gen))))
-        text, last = await _generate_text(state, gen)
+        try:
+            text, last = await unless_disconnected(request, _generate_text(state, gen))
+        except ClientGone:
+            return Response(b"", status_code=499)
         return _completion_body(new_id("cmpl"), data.model, (data.prompt if data.echo else "") + text,
                                 last.finish_reason, usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
 

@@ -165,3 +165,17 @@ def test_cached_tokens_reported_for_a_shared_system_prompt(client, demo_state):
     head = tok.apply_chat_template([system], tokenize=False, add_generation_prompt=False)
     assert r.usage.prompt_tokens_details.cached_tokens >= len(tok.encode(head, add_special_tokens=False))
     assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+
+
+def test_non_streaming_client_that_gives_up_stops_generation(demo_server, demo_state, client):
+    import time
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(demo_server.base_url + "/v1/chat/completions", timeout=2.0,
+                   json={"model": "demo", "max_tokens": 400, "temperature": 0,
+                         "messages": [{"role": "user", "content": "Count from 1 to 500, separated by commas."}]})
+    deadline = time.monotonic() + 15  # 400 tokens would take the demo model ~50 s
+    while demo_state.engine.admission.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert demo_state.engine.admission.running == 0 and demo_state.engine.admission.reserved == 0
+    assert client.chat.completions.create(model="demo", messages=Q, max_tokens=2, temperature=0).choices[0].message.content
