@@ -164,12 +164,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         tg.cancel_scope.cancel()
 
     async def run() -> None:
-        result.append(await work)
+        try:
+            result.append(await work)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, not as an ExceptionGroup
+            failed.append(exc)
         tg.cancel_scope.cancel()
 
+    failed: list[Exception] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
         tg.start_soon(run)
+    if failed:
+        raise failed[0]
     if not result:
         raise ClientGone
     return result[0]
@@ -183,7 +189,11 @@ class ChatController(Controller):
         state: AppState = request.app.state.tandem
         prepared, ext = await prepare(state, data)
         if data.stream:
-            return EventStream(_chat_stream(state, data, await started(generate_events(state, prepared)), ext))
+            try:
+                pairs = await unless_disconnected(request, started(generate_events(state, prepared)))
+            except ClientGone:  # hung up while queued or in prefill
+                return Response(b"", status_code=499)
+            return EventStream(_chat_stream(state, data, pairs, ext))
         try:
             events, last = await unless_disconnected(request, _collect_events(state, prepared))
         except ClientGone:
@@ -198,7 +208,11 @@ class ChatController(Controller):
         check_prompt_chars(state, len(data.prompt), "prompt")
         gen = await anyio.to_thread.run_sync(prepare_completion, state.profile, data)
         if data.stream:
-            return EventStream(_completion_stream(data, await started(engine_stream(state, gen))))
+            try:
+                deltas = await unless_disconnected(request, started(engine_stream(state, gen)))
+            except ClientGone:
+                return Response(b"", status_code=499)
+            return EventStream(_completion_stream(data, deltas))
         try:
             text, last = await unless_disconnected(request, _generate_text(state, gen))
         except ClientGone:

@@ -173,3 +173,25 @@ def test_a_burst_of_connections_is_answered_not_reset(tmp_path, tiny_model_dir):
     with serving(tmp_path, tiny_yaml(tiny_model_dir)) as defaults:
         assert defaults.state.config.server.backlog >= 1024
         assert asyncio.run(burst(defaults.base_url)) == [200] * 200
+
+
+def test_a_queued_client_that_hangs_up_leaves_the_queue(tmp_path, tiny_model_dir):
+    """A streaming client that gives up while waiting for a slot frees its place at once,
+    not when its queue timeout (60 s here) runs out."""
+    from contextlib import ExitStack
+
+    params = {"max_num_seqs": 1, "max_queue": 4, "queue_timeout_s": 60.0}
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, None, params)) as srv, ExitStack() as stack:
+        engine = srv.state.engine
+        running = stream_lines(srv, 1500, stack)
+        first = engine.stats().kv_reserved_tokens
+        with pytest.raises(httpx.TimeoutException):
+            srv.post("/v1/chat/completions", {"model": "tiny", "messages": HI, "stream": True}, timeout=1.0)
+        deadline = time.monotonic() + 15
+        while engine.stats().waiting:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.02)
+        # It left while the long stream still held the only slot (not when that one ended).
+        stats = engine.stats()
+        assert stats.active == 1 and stats.kv_reserved_tokens == first
+        assert '"finish_reason":null' in next(line for line in running if line)
