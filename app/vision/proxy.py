@@ -30,7 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from app.errors import (
@@ -41,7 +41,7 @@ from app.errors import (
 )
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
-from app.vision.images import ImagePolicy, LoadedImage, decode_image, read_image
+from app.vision.images import ImagePolicy, LoadedImage, decode_image, downscale, read_image
 
 logger = logging.getLogger("tandem.vision")
 
@@ -230,7 +230,7 @@ class VisionProxy:
         if sha in self._known:
             self._known.move_to_end(sha)
             return _Image(sha, raw, part.param)
-        loaded = await asyncio.to_thread(decode_image, raw, self.policy, param=part.param)
+        loaded = await asyncio.to_thread(self._decode_small, raw, part.param)
         self._known[sha] = None
         if len(self._known) > self._known_max:
             self._known.popitem(last=False)
@@ -238,8 +238,16 @@ class VisionProxy:
 
     async def _decoded(self, image: _Image) -> LoadedImage:
         if image.loaded is None:
-            image.loaded = await asyncio.to_thread(decode_image, image.raw, self.policy, param=image.param)
+            image.loaded = await asyncio.to_thread(self._decode_small, image.raw, image.param)
         return image.loaded
+
+    def _decode_small(self, raw: bytes, param: str) -> LoadedImage:
+        """Decode, then shrink at once to what the VLM will see, so a request's
+        images wait for captioning at VLM size, not at up to max_image_pixels each."""
+        loaded = decode_image(raw, self.policy, param=param)
+        max_pixels = getattr(self.captioner, "max_pixels", None)
+        small = downscale(loaded.image, max_pixels) if max_pixels else loaded.image
+        return loaded if small is loaded.image else replace(loaded, image=small)
 
     def _check_count(self, parts: list[ImagePart]) -> None:
         limit = self.policy.max_images_per_request

@@ -270,3 +270,29 @@ def test_repeated_image_is_not_decoded_again(monkeypatch):
     again = asyncio.run(proxy.rewrite(msg))
     assert len(decodes) == 1
     assert again.captions[0].cached and again.messages == first.messages
+
+
+def test_images_wait_for_captioning_at_vlm_size():
+    """Each image is shrunk to the captioner's max_pixels as soon as it is checked."""
+    import asyncio
+
+    from app.vision.cache import CaptionCache
+    from app.vision.images import ImagePolicy
+    from app.vision.proxy import VisionProxy
+    from tests.vision.sample_images import data_url, image_bytes
+
+    class Small:
+        name = "small"
+        max_pixels = 32 * 32
+
+        def prompt(self, user_text):
+            return "describe"
+
+        async def describe(self, image, user_text):
+            return f"{image.image.size[0] * image.image.size[1]} pixels"
+
+    big = data_url(image_bytes(size=(400, 300)))
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": big}}]}]
+    result = asyncio.run(VisionProxy(Small(), CaptionCache(4), ImagePolicy()).rewrite(msg))
+    pixels = int(result.captions[0].caption.split()[0])
+    assert pixels <= Small.max_pixels
