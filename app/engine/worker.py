@@ -52,23 +52,20 @@ class MLXWorker:
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the MLX thread, ahead of the next batch step."""
-        fut: Future[T] = Future()
-        if self.dead is not None or self._stop.is_set():
-            fut.set_exception(EngineDeadError("the MLX engine thread is not running"))
-            return fut
-        self._jobs.append((fn, fut))
-        self._wake.set()
-        return fut
+        return self._enqueue(self._jobs, fn)
 
     def submit_steps(self, make: Callable[[], Generator[object, None, T]]) -> Future[T]:
         """Run the generator ``make()`` on the MLX thread, one step per loop turn,
         interleaved with the batch; the future gets its return value. Step jobs
         run one at a time, in order."""
-        fut: Future[T] = Future()
+        return self._enqueue(self._step_jobs, make)
+
+    def _enqueue(self, queue: deque, job: Callable) -> Future:
+        fut: Future = Future()
         if self.dead is not None or self._stop.is_set():
             fut.set_exception(EngineDeadError("the MLX engine thread is not running"))
             return fut
-        self._step_jobs.append((make, fut))
+        queue.append((job, fut))
         self._wake.set()
         return fut
 
