@@ -10,11 +10,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -73,7 +75,7 @@ def uvicorn_config(app: Any, server: ServerSettings, log_level: str = "info") ->
         log_config=None,  # uvicorn's records (the access log too) go through our format, request id included
         limit_concurrency=server.max_connections, backlog=server.backlog,
         # Past the grace period the engine ends what still runs; the extra seconds let those streams close.
-        timeout_graceful_shutdown=server.shutdown_grace_s + 5,
+        timeout_graceful_shutdown=math.ceil(server.shutdown_grace_s + 5),
     )
 
 
@@ -123,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def configure_logging(level: str) -> None:
     """One line per record, with the request id it was made for ("-" outside requests)."""
-    from app.api.request_id import RequestIdFilter
+    from app.request_context import RequestIdFilter
 
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
     for handler in logging.getLogger().handlers:

@@ -1,7 +1,10 @@
 """The one error tree of Tandem.
 
-Code anywhere raises these; one Litestar exception handler (``app.api.errors``)
-renders them as OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+Code anywhere raises these; the API edge (``app.api.errors``) maps everything
+else (Litestar's validation, routing and body-size errors, unexpected
+exceptions) onto them too, and each wire format renders them in its own shape:
+OpenAI's ``{"error": {"message", "type", "param", "code"}}``, Anthropic's
+``{"type": "error", "error": {"type", "message"}}``.
 Errors from MLX, Pillow, the network or the file system are translated where
 they enter our code (``raise ... from exc``), never left to become a 500.
 
@@ -13,7 +16,9 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     ├── AuthenticationError          401 authentication_error
     ├── NotFoundError                404 not_found_error
     │   └── ModelNotFoundError       404 code=model_not_found
+    ├── MethodNotAllowedError        405 invalid_request_error
     ├── PayloadTooLargeError         413 invalid_request_error
+    ├── UnsupportedMediaTypeError    415 invalid_request_error
     ├── RateLimitError               429 rate_limit_error (Retry-After)
     ├── ServiceUnavailableError      503 service_unavailable (Retry-After)
     │   ├── EngineBusyError          503 code=engine_busy
@@ -46,17 +51,6 @@ class AppError(Exception):
         self.param = param
         self.code = code if code is not None else self.default_code
         self.headers = dict(headers or {})
-
-    def to_dict(self) -> dict:
-        """OpenAI's error body."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.openai_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class InvalidRequestError(AppError):
@@ -91,6 +85,18 @@ class NotFoundError(AppError):
 
 class ModelNotFoundError(NotFoundError):
     default_code = "model_not_found"
+
+
+class MethodNotAllowedError(AppError):
+    status_code = 405
+    openai_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class UnsupportedMediaTypeError(AppError):
+    status_code = 415
+    openai_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
 
 
 class PayloadTooLargeError(AppError):

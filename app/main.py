@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
@@ -20,17 +21,20 @@ from litestar.openapi import OpenAPIConfig
 
 from app.api import request_id
 from app.api.agui import agui
-from app.api.chat import ChatController
-from app.api.errors import EXCEPTION_HANDLERS
+from app.api.errors import exception_handlers
 from app.api.meta import get_model, health, list_models
 from app.api.metrics import metrics
-from app.api.prompting import make_profile
-from app.api.state import AppState, VisionState
+from app.api.openai.chat import chat_completions
+from app.api.openai.completions import completions
+from app.api.state import AppState
 from app.config.loader import ResolvedConfig
+from app.config.mapping import engine_params, load_params, model_source
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.worker import MLXWorker
 from app.errors import AuthenticationError, EngineDeadError
+from app.pipeline.pipeline import Pipeline, ServedModel, VisionState, log_generation
+from app.pipeline.prompting import make_profile
 
 log = logging.getLogger("tandem")
 
@@ -38,33 +42,40 @@ log = logging.getLogger("tandem")
 def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState:
     """Start the MLX thread, load the models, and return the shared state."""
     primary = config.primary
-    log.info("model %s: EngineParams %s", primary.name, primary.params.to_log_string())
+    load = load_params(primary.params)
+    log.info("model %s: LoadParams %s", primary.name, load)
     worker = MLXWorker()
     worker.start()
     try:
-        loaded = worker.submit(lambda: load_text_model(primary, primary.params)).result()
+        loaded = worker.submit(lambda: load_text_model(model_source(primary), load)).result()
     except BaseException:
         worker.stop()  # a failed load leaves no thread behind; the caller reports why
         raise
-    engine = TextEngine(worker, loaded, primary.params)
-    profile = make_profile(primary.name, loaded.tokenizer, primary.params, loaded.max_model_len, primary.capabilities)
-    log.info("model %s: parser=%s reasoning=%s", primary.name, profile.parser, profile.reasoning)
-    vision = build_vision(config, worker) if load_vision else VisionState(
-        mode=primary.capabilities.vision_mode, reason="vision loading skipped"
-    )
-    return AppState(config=config, worker=worker, engine=engine, profile=profile, vision=vision)
+    engine = TextEngine(worker, loaded, engine_params(primary.params))
+    profile = make_profile(primary.name, loaded.tokenizer, primary.params, loaded.max_model_len, primary.capabilities,
+                           vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_budget_tokens)
+    log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name, profile.parser,
+             profile.reasoning, profile.thinking_switch, profile.system_prompt)
+    vision = build_vision(config, worker, load=load_vision)
+    served = ServedModel(profile, engine, vision, aliases=(primary.hf_id,) if primary.hf_id else ())
+    state = AppState(config, worker, engine, profile, vision, Pipeline([served], config.server))
+    engine.add_listener(state.metrics.on_generation)
+    engine.add_listener(log_generation)
+    state.metrics.watch(lambda: state)
+    return state
 
 
-def build_vision(config: ResolvedConfig, worker: MLXWorker) -> VisionState:
-    """The vision side for a proxy-mode model; any failure leaves text serving."""
+def build_vision(config: ResolvedConfig, worker: MLXWorker, *, load: bool = True) -> VisionState:
+    """The vision side for a proxy-mode model; any failure (or ``--no-vision``) leaves
+    text serving, with images replaced by placeholders and a warning."""
     from app.vision.wiring import build_proxy
 
     caps = config.primary.capabilities
     state = VisionState(mode=caps.vision_mode)
     if caps.vision_mode != "proxy":
         return state
-    state.model = config.vision.name if config.vision else caps.vision_proxy.model
-    state.proxy, state.reason = build_proxy(config, worker)
+    state.model = config.vision.name if config.vision else caps.vision_proxy.model if caps.vision_proxy else None
+    state.proxy, state.reason = build_proxy(config, worker, load=load)
     state.available = state.reason is None
     if state.reason:
         log.warning("vision model %s unavailable, serving text only: %s", state.model, state.reason)
@@ -73,12 +84,12 @@ def build_vision(config: ResolvedConfig, worker: MLXWorker) -> VisionState:
     return state
 
 
-def _api_key_guard(key: str):
+def _api_key_guard(key: str) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
     expected = key.encode()
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         header = connection.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+        scheme, _sep, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
             raise AuthenticationError(
                 "missing or invalid API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
@@ -114,10 +125,11 @@ def create_app(state: AppState) -> Litestar:
     app = Litestar(
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
-            Router("/", route_handlers=[ChatController, agui, list_models, get_model, metrics], guards=guards),
+            Router("/", route_handlers=[chat_completions, completions, agui, list_models, get_model, metrics],
+                   guards=guards),
             health,
         ],
-        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        exception_handlers=exception_handlers(),
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),

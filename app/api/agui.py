@@ -1,9 +1,8 @@
-"""POST /v1/agui: an AG-UI 1.0 agent endpoint over the same chat path.
+"""POST /v1/agui: an AG-UI 1.0 agent endpoint over the typed pipeline.
 
-Takes a ``RunAgentInput`` (messages, tools), runs it through the same vision
-proxy, chat template, engine and stream parser as /v1/chat/completions, and
-answers with an SSE stream of AG-UI events built with the official
-``ag-ui-protocol`` models:
+Takes a ``RunAgentInput`` (messages, tools), runs it through the same pipeline
+as /v1/chat/completions, and answers with an SSE stream of AG-UI events built
+with the official ``ag-ui-protocol`` models:
 
     RUN_STARTED
     (REASONING_START, REASONING_MESSAGE_START, REASONING_MESSAGE_CONTENT*, REASONING_MESSAGE_END, REASONING_END)?
@@ -12,14 +11,17 @@ answers with an SSE stream of AG-UI events built with the official
     RUN_FINISHED | RUN_ERROR
 
 Reasoning, text and tool calls may interleave as the model emits them; each
-open block is closed before another kind starts.
+open block is closed before another kind starts. Everything that can be
+checked is checked before the run starts, so a client mistake is a 4xx, never
+a RUN_ERROR "internal error".
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from ag_ui.core import (
     PROTOCOL_VERSION,
@@ -42,55 +44,94 @@ from ag_ui.core import (
 )
 from litestar import Request, post
 from litestar.params import JSONBody
-from litestar.response import ServerSentEvent
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.api.schemas import ChatCompletionRequest
+from app.api.errors import as_app_error
 from app.api.state import AppState
-from app.errors import AppError, InvalidRequestError
+from app.api.streaming import Event, EventStream, started, unless_disconnected
+from app.errors import InvalidRequestError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
+from app.parsers import Event as ParserEvent
+from app.pipeline import request as typed
+from app.pipeline.results import Step
 
 
-def _part(part: Any) -> dict[str, Any]:
+class ForwardedProps(BaseModel):
+    """What a run may set through ``forwardedProps``; anything else is ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    thinking: bool | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+
+
+def _props(inp: RunAgentInput) -> ForwardedProps:
+    raw = inp.forwarded_props if isinstance(inp.forwarded_props, dict) else {}
+    try:
+        return ForwardedProps.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequestError(f"forwardedProps.{where}: {err['msg']}", param=f"forwardedProps.{where}") from exc
+
+
+def _part(part: Any, where: str) -> typed.Part:
     if part.type == "text":
-        return {"type": "text", "text": part.text}
-    if part.type == "image":
+        return typed.TextPart(part.text)
+    if part.type == "image" and part.source.type in ("data", "url"):
         src = part.source
-        if src.type == "data":
-            return {"type": "image_url", "image_url": {"url": f"data:{src.mime_type};base64,{src.value}"}}
-        if src.type == "url":
-            return {"type": "image_url", "image_url": {"url": src.value}}
-    raise InvalidRequestError(f"AG-UI content part {part.type!r} is not supported", param="messages")
+        url = f"data:{src.mime_type};base64,{src.value}" if src.type == "data" else src.value
+        return typed.ImagePart(url, where)
+    raise InvalidRequestError(f"{where}: AG-UI content part {part.type!r} is not supported", param=where)
 
 
-def to_chat_request(inp: RunAgentInput, model: str) -> ChatCompletionRequest:
-    """An AG-UI run as the equivalent chat completion request."""
-    messages: list[dict[str, Any]] = []
-    for m in inp.messages:
-        if m.role in ("system", "developer"):
-            messages.append({"role": "system", "content": m.content})
-        elif m.role == "user":
-            content = m.content if isinstance(m.content, str) else [_part(p) for p in m.content]
-            messages.append({"role": "user", "content": content})
-        elif m.role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": m.content}
-            if m.tool_calls:
-                msg["tool_calls"] = [{"id": tc.id, "type": "function",
-                                      "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                                     for tc in m.tool_calls]
-            messages.append(msg)
-        elif m.role == "tool":
-            content = m.content if isinstance(m.content, str) else json.dumps([p.model_dump() for p in m.content])
-            messages.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
-        # activity and reasoning messages are UI state, not model input
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": t.parameters or {"type": "object", "properties": {}}}}
-             for t in inp.tools or []]
-    props = inp.forwarded_props if isinstance(inp.forwarded_props, dict) else {}
-    body = {"model": model, "messages": messages, "stream": True, **({"tools": tools} if tools else {})}
-    for key in ("temperature", "max_tokens", "top_p", "thinking", "seed"):
-        if key in props:
-            body[key] = props[key]
-    return ChatCompletionRequest.model_validate(body)
+def _message(m: Any, i: int) -> typed.Message | None:
+    where = f"messages[{i}]"
+    if m.role in ("system", "developer"):
+        return typed.Message.of("system", m.content, param=where)
+    if m.role == "user":
+        if isinstance(m.content, str):
+            return typed.Message.of("user", m.content, param=where)
+        return typed.Message("user", tuple(_part(p, f"{where}.content[{j}]") for j, p in enumerate(m.content)),
+                             param=where)
+    if m.role == "assistant":
+        calls = tuple(typed.ToolCall(tc.id, tc.function.name, tc.function.arguments or "{}")
+                      for tc in m.tool_calls or ())
+        if not m.content and not calls:
+            raise InvalidRequestError(f"{where}: an assistant message needs content or toolCalls", param=where)
+        return typed.Message("assistant", (typed.TextPart(m.content),) if m.content else (), tool_calls=calls,
+                             param=where)
+    if m.role == "tool":
+        content = m.content if isinstance(m.content, str) else json.dumps([p.model_dump() for p in m.content])
+        return typed.Message.of("tool", content, tool_call_id=m.tool_call_id, param=where)
+    return None  # activity and reasoning messages are UI state, not model input
+
+
+def _tool(t: Any, i: int) -> typed.Tool:
+    where = f"tools[{i}]"
+    if not 0 < len(t.name) <= 64:
+        raise InvalidRequestError(f"{where}.name: a tool name has 1 to 64 characters", param=f"{where}.name")
+    parameters = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise InvalidRequestError(f"{where}.parameters: must be a JSON schema object", param=f"{where}.parameters")
+    return typed.Tool(t.name, t.description, parameters)
+
+
+def to_chat_request(inp: RunAgentInput, default_model: str) -> typed.ChatRequest:
+    """An AG-UI run as the pipeline's typed request; every client mistake is a 400 here."""
+    props = _props(inp)
+    messages = tuple(t for i, m in enumerate(inp.messages) if (t := _message(m, i)) is not None)
+    if not messages:
+        raise InvalidRequestError("messages: a run needs at least one message", param="messages")
+    sampling = typed.Sampling(temperature=props.temperature, top_p=props.top_p,
+                              seed=None if props.seed is None else props.seed % 2**64)
+    options = typed.Options(props.model or default_model, sampling, props.max_tokens,
+                            max_tokens_param="forwardedProps.max_tokens")
+    tools = tuple(_tool(t, i) for i, t in enumerate(inp.tools or ()))
+    return typed.ChatRequest(options, messages, tools=tools, thinking=props.thinking)
 
 
 class AguiRenderer:
@@ -105,9 +146,9 @@ class AguiRenderer:
     def _close(self) -> list[BaseEvent]:
         out: list[BaseEvent] = []
         if self.open == "text":
-            out.append(TextMessageEndEvent(messageId=self.message_id))
+            out.append(TextMessageEndEvent(message_id=self.message_id))
         elif self.open == "reasoning":
-            out += [ReasoningMessageEndEvent(messageId=self.message_id), ReasoningEndEvent(messageId=self.message_id)]
+            out += [ReasoningMessageEndEvent(message_id=self.message_id), ReasoningEndEvent(message_id=self.message_id)]
         self.open = None
         return out
 
@@ -117,26 +158,28 @@ class AguiRenderer:
         out = self._close()
         self.open, self.message_id = kind, f"msg_{uuid.uuid4().hex[:16]}"
         if kind == "text":
-            out.append(TextMessageStartEvent(messageId=self.message_id, role="assistant"))
+            out.append(TextMessageStartEvent(message_id=self.message_id, role="assistant"))
         else:
-            out += [ReasoningStartEvent(messageId=self.message_id), ReasoningMessageStartEvent(messageId=self.message_id)]
+            out += [ReasoningStartEvent(message_id=self.message_id),
+                    ReasoningMessageStartEvent(message_id=self.message_id)]
         return out
 
-    def feed(self, events: list[Any]) -> list[BaseEvent]:
+    def feed(self, events: list[ParserEvent]) -> list[BaseEvent]:
         out: list[BaseEvent] = []
         for ev in events:
             if isinstance(ev, ContentDelta) and ev.text:
-                out += self._ensure("text") + [TextMessageContentEvent(messageId=self.message_id, delta=ev.text)]
+                out += self._ensure("text") + [TextMessageContentEvent(message_id=self.message_id, delta=ev.text)]
             elif isinstance(ev, ReasoningDelta) and ev.text:
-                out += self._ensure("reasoning") + [ReasoningMessageContentEvent(messageId=self.message_id, delta=ev.text)]
+                content = ReasoningMessageContentEvent(message_id=self.message_id, delta=ev.text)
+                out += self._ensure("reasoning") + [content]
             elif isinstance(ev, ToolCallStart):
                 out += self._close()
                 self.tool_ids[ev.index] = ev.id
-                out.append(ToolCallStartEvent(toolCallId=ev.id, toolCallName=ev.name))
+                out.append(ToolCallStartEvent(tool_call_id=ev.id, tool_call_name=ev.name))
             elif isinstance(ev, ToolCallArgsDelta) and ev.text:
-                out.append(ToolCallArgsEvent(toolCallId=self.tool_ids[ev.index], delta=ev.text))
+                out.append(ToolCallArgsEvent(tool_call_id=self.tool_ids[ev.index], delta=ev.text))
             elif isinstance(ev, ToolCallEnd):
-                out.append(ToolCallEndEvent(toolCallId=self.tool_ids[ev.index]))
+                out.append(ToolCallEndEvent(tool_call_id=self.tool_ids[ev.index]))
             elif isinstance(ev, ToolCallError):
                 self.error = ev.message
         return out
@@ -145,36 +188,36 @@ class AguiRenderer:
         return self._close()
 
 
-def encode(event: BaseEvent) -> str:
-    return event.model_dump_json(by_alias=True, exclude_none=True)
+def encode(event: BaseEvent) -> Event:
+    """One AG-UI event as SSE data, the way AG-UI's own ``EventEncoder`` writes it."""
+    return Event(event.model_dump_json(by_alias=True, exclude_none=True))
 
 
-async def agui_events(state: AppState, inp: RunAgentInput) -> AsyncIterator[str]:
-    from app.api.chat import generate_events, prepare
-
-    yield encode(RunStartedEvent(threadId=inp.thread_id, runId=inp.run_id, protocolVersion=PROTOCOL_VERSION))
+async def agui_events(request: Request, inp: RunAgentInput, steps: AsyncIterator[Step]) -> AsyncIterator[Event]:
+    """The run's events; a failure after the start ends it with RUN_ERROR."""
+    yield encode(RunStartedEvent(thread_id=inp.thread_id, run_id=inp.run_id, protocol_version=PROTOCOL_VERSION))
     renderer = AguiRenderer()
     try:
-        req = to_chat_request(inp, state.profile.name)
-        prepared, _ = await prepare(state, req)
-        async for events, _delta in generate_events(state, prepared):
-            for ev in renderer.feed(events):
+        async for step in steps:
+            for ev in renderer.feed(step.events):
                 yield encode(ev)
-        for ev in renderer.finish():
-            yield encode(ev)
-        if renderer.error is not None:
-            yield encode(RunErrorEvent(message=renderer.error, code="tool_call_parse_error"))
-            return
     except Exception as exc:  # noqa: BLE001 - any failure ends the run with RUN_ERROR
-        err = exc if isinstance(exc, AppError) else AppError("internal error during the run")
+        err = as_app_error(request, exc)  # logs an unexpected error with its traceback
         for ev in renderer.finish():
             yield encode(ev)
         yield encode(RunErrorEvent(message=err.message, code=err.code or err.openai_type))
         return
-    yield encode(RunFinishedEvent(threadId=inp.thread_id, runId=inp.run_id))
+    for ev in renderer.finish():
+        yield encode(ev)
+    if renderer.error is not None:
+        yield encode(RunErrorEvent(message=renderer.error, code="tool_call_parse_error"))
+        return
+    yield encode(RunFinishedEvent(thread_id=inp.thread_id, run_id=inp.run_id))
 
 
 @post("/v1/agui", status_code=200, summary="Run the model as an AG-UI agent (SSE of AG-UI events)")
-async def agui(data: JSONBody[RunAgentInput], request: Request) -> ServerSentEvent:
+async def agui(data: JSONBody[RunAgentInput], request: Request) -> EventStream:
     state: AppState = request.app.state.tandem
-    return ServerSentEvent(agui_events(state, data))
+    prepared = await state.pipeline.prepare_chat(to_chat_request(data, state.default_model))
+    steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
+    return EventStream(agui_events(request, data, steps))

@@ -1,39 +1,54 @@
-"""The edge where every error becomes OpenAI's error JSON.
+"""The edge where every error becomes the wire format's error JSON.
 
-``AppError`` subclasses carry their own status and type. Litestar's own
-exceptions (body validation, unknown route, wrong method, body too large) and
-anything unexpected are mapped to the same shape, so a client always gets
-``{"error": {"message", "type", "param", "code"}}``.
+First every exception becomes an ``AppError`` (``as_app_error``): Tandem's own
+pass through; Litestar's (body validation, unknown route, wrong method, body
+too large) and anything unexpected are mapped onto the tree. Then a renderer
+writes it in the route's format: ``openai_error`` here, Anthropic's shape in
+its own adapter. A client always gets its format's error body, and a request
+whose client has gone (``ClientGone``) gets nginx's 499 and no body.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
-from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
-from app.errors import AppError
+from app.api.streaming import ClientGone
+from app.errors import (
+    AppError,
+    AuthenticationError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+)
 
 log = logging.getLogger("tandem.api")
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
+ErrorRenderer = Callable[[AppError], dict[str, Any]]
+
+_BY_STATUS: dict[int, type[AppError]] = {
+    400: InvalidRequestError,
+    401: AuthenticationError,
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    413: PayloadTooLargeError,
+    415: UnsupportedMediaTypeError,
+    429: RateLimitError,
+    503: ServiceUnavailableError,
 }
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def openai_error(err: AppError) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.code}}
 
 
 def _loc_to_param(loc: Any) -> str | None:
@@ -46,10 +61,13 @@ def _loc_to_param(loc: Any) -> str | None:
     return out or None
 
 
-def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
+def _validation_error(exc: ValidationException) -> InvalidRequestError:
+    detail = exc.detail or "invalid request body"
+    if "JSON" in detail or "decode" in detail.lower() or "recursion" in detail.lower():
+        return InvalidRequestError(f"request body is not valid JSON: {detail}")
     extra = exc.extra if isinstance(exc.extra, list) else []
     if not extra:
-        return exc.detail or "invalid request body", None
+        return InvalidRequestError(detail)
     first = extra[0] if isinstance(extra[0], dict) else {}
     key = first.get("key") or first.get("loc")
     param = _loc_to_param(key.split(".") if isinstance(key, str) else key)
@@ -58,49 +76,52 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
         if isinstance(err, dict):
             where = err.get("key") or _loc_to_param(err.get("loc"))
             msgs.append(f"{where}: {err.get('message') or err.get('msg')}" if where else str(err.get("message")))
-    return "; ".join(msgs) or exc.detail, param
+    return InvalidRequestError("; ".join(msgs) or detail, param=param)
 
 
-def app_error_handler(_: Request, exc: AppError) -> Response:
-    if exc.status_code >= 500:  # a 503 (busy, shutting down) is the server working as designed
-        log.log(logging.WARNING if exc.status_code == 503 else logging.ERROR, "%s: %s", type(exc).__name__, exc.message)
-    return Response(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
-
-
-def http_error_handler(request: Request, exc: HTTPException) -> Response:
-    status = exc.status_code
-    if status == 413:
-        limit = request.app.state.tandem.config.server.max_body_bytes
-        message = f"request body is larger than {limit} bytes (server.max_body_bytes)"
-        return Response(error_body(message, "invalid_request_error", code="request_too_large"), status_code=413)
+def as_app_error(request: Request, exc: Exception) -> AppError:
+    """Any exception as a member of the error tree."""
+    if isinstance(exc, AppError):
+        return exc
     if isinstance(exc, ValidationException):
-        message, param = _validation_message(exc)
-        if "JSON" in (exc.detail or "") or "decode" in (exc.detail or "").lower():
-            message = f"request body is not valid JSON: {exc.detail}"
-        return Response(error_body(message, "invalid_request_error", param), status_code=400)
-    headers = getattr(exc, "headers", None) or {}
-    return Response(
-        error_body(exc.detail, _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")),
-        status_code=status,
-        headers=headers,
-    )
+        return _validation_error(exc)
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            limit = request.app.state.tandem.config.server.max_body_bytes
+            return PayloadTooLargeError(f"request body is larger than {limit} bytes (server.max_body_bytes)")
+        kind = _BY_STATUS.get(exc.status_code, AppError)
+        err = kind(exc.detail, headers=dict(getattr(exc, "headers", None) or {}))
+        err.status_code = exc.status_code
+        return err
+    if isinstance(exc, UnicodeDecodeError):
+        return InvalidRequestError(f"request body is not valid UTF-8: {exc.reason}")
+    if isinstance(exc, RecursionError):  # msgspec on '[' * 10000: nesting past what it parses
+        return InvalidRequestError("request body is nested too deeply")
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return AppError("internal server error")
 
 
-def decode_error_handler(_: Request, exc: UnicodeDecodeError) -> Response:
-    return Response(error_body(f"request body is not valid UTF-8: {exc.reason}", "invalid_request_error"), status_code=400)
+def error_response(err: AppError, render: ErrorRenderer = openai_error) -> Response[Any]:
+    """``err`` as an HTTP response in a format's shape; 5xx are logged."""
+    if err.status_code >= 500:  # a 503 (busy, shutting down) is the server working as designed
+        log.log(logging.WARNING if err.status_code == 503 else logging.ERROR, "%s: %s", type(err).__name__, err.message)
+    return Response(render(err), status_code=err.status_code, headers=err.headers)
 
 
-def internal_error_handler(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return Response(
-        error_body("internal server error", "server_error"),
-        status_code=HTTP_500_INTERNAL_SERVER_ERROR,
-    )
+def exception_handlers(render: ErrorRenderer = openai_error) -> dict[Any, Callable[..., Response[Any]]]:
+    """Litestar exception handlers that answer in ``render``'s format."""
+
+    def handle(request: Request, exc: Exception) -> Response[Any]:
+        if isinstance(exc, ClientGone):
+            return Response(b"", status_code=499)  # nobody is listening; nginx's "client closed request"
+        return error_response(as_app_error(request, exc), render)
+
+    return {Exception: handle, HTTPException: handle}
 
 
-EXCEPTION_HANDLERS = {
-    AppError: app_error_handler,
-    HTTPException: http_error_handler,
-    UnicodeDecodeError: decode_error_handler,
-    Exception: internal_error_handler,
-}
+def stream_error(exc: BaseException, render: ErrorRenderer = openai_error) -> dict[str, Any]:
+    """The error event that ends a stream which had already started."""
+    if isinstance(exc, AppError):
+        return render(exc)
+    log.error("stream failed", exc_info=exc)
+    return render(AppError("internal error during generation"))

@@ -39,10 +39,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @get("/v1/models/{model_id:str}", summary="Describe one model")
 async def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
-    from app.api.chat import check_model
-
     state: AppState = request.app.state.tandem
-    check_model(state, model_id)
+    state.pipeline.model(model_id)
     return (await list_models.fn(request))["data"][0]
 
 

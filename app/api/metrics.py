@@ -1,16 +1,17 @@
-"""GET /metrics: counters, gauges and latency histograms in Prometheus' text format.
+"""GET /metrics: Prometheus metrics, with the field's own ``prometheus_client``.
 
-The exposition (text format 0.0.4: ``# HELP``, ``# TYPE``, ``name{label="v"} value``)
-is written by hand: it is a few dozen lines and needs no dependency. Counters
-and histograms change only on the event loop (the ``before_send`` hook and the
-stream wrapper), so they need no lock; gauges are read from the engine and the
-caption cache at scrape time.
+Counters and histograms are fed by two listeners: Litestar's ``before_send``
+hook (every HTTP response, by route template) and the engine's finished
+generations (``GenerationRecord``: outcome, tokens, time to first token and
+the gaps between tokens, cancelled and failed ones included). Gauges and the
+engine's own counters are read from the engine and the caption cache at
+scrape time by a collector. Each app has its own registry.
 
     tandem_http_responses_total{route,status}     every response, by route template
-    tandem_generations_total{outcome}             stop, length, error, cancelled
+    tandem_generations_total{outcome}             stop, length, cancelled, error
     tandem_prompt_tokens_total, tandem_cached_prompt_tokens_total, tandem_completion_tokens_total
     tandem_time_to_first_token_seconds            histogram, from submission to the first token
-    tandem_inter_token_latency_seconds            histogram, per generated token
+    tandem_inter_token_latency_seconds            histogram, per generated token after the first
     tandem_engine_up, tandem_requests_running, tandem_requests_waiting
     tandem_kv_budget_tokens, tandem_kv_reserved_tokens, tandem_prompt_cache_bytes
     tandem_prompt_cache_hits_total, tandem_prompt_cache_tokens_saved_total
@@ -19,155 +20,105 @@ caption cache at scrape time.
 
 from __future__ import annotations
 
-import logging
-import time
-from bisect import bisect_left
-from collections import Counter
-from typing import Any, AsyncIterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from litestar import Request, get
+from litestar import Request, Response, get
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
 
-from app.engine.types import TokenDelta
-from app.errors import AppError
+from app.engine.types import GenerationRecord
 
-log = logging.getLogger("tandem.api")
+# No "_created" timestamp series next to every counter: nothing here reads them.
+disable_created_metrics()
 
-CONTENT_TYPE = "text/plain; version=0.0.4"  # Litestar adds "; charset=utf-8"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
-class Histogram:
-    """Cumulative buckets as Prometheus wants them; ``observe`` is a bisect and three adds."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        """Record ``n`` observations of ``value``."""
-        self.counts[bisect_left(self.bounds, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, n in zip((*map(_num, self.bounds), "+Inf"), self.counts):
-            running += n
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        return out + [f"{name}_sum {_num(self.sum)}", f"{name}_count {self.count}"]
-
-
 class Metrics:
-    """What the server counts; one instance per app."""
+    """What the server counts; one instance (and registry) per app."""
 
     def __init__(self) -> None:
-        self.responses: Counter[tuple[str, int]] = Counter()
-        self.generations: Counter[str] = Counter()
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.completion_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.responses = Counter("tandem_http_responses", "HTTP responses by route template and status.",
+                                 ["route", "status"], registry=r)
+        self.generations = Counter("tandem_generations", "Generations by outcome (stop, length, cancelled, error).",
+                                   ["outcome"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of generations that ended.", registry=r)
+        self.cached_tokens = Counter("tandem_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
+                                     registry=r)
+        self.completion_tokens = Counter("tandem_completion_tokens",
+                                         "Generated tokens, cancelled and failed generations included.", registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds",
+                              "Seconds from submission to the engine (queue wait and prefill) to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Seconds between generated tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+
+    def watch(self, read_state: Callable[[], Any]) -> None:
+        """Read gauges from the app state at scrape time."""
+        self.registry.register(_StateCollector(read_state))
 
     async def before_send(self, message: Any, scope: Any) -> None:
         """Litestar ``before_send`` hook: count each response once, at its start."""
         if message["type"] == "http.response.start":
             # The route's template, never the raw path: unknown paths must not grow the label set.
-            self.responses[(scope.get("path_template") or "unmatched", message["status"])] += 1
+            self.responses.labels(scope.get("path_template") or "unmatched", str(message["status"])).inc()
 
-    async def observe(self, deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
-        """Pass one generation's deltas through, timing them; logs one line when it ends."""
-        start = time.perf_counter()
-        ttft = last = None
-        outcome, error, final = "cancelled", "", None  # cancelled unless it finishes or fails
-        try:
-            async for delta in deltas:
-                if delta.tokens:
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft = now - start
-                        self.ttft.observe(ttft)
-                    else:  # a coalesced delta spreads its gap over its tokens
-                        self.itl.observe((now - last) / delta.tokens, delta.tokens)
-                    last = now
-                if delta.finish_reason is not None:
-                    outcome, final = delta.finish_reason, delta
-                yield delta
-        except Exception as exc:
-            outcome, error = "error", f" ({exc.code})" if isinstance(exc, AppError) else f" ({type(exc).__name__})"
-            raise
-        finally:
-            self.generations[outcome] += 1
-            if final is not None:
-                self.prompt_tokens += final.prompt_tokens
-                self.cached_tokens += final.cached_tokens
-                self.completion_tokens += final.completion_tokens
-            log.info(
-                "generation %s%s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%s total_s=%.3f",
-                outcome, error, final.prompt_tokens if final else 0, final.cached_tokens if final else 0,
-                final.completion_tokens if final else 0, "-" if ttft is None else f"{ttft:.3f}",
-                time.perf_counter() - start,
-            )
+    def on_generation(self, record: GenerationRecord) -> None:
+        """The engine's listener: one generation ended (called on the MLX thread)."""
+        self.generations.labels(record.outcome).inc()
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.cached_tokens.inc(record.cached_tokens)
+        self.completion_tokens.inc(record.completion_tokens)
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s)
+        for gap in record.token_gaps_s:
+            self.itl.observe(gap)
 
-    def render(self, state: Any) -> str:
-        """The whole exposition, with the engine and caption-cache gauges read now."""
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Engine and caption-cache figures, read when scraped."""
+
+    def __init__(self, read_state: Callable[[], Any]) -> None:
+        self._read_state = read_state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._read_state()
+        if state is None:
+            return
         stats = state.engine.stats()
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
-            out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
-
-        metric("tandem_http_responses_total", "counter", "HTTP responses by route template and status.",
-               [f'tandem_http_responses_total{{route="{_label(r)}",status="{s}"}} {n}'
-                for (r, s), n in sorted(self.responses.items())])
-        metric("tandem_generations_total", "counter", "Generations by outcome (stop, length, error, cancelled).",
-               [f'tandem_generations_total{{outcome="{o}"}} {n}' for o, n in sorted(self.generations.items())])
-        for name, value, help_ in (
-            ("tandem_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished generations."),
-            ("tandem_cached_prompt_tokens_total", self.cached_tokens, "Prompt tokens served from the prefix cache."),
-            ("tandem_completion_tokens_total", self.completion_tokens, "Generated tokens of finished generations."),
-            ("tandem_prompt_cache_hits_total", stats.prompt_cache_hits, "Requests that reused a cached prefix."),
-            ("tandem_prompt_cache_tokens_saved_total", stats.prompt_cache_tokens_saved, "Prefill tokens saved by the prefix cache."),
-        ):
-            metric(name, "counter", help_, [f"{name} {value}"])
-        metric("tandem_time_to_first_token_seconds", "histogram",
-               "Seconds from submission to the engine (queue wait and prefill) to the first token.",
-               self.ttft.lines("tandem_time_to_first_token_seconds"))
-        metric("tandem_inter_token_latency_seconds", "histogram", "Seconds between generated tokens.",
-               self.itl.lines("tandem_inter_token_latency_seconds"))
         for name, value, help_ in (
             ("tandem_engine_up", int(stats.alive and state.worker.alive), "1 while the MLX engine thread runs."),
             ("tandem_requests_running", stats.active, "Sequences being generated."),
-            ("tandem_requests_waiting", stats.waiting, "Requests queued for KV memory."),
+            ("tandem_requests_waiting", stats.waiting, "Requests waiting for the engine."),
             ("tandem_kv_budget_tokens", stats.kv_budget_tokens, "KV-cache budget in tokens (mem)."),
             ("tandem_kv_reserved_tokens", stats.kv_reserved_tokens, "KV tokens reserved by running sequences."),
             ("tandem_prompt_cache_bytes", stats.prompt_cache_bytes, "Bytes held by the prefix cache."),
         ):
-            metric(name, "gauge", help_, [f"{name} {value}"])
+            yield GaugeMetricFamily(name, help_, value=value)
+        yield CounterMetricFamily("tandem_prompt_cache_hits", "Requests that reused a cached prefix.",
+                                  value=stats.prompt_cache_hits)
+        yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
+                                  value=stats.prompt_cache_tokens_saved)
         proxy = state.vision.proxy
         if proxy is not None:
             cache = proxy.cache.stats()
-            metric("tandem_caption_cache_hits_total", "counter", "Images whose caption came from the cache.",
-                   [f"tandem_caption_cache_hits_total {cache['hits']}"])
-            metric("tandem_caption_cache_misses_total", "counter", "Images that had to be captioned.",
-                   [f"tandem_caption_cache_misses_total {cache['misses']}"])
-            metric("tandem_caption_cache_entries", "gauge", "Captions held by the cache.",
-                   [f"tandem_caption_cache_entries {cache['entries']}"])
-        return "\n".join(out) + "\n"
+            yield CounterMetricFamily("tandem_caption_cache_hits", "Images whose caption came from the cache.",
+                                      value=cache["hits"])
+            yield CounterMetricFamily("tandem_caption_cache_misses", "Images that had to be captioned.",
+                                      value=cache["misses"])
+            yield GaugeMetricFamily("tandem_caption_cache_entries", "Captions held by the cache.",
+                                    value=cache["entries"])
 
 
-def _num(x: float) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-@get("/metrics", media_type=CONTENT_TYPE, summary="Prometheus metrics")
-async def metrics(request: Request) -> str:
-    state = request.app.state.tandem
-    return state.metrics.render(state)
+@get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response[bytes]:
+    return Response(request.app.state.tandem.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

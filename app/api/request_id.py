@@ -12,17 +12,15 @@ request (uvicorn's access log too: it is written from inside ``send``).
 
 from __future__ import annotations
 
-import logging
 import re
 import uuid
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # `tandem models list` sets up logging too: no web framework to import for it
-    from litestar import Request
+from litestar import Request
+
+from app.request_context import REQUEST_ID
 
 HEADER = "x-request-id"
-REQUEST_ID: ContextVar[str] = ContextVar("tandem_request_id", default="-")
 _SANE = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
 
 
@@ -45,11 +43,3 @@ async def before_request(request: Request) -> None:
 async def before_send(message: Any, scope: Any) -> None:
     if message["type"] == "http.response.start":
         message["headers"] = [*message.get("headers", ()), (HEADER.encode(), request_id(scope).encode())]
-
-
-class RequestIdFilter(logging.Filter):
-    """Adds ``record.request_id`` ("-" outside a request) for the log format."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = REQUEST_ID.get()
-        return True

@@ -3,7 +3,8 @@
 Everything engine-related for a model lives in its entry: where the weights
 come from, how they are loaded, how much KV-cache memory it may use, how many
 sequences run at once, default sampling and capabilities. Command-line flags
-override a model's ``params``; both resolve into one frozen ``EngineParams``.
+override a model's ``params``; ``mapping`` resolves both into the engine's frozen
+``LoadParams`` and ``EngineParams`` (``app/engine/params.py``), logged once at start-up.
 
 Every model is ``extra="forbid"``: a typo in models.yaml stops start-up with a
 message naming the file, the key and the allowed values (see ``loader``).
@@ -25,8 +26,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineParams(_Strict):
-    """How one model is loaded and run. Frozen once resolved."""
+class ModelParams(_Strict):
+    """A model entry's ``params``: how it is loaded and run. ``app.config.mapping`` turns it
+    into the engine's frozen ``LoadParams`` / ``EngineParams``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -47,6 +49,8 @@ class EngineParams(_Strict):
     max_num_seqs: int = Field(default=8, ge=1, le=256)
     # Largest prompt slice processed in one step, so decoding streams keep moving.
     prefill_chunk_size: int = Field(default=512, ge=16)
+    # Prompts prefilled together in one step (capped at max_num_seqs).
+    prefill_batch_size: int = Field(default=8, ge=1, le=256)
     # Context length; None takes the model config's max_position_embeddings.
     max_model_len: int | None = Field(default=None, ge=64)
     # Requests waiting for KV budget; one more gets 429 with Retry-After.
@@ -57,8 +61,13 @@ class EngineParams(_Strict):
     prompt_cache: PromptCacheMode = "prefix"
     # Prefixes shorter than this many tokens are not worth caching.
     cache_min_tokens: int = Field(default=64, ge=1)
-    # Share of `mem` (MB) the prefix cache may hold; evicted LRU beyond it.
+    # MB of `mem` the prefix cache may hold (None: a quarter of `mem`); evicted LRU beyond it.
     prompt_cache_mem: int | None = Field(default=None, ge=0)
+    # Most prefixes the prefix cache holds, whatever their size.
+    prompt_cache_entries: int = Field(default=256, ge=1)
+    # Share of max_num_seqs background requests (priority "background", Open WebUI's
+    # "### Task:" prompts) may hold while interactive requests wait for their first token.
+    background_share: float = Field(default=0.25, ge=0.0, le=1.0)
 
     # Default sampling; each request may override these.
     temperature: float = Field(default=0.7, ge=0.0, le=2.0)
@@ -89,10 +98,6 @@ class EngineParams(_Strict):
             return (self.kvcache_mem_gpu or 0) + (self.kvcache_mem_cpu or 0)
         return self.mem
 
-    def to_log_string(self) -> str:
-        """One line with every effective value, for the start-up log."""
-        return " ".join(f"{k}={v}" for k, v in self.model_dump().items())
-
 
 class VisionProxyConfig(_Strict):
     # The vision model: a models.yaml entry name (or its hf_id).
@@ -115,6 +120,10 @@ class ModelCapabilities(_Strict):
     # The model reasons, with this family's markers ("none": it does not);
     # None detects it from the chat template, then the model name.
     reasoning_parser: str | None = None
+    # When the client sends a system prompt and the chat template has a default one (which it
+    # then drops): "append" keeps the default first, then the client's; "replace" sends the
+    # client's alone. None: "append" when the template has a default system prompt.
+    system_prompt: Literal["replace", "append"] | None = None
 
     @model_validator(mode="after")
     def _proxy_needs_model(self) -> ModelCapabilities:
@@ -122,7 +131,9 @@ class ModelCapabilities(_Strict):
             raise ValueError("vision_mode 'proxy' needs vision_proxy.model")
         if self.vision_mode == "native":
             # Reserved in the schema so configs can name it; refused until it is built.
-            raise ValueError("vision_mode 'native' (a VLM as the chat model) is not supported yet; use 'proxy' or 'disabled'")
+            raise ValueError(
+                "vision_mode 'native' (a VLM as the chat model) is not supported yet; use 'proxy' or 'disabled'"
+            )
         return self
 
 
@@ -139,7 +150,7 @@ class ModelEntry(_Strict):
     builtin: Literal["smollm2-135m-instruct"] | None = None
     # What this entry is for: a chat model, or a VLM that captions for others.
     role: Literal["chat", "vision"] = "chat"
-    params: EngineParams = EngineParams()
+    params: ModelParams = ModelParams()
     capabilities: ModelCapabilities = ModelCapabilities()
 
     @model_validator(mode="after")
@@ -227,5 +238,5 @@ class ModelsFile(_Strict):
     def capabilities_map(self) -> dict[str, ModelCapabilities]:
         return {m.name: m.capabilities for m in self.models}
 
-    def params_map(self) -> dict[str, EngineParams]:
+    def params_map(self) -> dict[str, ModelParams]:
         return {m.name: m.params for m in self.models}

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from app.errors import ContextLengthError, EngineBusyError, RateLimitError
 
@@ -48,17 +49,22 @@ class Admission(Generic[T]):
         self.running = 0
         self.waiting: deque[Waiting[T]] = deque()
 
-    def check(self, tokens: int) -> None:
-        """Refuse at once what could never run, or what finds the queue full."""
+    def check(self, tokens: int, arriving: int = 0) -> None:
+        """Refuse at once what could never run, or what finds the queue full.
+
+        ``arriving`` counts requests submitted but not yet seen by the engine thread:
+        they wait too, except those that free batch slots will take at once.
+        """
         if tokens > self.budget_tokens:
             raise ContextLengthError(
                 f"prompt + max_tokens = {tokens} tokens exceeds this model's KV budget of "
                 f"{self.budget_tokens} tokens (raise `mem` in models.yaml or lower max_tokens)",
                 param="max_tokens",
             )
-        if len(self.waiting) >= self.max_queue:
+        waiting = len(self.waiting) + arriving - max(0, self.max_seqs - self.running)
+        if waiting >= self.max_queue:
             raise RateLimitError(
-                f"server is at capacity ({self.running} running, {len(self.waiting)} waiting); retry shortly",
+                f"server is at capacity ({self.running} running, {max(0, waiting)} waiting); retry shortly",
                 retry_after=2,
             )
 

@@ -17,8 +17,9 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from app.engine.gguf import conversion_is_current, convert_gguf, remove_partials
 from app.errors import ConfigError

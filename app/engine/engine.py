@@ -6,7 +6,9 @@ matches exactly, inserted into the BatchGenerator, and its tokens come back
 detokenized through a bounded ``TokenChannel``. A client that goes away
 cancels its sequence and frees its KV. An exception in one sequence fails
 that request only; a failure of the whole batch step fails the requests in
-it and starts a fresh batch, and the thread goes on.
+it and starts a fresh batch, and the thread goes on. Every generation that
+ends, however it ends, is reported once to the listeners as a
+``GenerationRecord`` (metrics, the log).
 """
 
 from __future__ import annotations
@@ -16,26 +18,32 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
-
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
+from typing import Any
 
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
+from app.engine.mlx_internals import (
+    BatchGenerator,
+    LRUPromptCache,
+    new_batch_generator,
+    new_detokenizer,
+    trim_prompt_cache,
+)
+from app.engine.params import EngineParams
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
-from app.engine.types import EngineStats, GenerationRequest, TokenDelta
+from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
-from app.errors import EngineDeadError, EngineError
-
-if TYPE_CHECKING:  # the engine takes config objects but never imports pydantic
-    from app.config.schema import EngineParams
+from app.errors import AppError, EngineDeadError, EngineError
 
 log = logging.getLogger("tandem.engine")
+
+Listener = Callable[[GenerationRecord], None]
 
 
 @dataclass(eq=False)
@@ -51,6 +59,9 @@ class _Seq:
     cache_segments: int = 0
     done: bool = False
     enqueued: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
 
 
 class TextEngine:
@@ -61,18 +72,18 @@ class TextEngine:
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
-        bpt = loaded.kv.bytes_per_token
-        self.bytes_per_token = bpt
+        self.bytes_per_token = loaded.kv.bytes_per_token
         self.admission: Admission[_Seq] = Admission(
             loaded.kv.budget_tokens(params.kv_mem_mb),
             params.max_num_seqs,
             params.max_queue,
             params.queue_timeout_s,
+            starvation_s=params.starvation_s,
         )
-        cache_mb = params.prompt_cache_mem if params.prompt_cache_mem is not None else params.kv_mem_mb // 4
-        self.prompt_cache = LRUPromptCache(max_size=256, max_bytes=cache_mb * 1024 * 1024)
+        self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
+        self._listeners: list[Listener] = []
         self._lock = threading.Lock()
         self._inbox: deque[_Seq] = deque()
         self._cancelled: deque[_Seq] = deque()
@@ -82,27 +93,42 @@ class TextEngine:
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
-            "model %s: KV %d bytes/token, budget %d tokens (mem=%d MB), prefix cache %d MB, "
-            "max_num_seqs=%d, prefill_chunk_size=%d, max_model_len=%d",
-            loaded.name, bpt, self.admission.budget_tokens, params.kv_mem_mb, cache_mb,
-            params.max_num_seqs, params.prefill_chunk_size, loaded.max_model_len,
+            "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB; EngineParams %s",
+            loaded.name, self.bytes_per_token, self.admission.budget_tokens, params.prompt_cache_bytes // 2**20,
+            params.to_log_string(),
         )
 
     def _new_batch(self) -> BatchGenerator:
-        return BatchGenerator(
-            self.loaded.model,
-            max_tokens=self.params.max_tokens,
-            stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
-            completion_batch_size=self.params.max_num_seqs,
-            prefill_batch_size=min(self.params.max_num_seqs, 8),
-            prefill_step_size=self.params.prefill_chunk_size,
+        p = self.params
+        return new_batch_generator(
+            self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
+            prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
 
     # ---- called from the event loop -------------------------------------------------
 
-    async def stream(self, req: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        config = self.loaded.config
+        size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return int(size) if size else None
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` (on the MLX thread; it must be quick) for every generation that ends."""
+        self._listeners.append(listener)
+
+    async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Deltas for one request, ending with the one that carries finish_reason."""
-        seq = _Seq(req, TokenChannel(asyncio.get_running_loop()), len(req.prompt_tokens) + req.max_tokens)
+        channel = TokenChannel(asyncio.get_running_loop(), self.params.channel_max_pending)
+        seq = _Seq(req, channel, len(req.prompt_tokens) + req.max_tokens)
         self._submit(seq)
         try:
             while True:
@@ -123,7 +149,7 @@ class TextEngine:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down", retry_after=10)
         with self._lock:
-            self.admission.check(seq.reserved)
+            self.admission.check(seq.reserved, arriving=len(self._inbox))
             self._inbox.append(seq)
         self.worker.wake()
 
@@ -174,8 +200,8 @@ class TextEngine:
 
     def _take_inbox(self) -> None:
         while self._inbox:
-            seq = self._inbox.popleft()
             with self._lock:
+                seq = self._inbox.popleft()
                 self.admission.waiting.append(Waiting(seq, seq.reserved, seq.enqueued))
 
     def _take_cancellations(self) -> None:
@@ -183,7 +209,6 @@ class TextEngine:
             seq = self._cancelled.popleft()
             if seq.done:
                 continue
-            seq.done = True
             if seq.uid is not None and seq.uid in self._running:
                 self._bg.remove([seq.uid])
                 self._release(seq)
@@ -192,6 +217,7 @@ class TextEngine:
                     self.admission.waiting = deque(w for w in self.admission.waiting if w.item is not seq)
                     if seq in self._inbox:
                         self._inbox.remove(seq)
+            self._end(seq, "cancelled")
 
     def _expire_waiting(self) -> None:
         with self._lock:
@@ -204,7 +230,7 @@ class TextEngine:
 
         def evict(tokens: int) -> int:
             self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * bpt))
-            return self.prompt_cache.nbytes // bpt
+            return int(self.prompt_cache.nbytes // bpt)
 
         with self._lock:
             admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict)
@@ -234,8 +260,8 @@ class TextEngine:
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]
-        if cache is None and p.kv_cache_bits is not None:
-            cache = make_quantized_prompt_cache(self.loaded.model, p.kv_cache_bits, KV_GROUP_SIZE)
+        if cache is None and self.loaded.kv_cache_bits is not None:
+            cache = make_quantized_prompt_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
         cached = len(prompt) - len(rest)
         if cached:
             self.cache_hits += 1
@@ -254,7 +280,7 @@ class TextEngine:
             logits_processors=[build_logits_processors(req.sampling)],
         )
         seq.uid, seq.cached_tokens = uid, cached
-        seq.detok = self.tokenizer.detokenizer
+        seq.detok = new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
         self._running[uid] = seq
 
@@ -263,6 +289,7 @@ class TextEngine:
             self.prompt_cache.insert_cache(self.loaded.name, list(tokens), cache, cache_type="system")
 
     def _on_token(self, seq: _Seq, r: Any) -> None:
+        assert seq.stops is not None
         try:
             finish = r.finish_reason
             if finish != "stop":  # an EOS token is not text
@@ -270,6 +297,7 @@ class TextEngine:
             if finish is not None:
                 seq.detok.finalize()
             seq.generated += 1
+            self._time_token(seq)
             text = seq.stops.feed(seq.detok.last_segment)
             if seq.stops.stopped:
                 if finish is None:
@@ -287,6 +315,15 @@ class TextEngine:
             self._release(seq)
             self._finish_with_error(seq, EngineError(f"generation failed: {exc}"))
 
+    @staticmethod
+    def _time_token(seq: _Seq) -> None:
+        now = time.monotonic()
+        if seq.first_token is None:
+            seq.first_token = now
+        else:
+            seq.gaps.append(now - (seq.last_token or now))
+        seq.last_token = now
+
     def _store_conversation(self, cache: Any, tokens: Any) -> None:
         if self.params.prompt_cache != "prefix" or cache is None or tokens is None:
             return
@@ -300,7 +337,7 @@ class TextEngine:
             delta.cached_tokens = seq.cached_tokens
             delta.completion_tokens = seq.generated
             self._release(seq)
-            seq.done = True
+            self._end(seq, finish)
         seq.channel.put(delta)
 
     def _release(self, seq: _Seq) -> None:
@@ -309,8 +346,30 @@ class TextEngine:
                 self.admission.release(seq.reserved)
 
     def _finish_with_error(self, seq: _Seq, exc: BaseException) -> None:
-        seq.done = True
+        self._end(seq, "error", exc)
         seq.channel.put(TokenDelta(error=exc))
+
+    def _end(self, seq: _Seq, outcome: str, exc: BaseException | None = None) -> None:
+        """Mark ``seq`` done and tell the listeners, once."""
+        if seq.done:
+            return
+        seq.done = True
+        now = time.monotonic()
+        code = None
+        if exc is not None:
+            code = exc.code if isinstance(exc, AppError) else type(exc).__name__
+        record = GenerationRecord(
+            request_id=seq.req.request_id, model=self.loaded.name, outcome=outcome,
+            prompt_tokens=len(seq.req.prompt_tokens), cached_tokens=seq.cached_tokens,
+            completion_tokens=seq.generated,
+            ttft_s=None if seq.first_token is None else seq.first_token - seq.enqueued,
+            total_s=now - seq.enqueued, token_gaps_s=tuple(seq.gaps), error=code,
+        )
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a listener's bug must not fail the request
+                log.exception("generation listener failed")
 
     def _fail_batch(self, exc: Exception) -> None:
         for seq in list(self._running.values()):
@@ -328,7 +387,7 @@ class TextEngine:
             self._finish_with_error(seq, err)
         self._running.clear()
 
-    def abort_all(self, exc: BaseException):
+    def abort_all(self, exc: BaseException) -> Future[None]:
         """End every queued and running request with ``exc`` (a shutdown past its grace
         period); returns the worker's Future for it."""
         return self.worker.submit(lambda: self._abort_all(exc))
@@ -340,7 +399,7 @@ class TextEngine:
         for seq in waiting:
             self._finish_with_error(seq, exc)
         for seq in list(self._running.values()):
+            assert seq.uid is not None
             self._bg.remove([seq.uid])
             self._release(seq)
             self._finish_with_error(seq, exc)
-

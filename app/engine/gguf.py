@@ -28,8 +28,9 @@ import shutil
 import struct
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -132,7 +133,8 @@ def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"GGUF file not found: {path}")
     try:
-        tensors, meta = mx.load(str(path), format="gguf", return_metadata=True)
+        loaded: Any = mx.load(str(path), format="gguf", return_metadata=True)
+        tensors, meta = loaded
     except (RuntimeError, ValueError, OSError) as exc:
         raise ConfigError(f"Cannot read {path} as GGUF: {exc}") from exc
     arch = meta.get("general.architecture")
@@ -153,7 +155,8 @@ def _value(meta: dict[str, Any], key: str, default: Any = ...) -> Any:
     if not isinstance(value, mx.array):
         return value
     if value.dtype == mx.float32 and value.ndim == 0:
-        return _shortest_float32(value.item())
+        scalar: Any = value.item()
+        return _shortest_float32(scalar)
     return value.tolist()
 
 
@@ -205,7 +208,7 @@ def _rename_weights(
     for i, (name, array) in enumerate(sorted(tensors.items())):
         match = _TENSOR_NAME.fullmatch(name)
         part = match and (_LAYER_PARTS if match[1] else _TOP_PARTS).get(match[2])
-        if not part:
+        if not part or match is None:
             raise ConfigError(f"GGUF tensor {name!r} has no mlx-lm llama counterpart")
         block, kind, suffix = match.groups()
         if kind in heads:

@@ -22,13 +22,19 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll, make_prompt_cache
 
+from app.engine.mlx_internals import (
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    create_causal_mask,
+    dynamic_roll,
+    make_prompt_cache,
+)
 from app.errors import ConfigError
 
 # (packed codes, scales, biases), each shaped (B, kv_heads, tokens, ...).
-Quantized = tuple[mx.array, mx.array, mx.array]
+Quantized = tuple[Any, ...]
 
 
 def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int = 64) -> list[SeqQuantizedKVCache]:
@@ -66,6 +72,11 @@ class SeqQuantizedKVCache(QuantizedKVCache):
         return 0 if self.keys is None else super().nbytes
 
 
+def _as_int(scalar: mx.array) -> int:
+    value: Any = scalar.item()
+    return int(value)
+
+
 def _zeros_like(ref: Quantized, batch: int, tokens: int) -> Quantized:
     return tuple(mx.zeros((batch, x.shape[1], tokens, x.shape[3]), dtype=x.dtype) for x in ref)
 
@@ -86,8 +97,8 @@ class BatchQuantizedKVCache(_BaseCache):
     step = 256
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
-        self.keys: Quantized | None = None
-        self.values: Quantized | None = None
+        self.keys: Any = None
+        self.values: Any = None
         self.group_size = group_size
         self.bits = bits
         self.left_padding = mx.array(left_padding)
@@ -171,7 +182,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = tuple(x[batch_indices] for x in self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist())
+        shared = _as_int(self.left_padding.min())
         if shared > 0:
             if self.keys is not None:
                 self.keys = tuple(x[..., shared:, :] for x in self.keys)
@@ -215,9 +226,9 @@ class BatchQuantizedKVCache(_BaseCache):
     def extract(self, idx: int) -> SeqQuantizedKVCache:
         """Row ``idx`` as a standalone cache, without its padding."""
         cache = SeqQuantizedKVCache(group_size=self.group_size, bits=self.bits)
-        start = self.left_padding[idx].item()
+        start = _as_int(self.left_padding[idx])
         row = lambda q: tuple(mx.contiguous(x[idx : idx + 1, :, start : self._idx]) for x in q)  # noqa: E731
-        cache.keys, cache.values = row(self.keys), row(self.values)
+        cache.keys, cache.values = row(self.keys), row(self.values)  # type: ignore[assignment]
         cache.offset = self._idx - start
         return cache
 
@@ -232,12 +243,12 @@ class BatchQuantizedKVCache(_BaseCache):
         batch = cls([longest - n for n in lengths], group_size, bits)
         if longest == 0:
             return batch
-        ref = next(c for c in caches if c.size())
+        ref: Any = next(c for c in caches if c.size())
         keys = _zeros_like(ref.keys, len(caches), longest)
         values = _zeros_like(ref.values, len(caches), longest)
         for i, (c, n) in enumerate(zip(caches, lengths)):
             if n:
-                for dst, src in zip(keys + values, c.keys + c.values):
+                for dst, src in zip(keys + values, c.keys + c.values):  # type: ignore[operator]
                     dst[i : i + 1, :, longest - n :] = src[..., :n, :]
         batch.keys, batch.values = keys, values
         batch.offset = batch.offset + longest

@@ -1,14 +1,12 @@
-"""Load a models.yaml entry into MLX, mapping its EngineParams onto mlx-lm.
+"""Load a model into MLX, mapping its ``LoadParams`` onto mlx-lm.
 
 The mapping, one line each:
 - ``dtype``        -> the dtype of unquantized floating-point weights;
 - ``quantization`` -> ``nn.quantize`` at load (weights already quantized are left alone);
-- ``mem``          -> a KV budget in tokens: layers x kv_heads x head_dim x 2 (K and V)
-                      x bytes per element;
 - ``kv_cache_bits`` -> K/V stored quantized (``kv_quant``), bits/8 bytes per element
                       plus a scale and a bias per group of ``KV_GROUP_SIZE``;
-- ``prefill_chunk_size`` / ``max_num_seqs`` -> BatchGenerator's prefill step and batch
-  size (see ``engine.Engine``).
+- ``mem`` (``EngineParams.kv_mem_mb``) -> a KV budget in tokens: layers x kv_heads x
+  head_dim x 2 (K and V) x bytes per element (``KVGeometry``).
 Must run on the MLX-owner thread.
 """
 
@@ -17,15 +15,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from app.engine.params import LoadParams, ModelSource
 from app.errors import ConfigError
-
-if TYPE_CHECKING:  # the engine takes config objects but never imports pydantic
-    from app.config.schema import EngineParams, ModelEntry
 
 log = logging.getLogger("tandem.engine")
 
@@ -35,7 +31,7 @@ QUANT_BITS = {"q4": 4, "q8": 8}
 KV_GROUP_SIZE = 64
 
 
-def model_source(entry: ModelEntry) -> str:
+def model_source(entry: ModelSource) -> str:
     """A local directory or a hub id for mlx-lm / mlx-vlm ``load``."""
     if entry.builtin:
         from app.engine.demo_model import ensure_demo_model
@@ -109,7 +105,7 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def apply_params(model: nn.Module, params: EngineParams) -> None:
+def apply_params(model: nn.Module, params: LoadParams) -> None:
     """dtype and load-time quantization onto a loaded model."""
     if params.dtype is not None:
         dtype = DTYPES[params.dtype]
@@ -131,7 +127,8 @@ def apply_params(model: nn.Module, params: EngineParams) -> None:
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype activations (and so the KV cache) take: that of the norms' weights."""
-    for _, value in nn.utils.tree_flatten(model.parameters()):
+    flat: list[tuple[str, Any]] = nn.utils.tree_flatten(model.parameters())  # type: ignore[assignment]
+    for _, value in flat:
         if mx.issubdtype(value.dtype, mx.floating):
             return value.dtype
     return mx.float16
@@ -148,15 +145,18 @@ class LoadedModel:
     kv: KVGeometry
     max_model_len: int
     path: str
+    # The KV cache's bits per element when quantized (LoadParams.kv_cache_bits).
+    kv_cache_bits: int | None = None
 
 
-def load_text_model(entry: ModelEntry, params: EngineParams) -> LoadedModel:
+def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
     """Load a chat model with mlx-lm and apply its params. MLX thread only."""
     from mlx_lm import load
 
     source = model_source(entry)
     try:
-        model, tokenizer, config = load(source, return_config=True)
+        loaded: Any = load(source, return_config=True)
+        model, tokenizer, config = loaded
     except Exception as exc:  # noqa: BLE001 - any load failure is a config problem for the user
         raise ConfigError(f"model {entry.name!r}: cannot load {source}: {exc}") from exc
     apply_params(model, params)
@@ -170,4 +170,4 @@ def load_text_model(entry: ModelEntry, params: EngineParams) -> LoadedModel:
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
-    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source)
+    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits)

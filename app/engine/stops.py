@@ -7,6 +7,8 @@ the start of a stop string is held back until it is clear either way.
 
 from __future__ import annotations
 
+from app.streamtext import split_marker
+
 
 class StopMatcher:
     """Feed text pieces; get back what is safe to emit and whether to stop."""
@@ -22,20 +24,10 @@ class StopMatcher:
             return text
         if self.stopped:
             return ""
-        buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self._held = ""
-            return buf[:cut]
-        keep = 0
-        for s in self._stops:
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
+        before, marker, self._held = split_marker(self._held + text, self._stops)
+        if marker is not None:
+            self.stopped, self._held = True, ""
+        return before
 
     def flush(self) -> str:
         """The held-back text, once generation ended without a match."""

@@ -1,8 +1,12 @@
-"""Plain data passed between the API layer and the engine thread."""
+"""Plain data passed between the request pipeline and the engine thread, and the
+``Engine`` protocol at that seam."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class GenerationRequest:
     # Length of a prompt prefix (system prompt, first message) worth caching on its own.
     cache_prefix_len: int | None = None
     request_id: str = ""
+    # "background" work yields batch slots to "interactive" work waiting for its first token.
+    priority: str = "interactive"
 
 
 @dataclass
@@ -47,6 +53,28 @@ class TokenDelta:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class GenerationRecord:
+    """A generation that ended, however it ended: what the engine tells its listeners
+    (metrics, the log) once, from the MLX thread. Cancelled and failed generations
+    report the tokens they really used."""
+
+    request_id: str
+    model: str
+    # "stop" | "length" (finished), "cancelled" (the client left or shutdown), "error"
+    outcome: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    # From submission (queue wait and prefill included) to the first token; None if none came.
+    ttft_s: float | None
+    total_s: float
+    # Seconds between consecutive generated tokens.
+    token_gaps_s: tuple[float, ...] = ()
+    # The error code (or type name) when outcome is "error".
+    error: str | None = None
+
+
 @dataclass
 class EngineStats:
     """A snapshot for /health and /metrics."""
@@ -59,3 +87,40 @@ class EngineStats:
     prompt_cache_bytes: int
     prompt_cache_hits: int = 0
     prompt_cache_tokens_saved: int = 0
+
+
+class Engine(Protocol):
+    """A chat model's generation engine, as the pipeline and the app state see it."""
+
+    tokenizer: Any
+
+    @property
+    def name(self) -> str:
+        """The model's name (its models.yaml entry)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size, when its config says."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+
+    def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Deltas of one generation, the last carrying finish_reason; errors are raised."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot for /health and /metrics."""
+
+    def add_listener(self, listener: Callable[[GenerationRecord], None]) -> None:
+        """Be told of every generation that ends."""
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (shutdown)."""
+
+    def abort_all(self, exc: BaseException) -> Future[None]:
+        """End every queued and running request with ``exc``."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
-from typing import Callable, Generator, TypeVar
+from typing import TypeVar
 
 from app.errors import EngineDeadError
 

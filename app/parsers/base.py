@@ -34,7 +34,7 @@ from typing import Protocol
 
 from app.parsers.calls import BareJson, CallFormat, CallReader
 from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
-from app.parsers.scan import split_marker
+from app.streamtext import split_marker
 
 REASONING_MARKERS: tuple[tuple[str, str], ...] = (
     ("<think>", "</think>"),

@@ -32,7 +32,7 @@ from app.parsers.json_args import (
     parse_calls,
     same_arguments,
 )
-from app.parsers.scan import split_marker
+from app.streamtext import split_marker
 
 # Function names: OpenAI allows [A-Za-z0-9_-]; MCP-style names add dots and colons.
 NAME = re.compile(r"[\w.:-]{1,128}")

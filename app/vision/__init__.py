@@ -1,7 +1,7 @@
 """Vision: image input, the mlx-vlm captioner, the caption cache, the proxy.
 
-Layering: works on plain OpenAI-format message dicts; never imports Litestar,
-pydantic or ``app.api``. mlx-vlm is imported only when a captioner loads.
+Layering: works on the pipeline's typed messages (``app.pipeline.request``);
+never imports Litestar, pydantic or ``app.api``. mlx-vlm is imported only when a captioner loads.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from app.vision.proxy import (
     CaptionInfo,
     ProxyResult,
     VisionProxy,
-    has_images,
-    reject_images,
 )
 
 __all__ = [
@@ -37,7 +35,5 @@ __all__ = [
     "ProxyResult",
     "VisionProxy",
     "downscale",
-    "has_images",
     "load_image",
-    "reject_images",
 ]

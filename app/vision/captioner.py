@@ -153,10 +153,11 @@ class MlxVlmCaptioner:
 
     def _idle_check(self) -> None:
         self._idle_timer = None
+        limit = self.idle_unload_s or 0.0
         idle = time.monotonic() - self._last_used
-        if idle < self.idle_unload_s:
+        if idle < limit:
             loop = asyncio.get_running_loop()
-            self._idle_timer = loop.call_later(self.idle_unload_s - idle, self._idle_check)
+            self._idle_timer = loop.call_later(limit - idle, self._idle_check)
         elif self.loaded:
             self._executor.submit(self._unload_on_mlx_thread)
 
@@ -220,12 +221,14 @@ class MlxVlmCaptioner:
             "role": "user",
             "content": [{"type": "image"}, {"type": "text", "text": text}],
         }
-        return apply_chat_template(processor, model.config, message, num_images=1)
+        return str(apply_chat_template(processor, model.config, message, num_images=1))
 
     def _caption_steps(self, pixels: Any, prompt: str) -> Generator[None, None, str]:
         """mlx-vlm's ``generate``, one token per step, so the MLX thread can
         interleave text decoding while a caption is being written."""
         from mlx_vlm import stream_generate
+
+        from app.engine.mlx_internals import is_draft, reset_vlm_stopping, vlm_clean_output
 
         if self._model is None:  # unloaded while idle: load again, here on the MLX thread
             self._load_on_mlx_thread()
@@ -233,21 +236,16 @@ class MlxVlmCaptioner:
             logger.info("vision model %s reloaded", self.name)
         try:
             chat_prompt = self._chat_prompt(self._model, self._processor, prompt)
-            tokenizer = getattr(self._processor, "tokenizer", self._processor)
-            if hasattr(tokenizer, "stopping_criteria"):  # as mlx_vlm.generate does
-                tokenizer.stopping_criteria.reset(self._model.config.eos_token_id)
+            reset_vlm_stopping(self._processor, self._model)
             text = []
             for response in stream_generate(
                 self._model, self._processor, chat_prompt, image=[pixels],
                 max_tokens=self.max_tokens, temperature=0.0, skip_special_tokens=True,
             ):
-                if not getattr(response, "is_draft", False):
+                if not is_draft(response):
                     text.append(response.text)
                 yield
-            caption = "".join(text)
-            clean = getattr(self._processor, "clean_output", None)
-            if callable(clean):
-                caption = clean(caption)
+            caption = vlm_clean_output(self._processor, "".join(text))
         except Exception as exc:
             raise EngineError(f"vision model {self.name} failed: {exc}") from exc
         return caption.strip()

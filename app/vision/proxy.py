@@ -1,17 +1,18 @@
 """Proxy vision: replace image parts with captions so a text-only model can answer.
 
-Works on plain OpenAI-format message dicts. A message with images, e.g.
+Works on the pipeline's typed messages (``app.pipeline.request``) and returns
+the same type. A message with images, e.g.
 
-    {"role": "user", "content": [
-        {"type": "text", "text": "What breed is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}
+    Message("user", (TextPart("What breed is this?"), ImagePart("data:image/png;base64,...")))
 
-becomes a text-only message whose content is a string:
+becomes a text-only message:
 
-    {"role": "user", "content": "What breed is this?\\n\\nImage 1: A brown dog ..."}
+    Message("user", (TextPart("What breed is this?\n\nImage 1: A brown dog ..."),))
 
 Combining rules (from the design): no text -> the caption lines alone; no
-captions -> the text; else ``f"{text}\\n\\n" + "\\n".join(lines)``.
+captions -> the text; else ``f"{text}\n\n" + "\n".join(lines)``. The text is
+``Message.text()``, the text parts joined by newlines: the same message reads
+the same with or without an image.
 
 Numbering: N counts images across the whole request, in order. Chat UIs resend
 the history on every turn and append new images at the end, so "Image 3" names
@@ -29,16 +30,12 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from app.errors import (
-    AppError,
-    ImageError,
-    InvalidRequestError,
-    VisionNotSupportedError,
-)
+from app.errors import AppError, ImageError, InvalidRequestError
+from app.pipeline.request import ImagePart, Message
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
 from app.vision.images import ImagePolicy, LoadedImage, decode_image, downscale, read_image
@@ -60,20 +57,6 @@ class _Image:
 
 
 @dataclass(frozen=True)
-class ImagePart:
-    """Where an image part sits in the request, and its URL."""
-
-    message_index: int
-    part_index: int
-    url: str
-
-    @property
-    def param(self) -> str:
-        """The part's path in the request body, for error messages."""
-        return f"messages[{self.message_index}].content[{self.part_index}].image_url"
-
-
-@dataclass(frozen=True)
 class CaptionInfo:
     """One image's caption, for logs and for the response's debugging extras."""
 
@@ -92,72 +75,25 @@ class CaptionInfo:
 class ProxyResult:
     """The rewritten messages and what happened to each image."""
 
-    messages: list[dict]
+    messages: list[Message]
     captions: list[CaptionInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
 
-def _image_part_dicts(messages: list[dict]) -> Iterator[tuple[int, int, dict]]:
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    yield i, j, part
-
-
-def has_images(messages: list[dict]) -> bool:
-    """Whether any message has an ``image_url`` part."""
-    return next(_image_part_dicts(messages), None) is not None
-
-
-def reject_images(messages: list[dict], model: str) -> None:
-    """For ``vision_mode: disabled``: ``VisionNotSupportedError`` if there are images."""
-    for i, j, _ in _image_part_dicts(messages):
-        raise VisionNotSupportedError(
-            f"model {model} does not accept images",
-            param=f"messages[{i}].content[{j}]",
-        )
-
-
-def image_parts(messages: list[dict]) -> list[ImagePart]:
-    """Every image part in order; ``ImageError`` for one without a URL string.
-
-    ``image_url`` may be ``{"url": ..., "detail": ...}`` or a bare string.
-    """
+def image_parts(messages: Sequence[Message]) -> list[tuple[int, ImagePart]]:
+    """Every image part in order, with its message's index; ``ImageError`` for one without a URL."""
     parts = []
-    for i, j, part in _image_part_dicts(messages):
-        image_url = part.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        if not isinstance(url, str) or not url.strip():
-            param = f"messages[{i}].content[{j}].image_url"
-            raise ImageError(f"{param}: image part has no URL", param=param)
-        parts.append(ImagePart(i, j, url))
+    for i, message in enumerate(messages):
+        for part in message.images():
+            if not part.url.strip():
+                raise ImageError(f"{part.param}: image part has no URL", param=part.param)
+            parts.append((i, part))
     return parts
-
-
-def message_text(message: dict, message_index: int) -> str:
-    """The text parts of a message joined by newlines; other part types refused."""
-    content = message.get("content")
-    if isinstance(content, str) or content is None:
-        return (content or "").strip()
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind != "image_url":
-            param = f"messages[{message_index}].content[{j}]"
-            raise InvalidRequestError(
-                f"{param}: content part of type {kind!r} cannot be sent to a text-only model",
-                param=param,
-            )
-    return "\n".join(texts).strip()
 
 
 def combine(text: str, lines: list[str]) -> str:
     """The design's rule for a message's text and its image lines."""
-    if not text:
+    if not text.strip():
         return "\n".join(lines)
     if not lines:
         return text
@@ -191,7 +127,7 @@ class VisionProxy:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._known_max = max(64, cache.max_entries)
 
-    async def rewrite(self, messages: list[dict]) -> ProxyResult:
+    async def rewrite(self, messages: Sequence[Message]) -> ProxyResult:
         """Messages with every image replaced by text. ``messages`` is not modified.
 
         All images are checked (count, URL, decode) before any is captioned, so
@@ -202,23 +138,23 @@ class VisionProxy:
             return ProxyResult(messages=list(messages))
         self._check_count(parts)
         # A broken image is the client's mistake whether or not vision is loaded.
-        images = [await self._check(p) for p in parts]
+        images = [await self._check(p) for _, p in parts]
         if self.captioner is None:
             return self._placeholders(messages, parts)
         result = ProxyResult(messages=list(messages))
         failed = 0
         for i, numbered in _by_message(parts, images):
-            text = message_text(messages[i], i)
+            text = messages[i].text()
             lines = []
             for n, image in numbered:
-                info = await self._caption(i, n, image, text or None)
+                info = await self._caption(i, n, image, text.strip() or None)
                 if info is None:
                     failed += 1
                     lines.append(FAILED.format(n=n))
                 else:
                     result.captions.append(info)
                     lines.append(f"Image {n}: {info.caption}")
-            result.messages[i] = {**messages[i], "content": combine(text, lines)}
+            result.messages[i] = messages[i].with_text(combine(text, lines))
         if failed:
             result.warnings.append(f"{failed} image(s) could not be described by the vision model")
         return result
@@ -249,10 +185,10 @@ class VisionProxy:
         small = downscale(loaded.image, max_pixels) if max_pixels else loaded.image
         return loaded if small is loaded.image else replace(loaded, image=small)
 
-    def _check_count(self, parts: list[ImagePart]) -> None:
+    def _check_count(self, parts: list[tuple[int, ImagePart]]) -> None:
         limit = self.policy.max_images_per_request
         if len(parts) > limit:
-            extra = parts[limit]
+            extra = parts[limit][1]
             raise ImageError(
                 f"{extra.param}: this request has {len(parts)} images; "
                 f"at most {limit} are accepted",
@@ -260,12 +196,11 @@ class VisionProxy:
                 code="too_many_images",
             )
 
-    def _placeholders(self, messages: list[dict], parts: list[ImagePart]) -> ProxyResult:
+    def _placeholders(self, messages: Sequence[Message], parts: list[tuple[int, ImagePart]]) -> ProxyResult:
         result = ProxyResult(messages=list(messages))
         for i, numbered in _by_message(parts, [None] * len(parts)):
-            text = message_text(messages[i], i)
             lines = [UNAVAILABLE.format(n=n) for n, _ in numbered]
-            result.messages[i] = {**messages[i], "content": combine(text, lines)}
+            result.messages[i] = messages[i].with_text(combine(messages[i].text(), lines))
         reason = f" ({self.unavailable_reason})" if self.unavailable_reason else ""
         result.warnings.append(
             f"{len(parts)} image(s) were not described: no vision model is loaded{reason}"
@@ -328,10 +263,10 @@ async def _describe(
 
 
 def _by_message(
-    parts: list[ImagePart], images: list[Any]
+    parts: list[tuple[int, ImagePart]], images: list[Any]
 ) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
     """Group (N, image) by message index, N counting from 1 across the request."""
     grouped: dict[int, list[tuple[int, Any]]] = {}
-    for n, (part, image) in enumerate(zip(parts, images, strict=True), start=1):
-        grouped.setdefault(part.message_index, []).append((n, image))
+    for n, ((i, _), image) in enumerate(zip(parts, images, strict=True), start=1):
+        grouped.setdefault(i, []).append((n, image))
     yield from grouped.items()

@@ -19,12 +19,12 @@ from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
     from app.config.loader import ResolvedConfig
-    from app.config.schema import EngineParams, ServerSettings
+    from app.config.schema import ModelParams, ServerSettings
 
 logger = logging.getLogger("tandem.vision")
 
 
-def image_policy(server: ServerSettings, params: EngineParams) -> ImagePolicy:
+def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
     """The image limits: server-wide settings plus the vision model's per-request cap."""
     return ImagePolicy(
         max_image_bytes=server.max_image_bytes,
@@ -41,8 +41,11 @@ def image_policy(server: ServerSettings, params: EngineParams) -> ImagePolicy:
     )
 
 
-def build_proxy(config: ResolvedConfig, executor: MlxExecutor) -> tuple[VisionProxy, str | None]:
-    """Load the vision model on the MLX thread; return the proxy and why vision is off, if it is."""
+def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True) -> tuple[VisionProxy, str | None]:
+    """Load the vision model on the MLX thread; return the proxy and why vision is off, if it is.
+
+    With ``load=False`` (``--no-vision``) the proxy has no captioner: images are
+    still checked, then replaced by placeholders with a warning."""
     proxy_config = config.primary.capabilities.vision_proxy
     entry = config.vision
     params = (entry or config.primary).params
@@ -54,6 +57,8 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor) -> tuple[VisionPr
 
     if proxy_config is None or entry is None:
         return unavailable("no vision model is configured")
+    if not load:
+        return unavailable("vision loading skipped (--no-vision)")
     source = Path(entry.local_path).expanduser() if entry.local_path else entry.hf_id
     if source is None:
         return unavailable(f"vision model {entry.name!r} needs local_path or hf_id")

@@ -80,9 +80,16 @@ def test_megabyte_prompts_are_refused_before_tokenizing(srv):
     assert_serving(srv)
 
 
-def test_max_tokens_beyond_the_context(srv):
-    r = srv.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 5000})
-    assert assert_openai_error(r, 400, "context_length_exceeded")["param"] == "max_tokens"
+def test_max_tokens_beyond_the_context_is_clamped_and_a_prompt_beyond_it_refused(srv):
+    """max_tokens is clamped to what the context leaves (clients routinely ask for more);
+    only a prompt that does not fit is refused, naming the prompt."""
+    prompt = " ".join(["hello"] * 2040)
+    r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5000})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt * 2, "max_tokens": 5})
+    assert assert_openai_error(r, 400, "context_length_exceeded")["param"] == "prompt"
 
 
 @pytest.mark.parametrize("name, urls, code", [

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from app.api.request_id import RequestIdFilter
+from app.request_context import RequestIdFilter
 from tests.api.serving import serving, tiny_yaml
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -51,7 +51,7 @@ def test_metrics_count_requests_tokens_and_latency(srv):
     with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60,
                       json={"model": "tiny", "messages": HI, "max_tokens": 3, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        assert r.read().endswith(b"data: [DONE]\r\n\r\n")
+        assert r.read().endswith(b"data: [DONE]\n\n")
     r = srv.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
     assert srv.get("/v1/nowhere").status_code == 404

@@ -42,8 +42,8 @@ GUARDED = [
     ("GET", "/v1/models/tiny", None),
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 1}),
     ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1}),
-    ("POST", "/v1/agui", {"threadId": "t", "runId": "r", "state": {}, "messages": [], "tools": [],
-                          "context": [], "forwardedProps": {"max_tokens": 1}}),
+    ("POST", "/v1/agui", {"threadId": "t", "runId": "r", "state": {}, "tools": [], "context": [],
+                          "messages": [{"id": "1", "role": "user", "content": "Hi"}], "forwardedProps": {"max_tokens": 1}}),
     ("GET", "/metrics", None),
 ]
 BAD_AUTH = {

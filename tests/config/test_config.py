@@ -1,4 +1,4 @@
-"""models.yaml -> pydantic -> frozen EngineParams, with CLI overrides."""
+"""models.yaml -> pydantic -> the engine's frozen LoadParams / EngineParams, with CLI overrides."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from app.config.loader import load_models_file, resolve
-from app.config.schema import EngineParams
+from app.config.mapping import engine_params, load_params
+from app.config.schema import ModelParams
+from app.engine.params import EngineParams
 from app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,12 +30,27 @@ def test_repo_models_yaml_is_valid():
 
 
 def test_engine_params_are_frozen_and_logged():
-    p = EngineParams()
     with pytest.raises(ValidationError):
-        p.mem = 5  # type: ignore[misc]
+        ModelParams().mem = 5  # type: ignore[misc]
+    p = engine_params(ModelParams(mem=300, max_num_seqs=4, prefill_batch_size=16))
+    with pytest.raises(AttributeError):
+        p.kv_mem_mb = 5  # type: ignore[misc]
+    assert p.prefill_batch_size == 4  # never more than the batch
     line = p.to_log_string()
-    for key in ("dtype=", "mem=1024", "max_num_seqs=8", "prefill_chunk_size=", "temperature="):
+    for key in ("kv_mem_mb=300", "max_num_seqs=4", "prefill_chunk_size=", "prompt_cache_share=0.25",
+                "prompt_cache_entries=256", "background_share="):
         assert key in line
+    assert p.prompt_cache_bytes == 75 * 2**20  # a quarter of mem unless prompt_cache_mem says
+    assert engine_params(ModelParams(mem=300, prompt_cache_mem=10)).prompt_cache_bytes == 10 * 2**20
+    assert load_params(ModelParams(dtype="bfloat16", quantization="q4")).quantization == "q4"
+
+
+def test_every_engine_knob_has_a_default_in_one_place():
+    """The engine's params type holds every knob; a models.yaml entry maps onto it."""
+    defaults = EngineParams()
+    mapped = engine_params(ModelParams())
+    assert mapped.prompt_cache_share == defaults.prompt_cache_share
+    assert mapped.starvation_s == defaults.starvation_s and mapped.channel_max_pending == defaults.channel_max_pending
 
 
 @pytest.mark.parametrize(
@@ -80,8 +97,9 @@ def test_cli_overrides_win_and_are_validated(tmp_path):
 
 
 def test_kv_split_adds_up_when_mem_not_given():
-    assert EngineParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100).kv_mem_mb == 400
-    assert EngineParams(mem=50, kvcache_mem_gpu=300).kv_mem_mb == 50
+    assert ModelParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100).kv_mem_mb == 400
+    assert ModelParams(mem=50, kvcache_mem_gpu=300).kv_mem_mb == 50
+    assert engine_params(ModelParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100)).kv_mem_mb == 400
 
 
 def test_unknown_served_model(tmp_path):

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from app.config.schema import EngineParams, ModelEntry
+from app.config.mapping import engine_params, load_params
+from app.config.schema import ModelParams
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
+from app.engine.params import ModelSource
 from app.engine.types import GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
 
 
 def make_engine(path, **params) -> TextEngine:
     """Its own MLX thread and model; stop it with ``engine.worker.stop()``."""
-    p = EngineParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
-                        "cache_min_tokens": 8, **params})
-    entry = ModelEntry(name="tiny", local_path=str(path), params=p)
+    p = ModelParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
+                       "cache_min_tokens": 8, **params})
     worker = MLXWorker()
     worker.start()
-    loaded = worker.submit(lambda: load_text_model(entry, p)).result()
-    return TextEngine(worker, loaded, p)
+    loaded = worker.submit(lambda: load_text_model(ModelSource("tiny", local_path=str(path)), load_params(p))).result()
+    return TextEngine(worker, loaded, engine_params(p))
 
 
 async def run(engine: TextEngine, req: GenerationRequest) -> tuple[str, TokenDelta]:

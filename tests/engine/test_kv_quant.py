@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from app.config.schema import EngineParams, ModelEntry
+from app.engine.params import LoadParams, ModelSource
 from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.loader import load_text_model
 from app.engine.types import GenerationRequest
@@ -197,6 +197,5 @@ def test_prefix_cache_reuse_gives_same_tokens(model_dir):
 
 
 def test_head_dim_not_a_multiple_of_the_group_is_refused(tiny_model_dir):
-    p = EngineParams(kv_cache_bits=8)
     with pytest.raises(ConfigError, match="head_dim"):
-        load_text_model(ModelEntry(name="tiny", local_path=str(tiny_model_dir), params=p), p)
+        load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)), LoadParams(kv_cache_bits=8))

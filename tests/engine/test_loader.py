@@ -1,4 +1,4 @@
-"""Each EngineParams -> MLX mapping, checked on a real loaded model."""
+"""Each LoadParams / EngineParams -> MLX mapping, checked on a real loaded model."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from app.config.schema import EngineParams, ModelEntry
+from app.config.mapping import engine_params, load_params
+from app.config.schema import ModelParams
 from app.engine.engine import TextEngine
 from app.engine.loader import activation_dtype, load_text_model
+from app.engine.params import ModelSource
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError
 
 
 def load(path, **params):
-    p = EngineParams(**params)
-    return load_text_model(ModelEntry(name="m", local_path=str(path), params=p), p), p
+    p = ModelParams(**params)
+    return load_text_model(ModelSource("m", local_path=str(path)), load_params(p)), p
 
 
 def linear_types(model):
@@ -62,13 +64,14 @@ def test_kv_cache_bits_needs_a_head_dim_the_group_size_divides(tiny_model_dir):
 
 
 def test_engine_maps_batch_and_prefill_params(tiny_model_dir, caplog):
-    p = EngineParams(mem=32, max_num_seqs=3, prefill_chunk_size=48)
+    p = ModelParams(mem=32, max_num_seqs=3, prefill_chunk_size=48)
     worker = MLXWorker()
     worker.start()
     try:
-        loaded = worker.submit(lambda: load_text_model(ModelEntry(name="m", local_path=str(tiny_model_dir), params=p), p)).result()
+        source = ModelSource("m", local_path=str(tiny_model_dir))
+        loaded = worker.submit(lambda: load_text_model(source, load_params(p))).result()
         with caplog.at_level(logging.INFO, logger="tandem.engine"):
-            eng = TextEngine(worker, loaded, p)
+            eng = TextEngine(worker, loaded, engine_params(p))
         assert eng._bg.prefill_step_size == 48
         assert eng._bg.completion_batch_size == 3 and eng.admission.max_seqs == 3
         assert eng.admission.budget_tokens == 32 * 2**20 // 512

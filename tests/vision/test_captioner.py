@@ -15,6 +15,7 @@ from app.errors import ConfigError, VisionUnavailableError
 from app.vision.cache import CaptionCache
 from app.vision.captioner import Captioner, MlxVlmCaptioner, render_prompt
 from app.vision.images import ImagePolicy, load_image
+from app.pipeline.request import ImagePart, Message, TextPart
 from app.vision.proxy import VisionProxy
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import data_url, image_bytes, striped_bytes
@@ -100,18 +101,10 @@ def test_images_reach_the_model(captioner, mlx_thread):
 
 def test_proxy_with_the_real_captioner(captioner):
     proxy = VisionProxy(captioner, CaptionCache(), ImagePolicy())
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Describe"},
-                {"type": "image_url", "image_url": {"url": data_url(striped_bytes(4))}},
-            ],
-        }
-    ]
+    messages = [Message("user", (TextPart("Describe"), ImagePart(data_url(striped_bytes(4)), "messages[0].content[1]")))]
     first = asyncio.run(proxy.rewrite(messages))
     again = asyncio.run(proxy.rewrite(messages))
-    assert first.messages[0]["content"].startswith("Describe\n\nImage 1: ")
+    assert first.messages[0].text().startswith("Describe\n\nImage 1: ")
     assert first.messages == again.messages
     assert [c.cached for c in first.captions + again.captions] == [False, True]
 

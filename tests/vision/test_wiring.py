@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.pipeline.request import ImagePart, Message
 from app.config.loader import resolve
 from app.config.schema import ModelsFile
 from app.vision.captioner import MlxVlmCaptioner
@@ -59,9 +60,9 @@ def test_build_proxy_loads_the_vision_model(tmp_path, mlx_thread):
     assert proxy.policy.max_images_per_request == 3
     assert proxy.policy.allowed_file_dir == tmp_path
     assert proxy.cache.max_entries == 7
-    image = {"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}
-    result = asyncio.run(proxy.rewrite([{"role": "user", "content": [image]}]))
-    assert result.messages[0]["content"].startswith("Image 1: ")
+    image = Message("user", (ImagePart(data_url(striped_bytes(5)), "messages[0].content[0]"),))
+    result = asyncio.run(proxy.rewrite([image]))
+    assert result.messages[0].text().startswith("Image 1: ")
     assert result.captions[0].as_dict()["image_index"] == 1
 
 
@@ -69,7 +70,7 @@ def test_a_vision_model_that_fails_to_load_leaves_placeholders(tmp_path, mlx_thr
     proxy, reason = build_proxy(resolve(models_file(tmp_path / "absent", tmp_path)), mlx_thread)
     assert reason is not None and "cannot load vision model eyes" in reason
     assert proxy.captioner is None
-    image = {"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}
-    result = asyncio.run(proxy.rewrite([{"role": "user", "content": [image]}]))
-    assert result.messages[0]["content"] == "[Image 1: not available, no vision model loaded]"
+    image = Message("user", (ImagePart(data_url(striped_bytes(5)), "messages[0].content[0]"),))
+    result = asyncio.run(proxy.rewrite([image]))
+    assert result.messages[0].text() == "[Image 1: not available, no vision model loaded]"
     assert reason in result.warnings[0]

@@ -1,8 +1,9 @@
 """Finding markers in streamed text, which may split a marker anywhere.
 
-``split_marker`` is the one primitive every state uses: it finds the earliest
-marker in a buffer, or else says how much of the buffer is safe to release and
-which suffix to hold back because it could be the start of a marker.
+``split_marker`` is the one primitive for it: it finds the earliest marker in a
+buffer, or else says how much of the buffer is safe to release and which suffix
+to hold back because it could be the start of a marker. The stream parsers use
+it for reasoning and tool-call markers, the engine for stop strings.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """OpenAI wire models for requests (pydantic, validated at the edge).
 
-Responses are built as plain dicts in ``render``: they are produced per token
-and need no validation. Unknown request fields are accepted and ignored, as
-OpenAI clients send many (``user``, ``store``, ``metadata``, ...).
+Responses are built as plain dicts by each endpoint: they are produced per
+token and need no validation. Unknown request fields are accepted and ignored,
+as OpenAI clients send many (``user``, ``store``, ``metadata``, ...).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.pipeline import request as typed
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -39,7 +41,7 @@ class ImagePart(_Lenient):
         return {"url": v} if isinstance(v, str) else v
 
 
-ContentPart = Union[TextPart, ImagePart]
+ContentPart = TextPart | ImagePart
 
 
 class FunctionCall(_Lenient):
@@ -80,16 +82,21 @@ class ChatMessage(_Lenient):
             raise ValueError("an 'assistant' message needs content or tool_calls")
         return self
 
-    def text(self) -> str:
-        """The text parts joined (images excluded)."""
-        if self.content is None:
-            return ""
+    def to_message(self, i: int) -> typed.Message:
+        """This message as the pipeline's typed one (``i``: its index, for error params)."""
+        where = f"messages[{i}]"
+        parts: list[typed.Part] = []
         if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content if isinstance(p, TextPart))
-
-    def has_images(self) -> bool:
-        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+            parts.append(typed.TextPart(self.content))
+        for j, p in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(p, TextPart):
+                parts.append(typed.TextPart(p.text))
+            else:  # image_url, and input_image (the Responses API's image part) alike
+                parts.append(typed.ImagePart(p.image_url.url, f"{where}.content[{j}].image_url", p.image_url.detail))
+        calls = tuple(typed.ToolCall(tc.id, tc.function.name, tc.function.arguments) for tc in self.tool_calls or ())
+        role = "system" if self.role == "developer" else "tool" if self.role == "function" else self.role
+        return typed.Message(role, tuple(parts), name=self.name, tool_calls=calls,
+                             tool_call_id=self.tool_call_id, reasoning=self.reasoning_content, param=where)
 
 
 class FunctionDef(_Lenient):
@@ -133,6 +140,9 @@ class _SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # Tandem (and vLLM) extension: "background" work (titles, tags, follow-ups) yields to
+    # interactive requests. Open WebUI's "### Task:" prompts are background without it.
+    priority: Literal["interactive", "background"] = "interactive"
 
     @field_validator("seed")
     @classmethod
@@ -151,6 +161,16 @@ class _SamplingFields(_Lenient):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def to_options(self, max_tokens: int | None = None, extensions: bool = False) -> typed.Options:
+        """The pipeline's options for this request."""
+        sampling = typed.Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed,
+        )
+        return typed.Options(self.model, sampling, max_tokens if max_tokens is not None else self.max_tokens,
+                             stop=self.stop_list(), priority=self.priority, extensions=extensions)
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -165,9 +185,6 @@ class ChatCompletionRequest(_SamplingFields):
     # Tandem extension: return captions, warnings and parser chunks.
     extensions: bool = False
 
-    def completion_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
     def thinking_requested(self) -> bool | None:
         if self.thinking is not None:
             return self.thinking
@@ -176,6 +193,22 @@ class ChatCompletionRequest(_SamplingFields):
         if self.reasoning_effort is not None:
             return self.reasoning_effort != "none"
         return None
+
+    def to_request(self) -> typed.ChatRequest:
+        """This body as the pipeline's typed request."""
+        choice = typed.ToolChoice()
+        if isinstance(self.tool_choice, str):
+            choice = typed.ToolChoice(self.tool_choice)
+        elif self.tool_choice is not None:
+            choice = typed.ToolChoice("named", self.tool_choice.function.get("name"))
+        tools = tuple(typed.Tool(t.function.name, t.function.description, t.function.parameters,
+                                 bool(t.function.strict)) for t in self.tools or ())
+        return typed.ChatRequest(
+            self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions),
+            tuple(m.to_message(i) for i, m in enumerate(self.messages)),
+            tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
+            thinking=self.thinking_requested(),
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -190,3 +223,8 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("exactly one prompt is supported")
             return v[0]
         return v
+
+    def to_request(self) -> typed.TextRequest:
+        """This body as the pipeline's typed request."""
+        assert isinstance(self.prompt, str)
+        return typed.TextRequest(self.to_options(), self.prompt, echo=self.echo)

@@ -1,0 +1,39 @@
+"""models.yaml entries -> the engine's frozen parameter types.
+
+The one place where the pydantic schema (``schema``) meets the engine's own
+dataclasses (``app/engine/params.py``): the engine never imports pydantic.
+"""
+
+from __future__ import annotations
+
+from app.config.schema import ModelEntry, ModelParams
+from app.engine.params import EngineParams, LoadParams, ModelSource
+
+
+def model_source(entry: ModelEntry) -> ModelSource:
+    """Where an entry's weights come from."""
+    return ModelSource(entry.name, builtin=entry.builtin, local_path=entry.local_path,
+                       weight_file=entry.weight_file, hf_id=entry.hf_id)
+
+
+def load_params(p: ModelParams) -> LoadParams:
+    """How the weights are loaded."""
+    return LoadParams(dtype=p.dtype, quantization=p.quantization, quantization_group_size=p.quantization_group_size,
+                      max_model_len=p.max_model_len, kv_cache_bits=p.kv_cache_bits)
+
+
+def engine_params(p: ModelParams) -> EngineParams:
+    """How a loaded chat model is scheduled."""
+    return EngineParams(
+        kv_mem_mb=p.kv_mem_mb,
+        max_num_seqs=p.max_num_seqs,
+        prefill_chunk_size=p.prefill_chunk_size,
+        prefill_batch_size=min(p.prefill_batch_size, p.max_num_seqs),
+        max_queue=p.max_queue,
+        queue_timeout_s=p.queue_timeout_s,
+        prompt_cache=p.prompt_cache,
+        cache_min_tokens=p.cache_min_tokens,
+        prompt_cache_mb=p.prompt_cache_mem,
+        prompt_cache_entries=p.prompt_cache_entries,
+        background_share=p.background_share,
+    )

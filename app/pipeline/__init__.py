@@ -1,0 +1,1 @@
+"""The typed request pipeline shared by every wire format (see ``pipeline``)."""

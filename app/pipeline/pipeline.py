@@ -1,0 +1,310 @@
+"""The one request path every wire format takes.
+
+    app/api/<format>.py     parse the body into a ChatRequest / TextRequest
+      Pipeline.prepare_*    check model and limits, vision, chat template, tokenize
+      Pipeline.steps        generate on the engine, parse reasoning and tool calls
+      Pipeline.complete     the same steps, folded (non-streaming)
+    app/api/<format>.py     render Steps / the Completion in its own format
+
+Nothing here knows a wire format, Litestar or pydantic request models; errors
+are raised from ``app.errors`` and each format's edge renders them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+
+from app.config.schema import ServerSettings
+from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
+from app.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, VisionNotSupportedError
+from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
+from app.pipeline.prompting import (
+    ModelProfile,
+    encode,
+    gather_system,
+    offered_tools,
+    render,
+    template_message,
+    tool_note,
+)
+from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest
+from app.pipeline.results import Completion, Step, Usage
+from app.request_context import REQUEST_ID
+
+log = logging.getLogger("tandem.api")
+
+# Open WebUI's title, tags and follow-up prompts start so; they run as background work.
+BACKGROUND_TASK_PREFIX = "### Task:"
+
+
+@dataclass
+class VisionState:
+    """How images reach a chat model, as /health and /v1/models report it."""
+
+    mode: str  # the model's vision_mode
+    model: str | None = None
+    available: bool = False
+    reason: str | None = None
+    proxy: Any = None  # app.vision.proxy.VisionProxy when mode is proxy
+
+
+@dataclass
+class ServedModel:
+    """A chat model the pipeline can send requests to."""
+
+    profile: ModelProfile
+    engine: Engine
+    vision: VisionState
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: its tokens, and how to read what comes back."""
+
+    # The served model's name (ModelProfile.name).
+    model: str
+    gen: GenerationRequest
+    prompt_text: str
+    # The parser family; None for plain text (completions), which is not parsed.
+    parser: str | None = None
+    # Reasoning markers are read (the model may reason even when it was asked not to:
+    # a template with no thinking switch cannot turn it off).
+    parse_reasoning: bool = False
+    # Reasoning goes out to the client (otherwise it is dropped, never left in content).
+    emit_reasoning: bool = False
+    starts_in_reasoning: bool = False
+    tools_offered: bool = False
+    # Captions, warnings and (on request) the prompt: Tandem's response extensions.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Check, see, render, tokenize, generate, parse: the shared steps of every format."""
+
+    def __init__(self, models: list[ServedModel], server: ServerSettings) -> None:
+        self.server = server
+        self._models: dict[str, ServedModel] = {}
+        for m in models:
+            for key in (m.profile.name, *m.aliases):
+                self._models.setdefault(key, m)
+
+    def model(self, name: str, param: str = "model") -> ServedModel:
+        """The served model called ``name`` (or one of its aliases); 404 otherwise."""
+        served = self._models.get(name)
+        if served is None:
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            names = ", ".join(sorted({m.profile.name for m in self._models.values()}))
+            raise ModelNotFoundError(f"model {shown!r} does not exist; this server serves {names}", param=param)
+        return served
+
+    # ---- prepare ----------------------------------------------------------------------
+
+    async def prepare_chat(self, req: ChatRequest) -> Prepared:
+        """Validate, caption images, render the template and tokenize (off the event loop)."""
+        model = self.model(req.options.model)
+        if len(req.messages) > self.server.max_messages:
+            raise InvalidRequestError(f"at most {self.server.max_messages} messages", param=req.messages_param)
+        check_prompt_chars(model.profile, sum(map(len, req.texts())), req.messages_param)
+        messages, extras = await self._see(model, req)
+        prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
+        prepared.extras = {**extras, **prepared.extras}
+        prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get())
+        return prepared
+
+    async def prepare_text(self, req: TextRequest) -> Prepared:
+        """Validate and tokenize a plain-text prompt (off the event loop)."""
+        model = self.model(req.options.model)
+        check_prompt_chars(model.profile, len(req.prompt), "prompt")
+        gen = await anyio.to_thread.run_sync(build_text, model.profile, req)
+        return Prepared(model.profile.name, replace(gen, request_id=REQUEST_ID.get()), req.prompt)
+
+    async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
+        """Images into text (proxy vision); refused where the model takes none."""
+        if not any(m.images() for m in req.messages):
+            return req.messages, {}
+        vision = model.vision
+        if vision.proxy is None:
+            first = next(p for m in req.messages for p in m.images())
+            raise VisionNotSupportedError(f"model {model.profile.name} does not accept images", param=first.param)
+        result = await vision.proxy.rewrite(req.messages)
+        return tuple(result.messages), {"captions": [c.as_dict() for c in result.captions],
+                                        "warnings": list(result.warnings)}
+
+    # ---- generate ---------------------------------------------------------------------
+
+    async def steps(self, p: Prepared) -> AsyncGenerator[Step, None]:
+        """The generation, one ``Step`` per engine delta; closing it cancels the generation."""
+        parser = None
+        if p.parser is not None:
+            parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
+                                 tools_offered=p.tools_offered)
+        async with aclosing(self.model(p.model).engine.stream(p.gen)) as deltas:
+            async for delta in deltas:
+                events = parser.feed(delta.text) if parser is not None and delta.text else []
+                usage = None
+                if delta.finish_reason is not None:
+                    if parser is not None:
+                        events += parser.finish()
+                    usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                if not p.emit_reasoning:
+                    events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
+                yield Step(events, delta.text, delta.finish_reason, usage)
+
+    async def complete(self, p: Prepared) -> Completion:
+        """The whole generation, folded from the same steps as a stream."""
+        async with aclosing(self.steps(p)) as steps:
+            return Completion.fold([s async for s in steps])
+
+
+# ---- the CPU work, in a worker thread ---------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer: Any) -> int:
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def check_prompt_chars(profile: ModelProfile, chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+
+    A token spans at most the longest vocabulary entry in characters, so a prompt
+    of more than max_model_len times that cannot fit (doubled, for normalizers
+    that merge characters). Tokenizing megabytes takes seconds of CPU; this takes none.
+    """
+    limit = 2 * profile.max_model_len * _longest_token_chars(profile.tokenizer)
+    if chars > limit:
+        raise ContextLengthError(
+            f"this model's maximum context length is {profile.max_model_len} tokens; "
+            f"a prompt of {chars} characters cannot fit (at most {limit} are accepted)",
+            param=param,
+        )
+
+
+def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...] | None = None) -> Prepared:
+    """Render, tokenize and bound a chat request; ``messages`` replaces the request's
+    (the vision proxy's rewrite, images turned into text)."""
+    msgs = gather_system(profile, req.messages if messages is None else messages)
+    tools = offered_tools(req.tools, req.tool_choice)
+    wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
+    dicts = [template_message(m) for m in msgs]
+    template_tools = None
+    if tools and not profile.template_takes_tools:
+        note = tool_note(tools, req.tool_choice.mode == "required")
+        if dicts and dicts[0]["role"] == "system":
+            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{note}"}
+        else:
+            dicts.insert(0, {"role": "system", "content": note})
+    elif tools:
+        template_tools = [t.as_dict() for t in tools]
+    text = render(profile, dicts, template_tools, wanted)
+    tokens = encode(profile, text)
+    # A template with no thinking switch renders the same prompt either way, and the model
+    # may reason anyway: its reasoning is still read, so markers never reach the content.
+    parse_reasoning = profile.reasoning and (wanted or not profile.thinking_switch)
+    gen = GenerationRequest(
+        prompt_tokens=tokens,
+        max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
+        sampling=sampling_for(profile, req.options),
+        stop=req.options.stop,
+        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted) if len(dicts) > 1 else None,
+        priority=_priority(req),
+    )
+    extras = {"prompt": text} if req.options.extensions else {}
+    return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
+                    parse_reasoning and template_opens_reasoning(text), bool(tools), extras)
+
+
+def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
+    """Tokenize and bound a plain-text prompt."""
+    tokens = list(profile.tokenizer.encode(req.prompt))
+    if not tokens:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        max_tokens=completion_budget(profile, len(tokens), req.options, "prompt"),
+        sampling=sampling_for(profile, req.options),
+        stop=req.options.stop,
+        priority=req.options.priority,
+    )
+
+
+def _priority(req: ChatRequest) -> Priority:
+    if req.options.priority != "interactive":
+        return req.options.priority
+    last_user = next((m for m in reversed(req.messages) if m.role == "user"), None)
+    if last_user is not None and last_user.text().lstrip().startswith(BACKGROUND_TASK_PREFIX):
+        return "background"
+    return "interactive"
+
+
+def sampling_for(profile: ModelProfile, options: Options) -> SamplingParams:
+    """The request's sampling over the model's defaults."""
+    s, d = options.sampling, profile.params
+    top_k = s.top_k if s.top_k is not None else d.top_k
+    vocab = profile.vocab_size
+    if vocab and top_k >= vocab:
+        # Keeping every token is no top-k at all; mlx-lm would raise mid-batch, failing its neighbours.
+        top_k = 0
+    pick: Callable[[str], Any] = lambda name: v if (v := getattr(s, name)) is not None else getattr(d, name)  # noqa: E731
+    return SamplingParams(
+        temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k, min_p=pick("min_p"),
+        frequency_penalty=pick("frequency_penalty"), presence_penalty=pick("presence_penalty"),
+        repetition_penalty=pick("repetition_penalty"), seed=s.seed,
+    )
+
+
+def completion_budget(profile: ModelProfile, prompt_len: int, options: Options, prompt_param: str) -> int:
+    """max_tokens, clamped to what the context leaves after the prompt.
+
+    Clients ask for more than a local model's context as a matter of course
+    (Claude Code sends max_tokens 32000); they get what fits, not a refusal.
+    """
+    limit = profile.max_model_len
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
+            param=prompt_param,
+        )
+    budget = profile.kv_budget_tokens or limit
+    room = min(limit, budget) - prompt_len
+    if room <= 0:
+        raise ContextLengthError(
+            f"a prompt of {prompt_len} tokens does not fit this model's KV budget of {budget} tokens "
+            "(raise `mem` in models.yaml)", param=prompt_param,
+        )
+    wanted = options.max_tokens if options.max_tokens is not None else profile.params.max_tokens
+    return min(wanted, room)
+
+
+def _cache_prefix_len(profile: ModelProfile, messages: list[dict[str, Any]], tokens: list[int],
+                      thinking: bool) -> int | None:
+    """Tokens of the system prompt (or first exchange) that stand alone as a prefix."""
+    mode = profile.params.prompt_cache
+    if mode == "off":
+        return None
+    upto = 1 if messages[0]["role"] == "system" else 0
+    if mode == "first_message" and len(messages) > upto:
+        upto += 1
+    if upto == 0 or upto >= len(messages):
+        return None
+    head = encode(profile, render(profile, messages[:upto], None, thinking, generation_prompt=False))
+    return len(head) if head and tokens[: len(head)] == head else None
+
+
+def log_generation(record: GenerationRecord) -> None:
+    """The one log line of every generation that ended (an engine listener)."""
+    error = f" ({record.error})" if record.error else ""
+    log.info(
+        "generation %s%s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%s total_s=%.3f",
+        record.outcome, error, record.prompt_tokens, record.cached_tokens, record.completion_tokens,
+        "-" if record.ttft_s is None else f"{record.ttft_s:.3f}", record.total_s,
+        extra={"request_id": record.request_id or "-"},
+    )

@@ -1,0 +1,217 @@
+"""Typed messages -> the model's prompt: chat template, tools, system prompt, thinking.
+
+Plain CPU work on the tokenizer (no MLX), run off the event loop. The chat
+template comes from the tokenizer (mlx-lm's TokenizerWrapper); what it can do
+is probed once per model (``make_profile``): whether it renders tools, whether
+``enable_thinking`` changes anything, and the default system prompt it inserts
+when the client sends none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from app.config.schema import ModelCapabilities, ModelParams
+from app.engine.mlx_internals import has_thinking
+from app.errors import ConfigError, InvalidRequestError
+from app.parsers import PARSERS, detect_parser, is_reasoning_model
+from app.pipeline.request import Message, Tool, ToolChoice
+
+_PROBE = "\u2063probe\u2063"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the pipeline needs to know about a served chat model."""
+
+    name: str
+    tokenizer: Any
+    params: ModelParams  # sampling defaults and max_tokens
+    max_model_len: int
+    parser: str
+    reasoning: bool
+    template_takes_tools: bool
+    # Whether enable_thinking changes the rendered prompt (Qwen3 yes; Ministral, SmolLM2 no).
+    thinking_switch: bool = False
+    # The system prompt the template inserts when the request has none ("" if none).
+    default_system_prompt: str = ""
+    # What a client's system prompt does to the default: "append" or "replace".
+    system_prompt: str = "replace"
+    # The model's vocabulary size, when its config says (bounds top_k).
+    vocab_size: int | None = None
+    # Tokens the KV budget holds: prompt + completion never go beyond it.
+    kv_budget_tokens: int | None = None
+
+
+def make_profile(name: str, tokenizer: Any, params: ModelParams, max_model_len: int, caps: ModelCapabilities, *,
+                 vocab_size: int | None = None, kv_budget_tokens: int | None = None) -> ModelProfile:
+    """Probe the chat template once and settle the model's parser and prompt policies."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template)
+    declared = caps.reasoning_parser
+    for key, value in (("tool_parser", caps.tool_parser), ("reasoning_parser", declared)):
+        if value not in (None, "none") and value not in PARSERS:
+            known = ", ".join(sorted(PARSERS))
+            raise ConfigError(f"model {name!r}: capabilities.{key} {value!r} is not a parser; known: {known}")
+    if declared is None:
+        # mlx-lm's tokenizer wrapper knows the single-token think markers of many families.
+        reasoning = has_thinking(tokenizer) or is_reasoning_model(name, template)
+    else:
+        reasoning = declared != "none"
+    parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
+    default_system = _default_system_prompt(tokenizer)
+    return ModelProfile(
+        name, tokenizer, params, max_model_len, parser, reasoning, "tools" in template,
+        thinking_switch=_has_thinking_switch(tokenizer),
+        default_system_prompt=default_system,
+        system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
+        vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
+    )
+
+
+def _render_probe(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> str | None:
+    try:
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw))
+    except Exception:  # noqa: BLE001 - a template that refuses a probe has no such feature
+        return None
+
+
+def _default_system_prompt(tokenizer: Any) -> str:
+    """The system prompt the template writes when the request has none.
+
+    Rendered once with a marker system prompt and once without: when the second
+    has the first's frame around other text, that text is the default
+    (Ministral's reasoning instructions, SmolLM2's and Qwen2.5's identity line).
+    """
+    user = {"role": "user", "content": _PROBE}
+    framed = _render_probe(tokenizer, [{"role": "system", "content": _PROBE + "S"}, user])
+    bare = _render_probe(tokenizer, [user])
+    if framed is None or bare is None or _PROBE + "S" not in framed:
+        return ""
+    head, _, tail = framed.partition(_PROBE + "S")
+    if not (bare.startswith(head) and bare.endswith(tail)) or len(bare) <= len(head) + len(tail):
+        return ""
+    return bare[len(head) : len(bare) - len(tail)]
+
+
+def _has_thinking_switch(tokenizer: Any) -> bool:
+    """Whether ``enable_thinking`` changes what the template renders."""
+    messages = [{"role": "user", "content": _PROBE}]
+    on = _render_probe(tokenizer, messages, enable_thinking=True)
+    off = _render_probe(tokenizer, messages, enable_thinking=False)
+    return on is not None and off is not None and on != off
+
+
+def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[Message]:
+    """One system message first, holding every system message's text in order.
+
+    Many templates accept a system message only at the start (Ministral raises
+    otherwise) and clients send them elsewhere too (Claude Code after the user's
+    turn). With the "append" policy the template's default system prompt comes
+    first, so a client's own system prompt does not silently remove the model's
+    instructions (Ministral's [THINK] format).
+    """
+    systems = [m.text() for m in messages if m.role == "system"]
+    rest = [m for m in messages if m.role != "system"]
+    if not systems:
+        return rest
+    text = "\n\n".join(systems)
+    if profile.system_prompt == "append" and profile.default_system_prompt:
+        text = f"{profile.default_system_prompt}\n\n{text}"
+    return [Message.of("system", text), *rest]
+
+
+def template_message(m: Message) -> dict[str, Any]:
+    """A typed message as chat templates take it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [tc.as_dict(arguments_as_object=True) for tc in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def offered_tools(tools: tuple[Tool, ...], choice: ToolChoice, param: str = "tool_choice") -> tuple[Tool, ...]:
+    """The tools the model is shown: none for "none", the named one for a named choice."""
+    if not tools or choice.mode == "none":
+        return ()
+    if choice.mode == "named":
+        named = tuple(t for t in tools if t.name == choice.name)
+        if not named:
+            raise InvalidRequestError(f"tool_choice names {choice.name!r}, which is not in tools", param=param)
+        return named
+    return tools
+
+
+def tool_note(tools: tuple[Tool, ...], required: bool) -> str:
+    """For templates with no tool support: the tools, one compact line each.
+
+    A name, the first sentence of the description and the parameter names with
+    simple types, so the note grows slowly with the tool count (Open WebUI sends
+    36 tools with every chat; their full schemas alone overflow an 8k context).
+    """
+    lines = [
+        "You can call these functions. To call one, answer with only a JSON object "
+        '{"name": <function name>, "arguments": <arguments object>}.'
+    ]
+    if required:
+        lines.append("You must call one of them.")
+    lines += [f"- {_signature(t)}" + (f": {_first_sentence(t.description)}" if t.description else "") for t in tools]
+    return "\n".join(lines)
+
+
+def _signature(tool: Tool) -> str:
+    props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+    required = set(tool.parameters.get("required") or ()) if isinstance(tool.parameters, dict) else set()
+    args = []
+    for name, schema in (props or {}).items() if isinstance(props, dict) else ():
+        mark = "" if name in required else "?"
+        args.append(f"{name}{mark}: {_type_of(schema)}")
+    return f"{tool.name}({', '.join(args)})"
+
+
+def _type_of(schema: Any) -> str:
+    if not isinstance(schema, dict):
+        return "any"
+    if isinstance(schema.get("enum"), list) and len(schema["enum"]) <= 6:
+        return "|".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = "|".join(str(k) for k in kind)
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        return f"{_type_of(schema['items'])}[]"
+    return str(kind) if kind else "any"
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s")
+
+
+def _first_sentence(text: str, limit: int = 120) -> str:
+    first = _SENTENCE_END.split(" ".join(text.split()), maxsplit=1)[0]
+    return first if len(first) <= limit else first[: limit - 1].rstrip() + "\u2026"
+
+
+def render(profile: ModelProfile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+           thinking: bool, *, generation_prompt: bool = True) -> str:
+    """The chat template applied; a template that rejects the messages is the client's 400."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": generation_prompt, "tokenize": False}
+    if tools:
+        kwargs["tools"] = tools
+    if profile.reasoning:
+        kwargs["enable_thinking"] = thinking
+    try:
+        return str(profile.tokenizer.apply_chat_template(messages, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - jinja errors are the request's shape
+        raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
+                                  param="messages") from exc
+
+
+def encode(profile: ModelProfile, text: str) -> list[int]:
+    """Token ids of a rendered prompt (its special tokens are already in the text)."""
+    return list(profile.tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,201 @@
+"""The typed internal request: what every wire format parses into.
+
+Chat completions, text completions, AG-UI, Responses and Anthropic Messages are
+five ways to ask for the same thing. Each adapter in ``app/api`` turns its body
+into a ``ChatRequest`` (or ``TextRequest``) of these plain, frozen types; the
+pipeline, the vision proxy and the prompt renderer only ever see these.
+
+Text parts of one message are joined with a newline (``Message.text``), the one
+rule everywhere, images or not. ``param`` fields name where a thing sits in the
+client's own request (``messages[1].content[0]``), so errors can point at it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+Priority = Literal["interactive", "background"]
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """A piece of text in a message."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image in a message, by URL (``data:``, ``file://`` or ``http(s)://``)."""
+
+    url: str
+    # Where the part sits in the client's request, for errors: "messages[1].content[2]".
+    param: str = ""
+    detail: str | None = None
+
+
+Part = TextPart | ImagePart
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant made, as the conversation carries it back."""
+
+    id: str
+    name: str
+    # The arguments as JSON text ("{}" when there are none).
+    arguments: str = "{}"
+
+    def as_dict(self, *, arguments_as_object: bool = False) -> dict[str, Any]:
+        """OpenAI's ``tool_calls[]`` item. Chat templates render arguments with ``| tojson``,
+        so they get the object (``arguments_as_object``) when the JSON parses."""
+        arguments: Any = self.arguments
+        if arguments_as_object:
+            try:
+                arguments = json.loads(self.arguments)
+            except ValueError:
+                pass
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One conversation turn."""
+
+    role: Role
+    content: tuple[Part, ...] = ()
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    # For role "tool": which call this result answers.
+    tool_call_id: str | None = None
+    # Reasoning an earlier assistant turn carried back (templates may render it).
+    reasoning: str | None = None
+    # Where the message sits in the client's request, for errors: "messages[3]".
+    param: str = ""
+
+    @classmethod
+    def of(cls, role: Role, text: str, **kw: Any) -> Message:
+        """A text-only message."""
+        return cls(role, (TextPart(text),), **kw)
+
+    def text(self) -> str:
+        """The text parts, joined with newlines; images are left out."""
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        return [p for p in self.content if isinstance(p, ImagePart)]
+
+    def with_text(self, text: str) -> Message:
+        """This message with its content replaced by ``text`` alone."""
+        return replace(self, content=(TextPart(text),))
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str | None = None
+    # JSON schema of the arguments object.
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI's ``tools[]`` item, as chat templates take it."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Whether and which tool the model must call."""
+
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    # The one function to call, when mode is "named".
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What shape the answer text must take (``response_format``, ``text.format``)."""
+
+    kind: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling choices; None takes the model's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Options:
+    """What any generation request may set, whatever its prompt."""
+
+    model: str
+    sampling: Sampling = Sampling()
+    # The client's explicit completion limit; None takes the model's default (capped to the context).
+    max_tokens: int | None = None
+    # Where max_tokens came from in the client's request, for errors.
+    max_tokens_param: str = "max_tokens"
+    stop: tuple[str, ...] = ()
+    # "background" work (titles, tags, follow-ups) yields to interactive requests.
+    priority: Priority = "interactive"
+    # Tandem extension: captions, warnings, parser chunks and the exact prompt in the answer.
+    extensions: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A conversation to continue."""
+
+    options: Options
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+    output: OutputFormat = OutputFormat()
+    # True / False switch the model's reasoning; None takes the model's default.
+    thinking: bool | None = None
+    # Where the messages sit in the client's request ("messages", "input"), for errors.
+    messages_param: str = "messages"
+
+    def texts(self) -> list[str]:
+        """Every text that reaches the chat template: message text, tool-call names and
+        arguments, tool names, descriptions and schemas. The prompt-size pre-check counts them."""
+        out: list[str] = []
+        for m in self.messages:
+            out += [p.text for p in m.content if isinstance(p, TextPart)]
+            out += [t for tc in m.tool_calls for t in (tc.name, tc.arguments)]
+            if m.reasoning:
+                out.append(m.reasoning)
+        for tool in self.tools:
+            out += [tool.name, tool.description or "", json.dumps(tool.parameters)]
+        if self.output.schema is not None:
+            out.append(json.dumps(self.output.schema))
+        return out
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """Plain text to continue (``/v1/completions``)."""
+
+    options: Options
+    prompt: str
+    echo: bool = False

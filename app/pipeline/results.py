@@ -1,0 +1,62 @@
+"""What a generation gives back, typed, for every wire format to render.
+
+Streaming yields one ``Step`` per engine delta (the parser's events for that
+text, and on the last one the finish reason and usage); non-streaming folds the
+same steps into one ``Completion``. Like llama.cpp's server task results, the
+pipeline produces these once and each wire format renders them its own way
+(``to_json_oaicompat_chat``, ``to_json_anthropic``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.parsers import Event, ParsedOutput, collect
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens one generation used."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens whose KV came from the prefix cache.
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Step:
+    """What one engine delta became."""
+
+    # The parser's events for this delta (empty for plain-text completions).
+    events: list[Event]
+    # The raw generated text of this delta (stop strings already cut).
+    text: str = ""
+    # Set on the last step: "stop" or "length".
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    """A whole generation: the non-streaming answer of every wire format."""
+
+    parsed: ParsedOutput
+    # The raw generated text (what /v1/completions returns).
+    text: str
+    # "stop" or "length", as the engine ended it; formats map it ("tool_calls", "end_turn", ...).
+    finish_reason: str
+    usage: Usage
+    events: list[Event] = field(default_factory=list)
+
+    @classmethod
+    def fold(cls, steps: list[Step]) -> Completion:
+        """The steps of one generation, folded; the last one carries the end."""
+        last = steps[-1]
+        assert last.finish_reason is not None and last.usage is not None
+        events = [ev for s in steps for ev in s.events]
+        return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events)
