@@ -12,8 +12,8 @@ import itertools
 import select
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import httpx
 import pytest
@@ -162,3 +162,52 @@ def test_silent_and_trickling_connections_are_closed_within_seconds(srv):
             s.close()
     print(f"\nseconds until the server closed each (None: open after {FEW_SECONDS} s): {closed}")
     assert all(seconds is not None for seconds in closed.values()), closed
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, tiny_model_dir):
+    """Four connections and a half-second head deadline, to see the deadline's edges quickly."""
+    yaml = tiny_yaml(tiny_model_dir, {"max_connections": 4, "header_timeout_s": 0.5})
+    with serving(tmp_path_factory.mktemp("quick"), yaml) as served:
+        yield served
+
+
+def test_the_head_deadline_spares_idle_keep_alive_and_slow_bodies(quick):
+    """The deadline runs from a head's first byte to its end: not while a kept-alive
+    connection waits for its next request, nor while a request's body arrives."""
+    conn = connect(quick)
+    try:
+        conn.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert read_response(conn) == 200
+        time.sleep(1.0)  # past the head deadline, within uvicorn's 5 s keep-alive
+        body = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}'
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 16):  # the body over about 1.2 s
+            time.sleep(0.2)
+            conn.sendall(body[i:i + 16])
+        assert read_response(conn) == 200
+    finally:
+        conn.close()
+
+
+def test_connections_stuck_in_a_head_free_their_place_at_the_deadline(quick):
+    """Every connection busy with a head that never ends: a request is refused, until the
+    deadline closes them (no client has to give up first)."""
+    stuck = [connect(quick) for _ in range(4)]
+    try:
+        for s in stuck:
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\nx-slow: a")
+        refused = chat(quick).status_code
+        started = time.monotonic()
+        while chat(quick).status_code != 200:
+            assert time.monotonic() - started < FEW_SECONDS
+            time.sleep(0.05)
+        served_after = time.monotonic() - started
+        closed = sum(is_closed(s) for s in stuck)
+    finally:
+        for s in stuck:
+            s.close()
+    print(f"\n4 stuck heads on a 4-connection server: chat {refused}, then 200 after {served_after:.2f} s; closed {closed}")
+    assert refused == 503 and closed == 4
+    assert served_after < 0.5 + 1.5  # the deadline, plus slack for a loaded machine
