@@ -43,7 +43,7 @@ def timed(call: Callable[[], httpx.Response]) -> tuple[int, float]:
         status = call().status_code
     except httpx.TransportError:
         status = 0
-    return status, time.monotonic() - started
+    return status, round(time.monotonic() - started, 3)
 
 
 def connect(srv: Served) -> socket.socket:
@@ -89,12 +89,12 @@ def seconds_until_closed(sock: socket.socket, trickle: bytes | None, limit: floa
                     pass
             except ConnectionError:
                 pass
-            return time.monotonic() - started
+            return round(time.monotonic() - started, 2)
         if sending is not None:
             try:
                 sock.send(bytes([next(sending)]))
             except ConnectionError:
-                return time.monotonic() - started
+                return round(time.monotonic() - started, 2)
     return None
 
 
