@@ -7,24 +7,16 @@ one EngineParams, logged once at start-up.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import uvicorn
 
 from app.errors import ConfigError
-
-if TYPE_CHECKING:
-    from app.api.state import AppState
-    from app.config.schema import ServerSettings
+from app.httpserver import DrainingServer, uvicorn_config
 
 DEFAULT_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.yaml"
 
@@ -66,32 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     ls = models.add_parser("list", help="list models.yaml entries")
     ls.add_argument("--models-file")
     return parser
-
-
-def uvicorn_config(app: Any, server: ServerSettings, log_level: str = "info") -> uvicorn.Config:
-    """Tandem under uvicorn: its limits, its log format, a drain as long as the grace period."""
-    return uvicorn.Config(
-        app, host=server.host, port=server.port, log_level=log_level,
-        log_config=None,  # uvicorn's records (the access log too) go through our format, request id included
-        limit_concurrency=server.max_connections, backlog=server.backlog,
-        # Past the grace period the engine ends what still runs; the extra seconds let those streams close.
-        timeout_graceful_shutdown=math.ceil(server.shutdown_grace_s + 5),
-    )
-
-
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT the engine drains (``app.main.drain``) while uvicorn drains its connections."""
-
-    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
-        super().__init__(config)
-        self.state = state
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        from app.main import drain
-
-        drained = asyncio.create_task(drain(self.state))
-        await super().shutdown(sockets)
-        drained.cancel()  # done by now, unless a second Ctrl-C forced the exit
 
 
 @contextlib.contextmanager

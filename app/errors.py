@@ -23,7 +23,8 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     ├── ServiceUnavailableError      503 service_unavailable (Retry-After)
     │   ├── EngineBusyError          503 code=engine_busy
     │   ├── EngineDeadError          503 code=engine_unavailable
-    │   └── VisionUnavailableError   503 code=vision_unavailable
+    │   ├── VisionUnavailableError   503 code=vision_unavailable
+    │   └── TooManyConnectionsError  503 code=too_many_connections (rendered by app.httpserver)
     ├── ConfigError                  raised at start-up: bad models.yaml or flags
     └── EngineError                  500: a failure inside one generation
 """
@@ -134,6 +135,12 @@ class EngineDeadError(ServiceUnavailableError):
 
 class VisionUnavailableError(ServiceUnavailableError):
     default_code = "vision_unavailable"
+
+
+class TooManyConnectionsError(ServiceUnavailableError):
+    """Every connection is busy; refused by the HTTP server before the app sees the request."""
+
+    default_code = "too_many_connections"
 
 
 class ConfigError(AppError):

@@ -177,8 +177,13 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     # Messages one chat request may carry.
     max_messages: int = Field(default=512, ge=1)
-    # Concurrent HTTP connections the ASGI server accepts.
+    # Open HTTP connections. At the limit, the connections idle longest (fresh or kept alive, no
+    # byte of a request received) are closed to make room; when all are busy a request gets 503,
+    # except /health.
     max_connections: int = Field(default=256, ge=1)
+    # Seconds a connection has to send a complete request head, from connecting or from the first
+    # byte of its next request; then it is closed (slowloris). Idle kept-alive connections close after 5 s.
+    header_timeout_s: float = Field(default=5.0, gt=0)
     # Listen backlog, so a burst of connections is not reset.
     backlog: int = Field(default=2048, ge=16)
     # On SIGTERM/SIGINT: seconds running requests get to finish before they end with an error event.

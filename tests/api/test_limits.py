@@ -144,20 +144,29 @@ def test_full_queue_429_and_queue_timeout_503(srv):
     assert_serving(srv)
 
 
-def test_connections_beyond_the_limit_get_503(srv):
+def test_when_every_connection_is_busy_a_request_gets_503_but_health_is_answered(srv):
+    """Idle connections make room (tests/api/test_connections.py); busy ones, here each in the
+    middle of a request head, do not: a request beyond them gets an OpenAI-shaped 503."""
     limit = srv.state.config.server.max_connections
     host, port = srv.base_url.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port))) for _ in range(limit)]
+    busy = [socket.create_connection((host, int(port))) for _ in range(limit)]
     try:
+        for s in busy:
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
         time.sleep(0.2)
-        assert srv.get("/health").status_code == 503
+        r = chat(srv)
+        err = assert_openai_error(r, 503, "too_many_connections")
+        assert err["type"] == "service_unavailable" and "server.max_connections" in err["message"]
+        assert int(r.headers["retry-after"]) > 0 and r.headers["x-request-id"].startswith("req-")
+        assert srv.get("/health").json()["status"] == "ok"
     finally:
-        for s in idle:
+        for s in busy:
             s.close()
     deadline = time.monotonic() + 10
-    while srv.get("/health").status_code != 200:
+    while chat(srv, max_tokens=1).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert_serving(srv)
 
 
 @pytest.mark.parametrize("seed, status", [(-1, 200), (2**64 - 1, 200), (2**64, 400), (-(2**63) - 1, 400)])
