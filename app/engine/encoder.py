@@ -68,7 +68,9 @@ class EncoderLimits:
     """Batching and request limits of one encoder."""
 
     max_batch: int = 32  # inputs per forward pass
-    max_batch_tokens: int = 8192  # padded tokens (inputs x longest) per forward pass
+    # Padded tokens (inputs x longest) per forward pass: one engine step, so it bounds how long
+    # chat decoding waits behind an embeddings batch (seconds on a CPU: scripts/bench_embeddings.py).
+    max_batch_tokens: int = 4096
     max_inputs: int = 2048  # inputs (or documents) per request, as OpenAI allows
     max_length: int | None = None  # tokens per input; None: the model's own limit
 
