@@ -300,7 +300,7 @@ def load_encoder(
     kind = _kind(config, model_type, name)
     pooling = _pooling_mode(path, model_type, name)
     overrides = {"classifier_pooling": pooling} if model_type == "modernbert" and pooling in ("cls", "mean") else {}
-    from mlx_embeddings.utils import load_model  # type: ignore[import-untyped]
+    from mlx_embeddings.utils import load_model
 
     try:
         model = load_model(path, model_config=overrides)
