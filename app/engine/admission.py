@@ -5,8 +5,11 @@ budget (``mem``) up front, so the batch can never outgrow memory mid-decode.
 The prefix cache lives in the same budget: when a waiting request does not
 fit, cached prefixes are evicted first. Requests that do not fit wait in a
 bounded FIFO; a small request may pass a large one at the head (backfill)
-unless the head has waited longer than ``starvation_s``. Pure Python: the
-engine thread calls it, tests drive it directly.
+unless the head has waited longer than ``starvation_s``. Interactive requests
+are admitted before background ones (``rank`` 0 before 1), and background
+ones not at all while the engine says so. A paused sequence (``suspend``)
+keeps its KV reservation but frees its batch slot. Pure Python: the engine
+thread calls it, tests drive it directly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Waiting(Generic[T]):
     item: T
     tokens: int
     since: float = field(default_factory=time.monotonic)
+    # 0: interactive, 1: background (admitted after every interactive request).
+    rank: int = 0
 
 
 class Admission(Generic[T]):
@@ -68,9 +73,27 @@ class Admission(Generic[T]):
                 retry_after=2,
             )
 
-    def release(self, tokens: int) -> None:
+    def release(self, tokens: int, *, running: bool = True) -> None:
+        """Free a sequence's reservation (and its batch slot, unless it was suspended)."""
         self.reserved -= tokens
+        if running:
+            self.running -= 1
+
+    def suspend(self) -> None:
+        """A running sequence was paused: its slot is free, its reservation is kept."""
         self.running -= 1
+
+    def resume(self) -> bool:
+        """Take a slot back for a paused sequence, if one is free."""
+        if self.running >= self.max_seqs:
+            return False
+        self.running += 1
+        return True
+
+    def interactive_fits(self) -> bool:
+        """Whether an interactive request waits that the KV budget could take now."""
+        free = self.budget_tokens - self.reserved
+        return any(w.rank == 0 and w.tokens <= free for w in self.waiting)
 
     def expire(self, now: float | None = None) -> list[T]:
         """Waiting requests past the queue timeout, removed from the queue."""
@@ -80,18 +103,20 @@ class Admission(Generic[T]):
             self.waiting.remove(w)
         return [w.item for w in expired]
 
-    def admit(self, cache_tokens: int, evict: Callable[[int], int]) -> list[T]:
+    def admit(self, cache_tokens: int, evict: Callable[[int], int], *, background: bool = True) -> list[T]:
         """Pop every waiting request that fits now, evicting cache when that helps.
 
         ``cache_tokens`` is what the prefix cache holds; ``evict(n)`` frees at
         least ``n`` tokens of it if it can and returns the new cache size.
+        Interactive requests go first; ``background=False`` holds background ones back.
         """
         admitted: list[T] = []
-        head_starving = bool(self.waiting) and (
-            time.monotonic() - self.waiting[0].since > self.starvation_s
-        )
-        for w in list(self.waiting):
+        queue = sorted(self.waiting, key=lambda w: w.rank)  # stable: FIFO within a rank
+        head_starving = bool(queue) and (time.monotonic() - queue[0].since > self.starvation_s)
+        for w in queue:
             if self.running >= self.max_seqs:
+                break
+            if w.rank and not background:
                 break
             free = self.budget_tokens - self.reserved - cache_tokens
             if w.tokens > free and cache_tokens > 0:
@@ -112,7 +137,7 @@ class Admission(Generic[T]):
         return items
 
 
-def busy_error(waited_s: float) -> EngineBusyError:
-    return EngineBusyError(
-        f"request waited {waited_s:.0f}s for KV memory and timed out; retry shortly", retry_after=5
-    )
+def busy_error(waited_s: float, for_slot: bool) -> EngineBusyError:
+    """The 503 of a request that waited too long, naming what it waited for."""
+    what = "a free batch slot (max_num_seqs)" if for_slot else "KV memory (mem)"
+    return EngineBusyError(f"request waited {waited_s:.0f}s for {what} and timed out; retry shortly", retry_after=5)

@@ -9,6 +9,14 @@ that request only; a failure of the whole batch step fails the requests in
 it and starts a fresh batch, and the thread goes on. Every generation that
 ends, however it ends, is reported once to the listeners as a
 ``GenerationRecord`` (metrics, the log).
+
+Priority: while an interactive request waits for its first token (queued, or
+in prefill), background requests (titles, tags, follow-ups) are not admitted,
+those in prefill are paused, and those decoding keep at most
+``background_share`` of the batch; the rest are paused too. A paused sequence
+leaves the batch with its KV (``remove(..., return_prompt_caches=True)``),
+keeps its reservation, and is inserted again with that KV once no interactive
+request waits.
 """
 
 from __future__ import annotations
@@ -62,6 +70,14 @@ class _Seq:
     first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
+    sampler: Any = None
+    processors: list[Any] = field(default_factory=list)
+    # While paused: the KV it had (cache, the tokens in it).
+    paused: tuple[Any, list[int]] | None = None
+
+    @property
+    def background(self) -> bool:
+        return self.req.priority == "background"
 
 
 class TextEngine:
@@ -83,11 +99,13 @@ class TextEngine:
         self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
+        self.background_pauses = 0
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
         self._inbox: deque[_Seq] = deque()
         self._cancelled: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
+        self._paused: deque[_Seq] = deque()
         self._accepting = True
         self._last_wait_log = 0.0
         self._bg = self._new_batch()
@@ -158,12 +176,14 @@ class TextEngine:
 
     @property
     def in_flight(self) -> int:
-        return len(self._inbox) + len(self.admission.waiting) + len(self._running)
+        return len(self._inbox) + len(self.admission.waiting) + len(self._running) + len(self._paused)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             alive=self.worker.alive,
             active=len(self._running),
+            paused=len(self._paused),
+            background_pauses=self.background_pauses,
             waiting=len(self.admission.waiting) + len(self._inbox),
             kv_budget_tokens=self.admission.budget_tokens,
             kv_reserved_tokens=self.admission.reserved,
@@ -178,9 +198,14 @@ class TextEngine:
         self._take_inbox()
         self._take_cancellations()
         self._expire_waiting()
-        self._admit()
+        interactive_waits = self._interactive_waits()
+        if interactive_waits:
+            self._pause_background()
+        else:
+            self._resume_background()
+        self._admit(background=not interactive_waits)
         if not self._running:
-            return bool(self.admission.waiting)
+            return bool(self.admission.waiting or self._paused)
         try:
             prompt_responses, gen_responses = self._bg.next()
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep the thread
@@ -202,7 +227,7 @@ class TextEngine:
         while self._inbox:
             with self._lock:
                 seq = self._inbox.popleft()
-                self.admission.waiting.append(Waiting(seq, seq.reserved, seq.enqueued))
+                self.admission.waiting.append(Waiting(seq, seq.reserved, seq.enqueued, rank=int(seq.background)))
 
     def _take_cancellations(self) -> None:
         while self._cancelled:
@@ -211,6 +236,9 @@ class TextEngine:
                 continue
             if seq.uid is not None and seq.uid in self._running:
                 self._bg.remove([seq.uid])
+                self._release(seq)
+            elif seq in self._paused:
+                self._paused.remove(seq)
                 self._release(seq)
             else:
                 with self._lock:
@@ -222,10 +250,55 @@ class TextEngine:
     def _expire_waiting(self) -> None:
         with self._lock:
             expired = self.admission.expire()
+            for_slot = self.admission.running >= self.admission.max_seqs
         for seq in expired:
-            self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued))
+            self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
 
-    def _admit(self) -> None:
+    # ---- priority: background work yields to interactive work -------------------------
+
+    def _interactive_waits(self) -> bool:
+        """An interactive request waits for its first token: admitted and in prefill, or
+        queued where the KV budget could take it (one waiting for memory waits for
+        running work to end, which pausing would only delay)."""
+        if any(not s.background and s.first_token is None for s in self._running.values()):
+            return True
+        with self._lock:
+            return self.admission.interactive_fits()
+
+    def _pause_background(self) -> None:
+        """Background sequences in prefill, and those decoding beyond background_share."""
+        keep = int(self.params.background_share * self.params.max_num_seqs)
+        background = [s for s in self._running.values() if s.background]
+        decoding = sorted((s for s in background if s.first_token is not None), key=lambda s: s.enqueued)
+        for seq in [s for s in background if s.first_token is None] + decoding[keep:]:
+            assert seq.uid is not None
+            cache, tokens = self._bg.remove([seq.uid], return_prompt_caches=True)[seq.uid]
+            del self._running[seq.uid]
+            seq.uid, seq.paused, seq.cache_segments = None, (cache, list(tokens)), 0
+            with self._lock:
+                self.admission.suspend()
+            self._paused.append(seq)
+            self.background_pauses += 1
+
+    def _resume_background(self) -> None:
+        """Paused sequences back into the batch, oldest first, as slots allow."""
+        while self._paused:
+            with self._lock:
+                if not self.admission.resume():
+                    return
+            seq = self._paused.popleft()
+            assert seq.paused is not None
+            cache, tokens = seq.paused
+            seq.paused = None
+            prompt = seq.req.prompt_tokens
+            if len(tokens) < len(prompt):  # paused in prefill: the rest of the prompt
+                rest = prompt[len(tokens):]
+            else:  # paused decoding: feed the last token again for the next one's logits
+                trim_prompt_cache(cache, 1)
+                rest, tokens = tokens[-1:], tokens[:-1]
+            self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated)
+
+    def _admit(self, *, background: bool = True) -> None:
         bpt = self.bytes_per_token
 
         def evict(tokens: int) -> int:
@@ -233,7 +306,7 @@ class TextEngine:
             return int(self.prompt_cache.nbytes // bpt)
 
         with self._lock:
-            admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict)
+            admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict, background=background)
             waiting = len(self.admission.waiting)
         if waiting and time.monotonic() - self._last_wait_log > 5:
             self._last_wait_log = time.monotonic()
@@ -271,17 +344,24 @@ class TextEngine:
         if p.prompt_cache != "off" and prefix and cached < prefix < len(prompt) and prefix >= p.cache_min_tokens:
             segments = [prompt[cached:prefix], prompt[prefix:]]
             seq.cache_segments = 1
-        (uid,) = self._bg.insert_segments(
-            [segments],
-            max_tokens=[req.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[prompt[:cached]],
-            samplers=[build_sampler(req.sampling)],
-            logits_processors=[build_logits_processors(req.sampling)],
-        )
-        seq.uid, seq.cached_tokens = uid, cached
+        seq.cached_tokens = cached
+        seq.sampler = build_sampler(req.sampling)
+        seq.processors = build_logits_processors(req.sampling)
         seq.detok = new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
+        self._start(seq, segments, cache, prompt[:cached], req.max_tokens)
+
+    def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int) -> None:
+        """Insert ``seq`` into the batch: its prompt ``segments`` after the ``done`` tokens in ``cache``."""
+        (uid,) = self._bg.insert_segments(
+            [segments],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[done],
+            samplers=[seq.sampler],
+            logits_processors=[seq.processors],
+        )
+        seq.uid = uid
         self._running[uid] = seq
 
     def _cache_prefix(self, uid: int) -> None:
@@ -344,6 +424,10 @@ class TextEngine:
         if seq.uid is not None and self._running.pop(seq.uid, None) is not None:
             with self._lock:
                 self.admission.release(seq.reserved)
+        elif seq.paused is not None:
+            seq.paused = None  # its KV goes with it
+            with self._lock:
+                self.admission.release(seq.reserved, running=False)
 
     def _finish_with_error(self, seq: _Seq, exc: BaseException) -> None:
         self._end(seq, "error", exc)
@@ -383,9 +467,10 @@ class TextEngine:
         with self._lock:
             waiting = self.admission.fail_all() + list(self._inbox)
             self._inbox.clear()
-        for seq in waiting + list(self._running.values()):
+        for seq in waiting + list(self._running.values()) + list(self._paused):
             self._finish_with_error(seq, err)
         self._running.clear()
+        self._paused.clear()
 
     def abort_all(self, exc: BaseException) -> Future[None]:
         """End every queued and running request with ``exc`` (a shutdown past its grace
@@ -401,5 +486,9 @@ class TextEngine:
         for seq in list(self._running.values()):
             assert seq.uid is not None
             self._bg.remove([seq.uid])
+            self._release(seq)
+            self._finish_with_error(seq, exc)
+        while self._paused:
+            seq = self._paused.popleft()
             self._release(seq)
             self._finish_with_error(seq, exc)

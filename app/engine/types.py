@@ -87,6 +87,9 @@ class EngineStats:
     prompt_cache_bytes: int
     prompt_cache_hits: int = 0
     prompt_cache_tokens_saved: int = 0
+    # Background sequences paused for interactive work: now, and pauses so far.
+    paused: int = 0
+    background_pauses: int = 0
 
 
 class Engine(Protocol):

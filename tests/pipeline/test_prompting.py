@@ -83,3 +83,23 @@ def test_default_max_tokens_is_capped_to_the_context(tokenizer):
     p = make_profile("demo", tokenizer, ModelParams(max_tokens=4000), 100, ModelCapabilities())
     req = prepare_chat(p, chat())
     assert req.gen.max_tokens == 100 - len(req.gen.prompt_tokens)
+
+
+@pytest.mark.parametrize("body, priority", [
+    ({}, "interactive"),
+    ({"priority": "background"}, "background"),
+    # Open WebUI's title / tags / follow-up prompts.
+    ({"messages": [{"role": "user", "content": "### Task:\nGenerate a concise title for the chat."}]}, "background"),
+    ({"messages": [{"role": "user", "content": "Tell me about ### Task: lists"}]}, "interactive"),
+])
+def test_background_work_is_recognised(tokenizer, body, priority):
+    assert prepare_chat(profile(tokenizer), chat(**body)).gen.priority == priority
+
+
+def test_text_parts_join_with_one_rule(tokenizer):
+    """The same message reads the same whatever carries it: parts are joined by newlines."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                       {"type": "text", "text": "world"}]}]}
+    joined = {"messages": [{"role": "user", "content": "Hello\nworld"}]}
+    assert prepare_chat(profile(tokenizer), chat(**parts)).prompt_text == \
+        prepare_chat(profile(tokenizer), chat(**joined)).prompt_text
