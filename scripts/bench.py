@@ -13,8 +13,10 @@ It measures, in this order (one server at a time, so they never compete):
   3. `python -m mlx_lm.server` on the same model: aggregate tokens/s at the same
      concurrencies;
   4. vision captioning: first image vs the same image again (caption cache),
-     on a tiny random Qwen2-VL (the real mlx-vlm path).
-and prints every ratio with its target. Sizes come from --profile: `cpu`
+     on a tiny random Qwen2-VL (the real mlx-vlm path);
+  5. priority: the time to first token of a chat while 3 Open WebUI background
+     tasks (title, tags, follow-ups) are decoding, against the same chat alone.
+and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
 """
@@ -222,55 +224,133 @@ def bench_vision() -> tuple[float, float]:
     return first, repeat
 
 
+OPEN_WEBUI_HISTORY = (
+    "USER: I am planning a week in Lisbon in May. What neighbourhoods should I stay in, and is it easy "
+    "to get around without a car?\nASSISTANT: Alfama, Baixa and Principe Real are central and walkable; "
+    "trams, the metro and trains cover the rest, so a car is more trouble than help."
+)
+# Open WebUI's own task prompts, shortened: each starts "### Task:", which makes it background work.
+OPEN_WEBUI_TASKS = [
+    "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
+    '### Output:\nJSON format: { "title": "your concise title here" }\n### Chat History:\n<chat_history>\n'
+    + OPEN_WEBUI_HISTORY + "\n</chat_history>",
+    "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history.\n"
+    '### Output:\nJSON format: { "tags": ["tag1", "tag2", "tag3"] }\n### Chat History:\n<chat_history>\n'
+    + OPEN_WEBUI_HISTORY + "\n</chat_history>",
+    "### Task:\nSuggest 3-5 relevant follow-up questions the user might naturally ask next.\n"
+    '### Output:\nJSON format: { "follow_ups": ["Question 1?", "Question 2?"] }\n### Chat History:\n'
+    "<chat_history>\n" + OPEN_WEBUI_HISTORY + "\n</chat_history>",
+]
+
+
+async def bench_priority(base: str, model: str) -> tuple[float, float]:
+    """TTFT of a chat alone, then of a similar chat while 3 background tasks decode."""
+    url = base + "/v1/chat/completions"
+
+    def chat(question: str) -> dict:
+        return {"model": model, "max_tokens": 1, "temperature": 0, "messages": [
+            {"role": "user", "content": question}]}
+
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await one_stream(client, url, chat("Hello, are you there?"))  # warm up
+        alone = (await one_stream(client, url, chat("What should I pack for a week of walking in Lisbon?")))["ttft"]
+        decoding = [asyncio.Event() for _ in OPEN_WEBUI_TASKS]
+
+        async def task(prompt: str, started: asyncio.Event) -> None:
+            # Streamed, so the bench sees when each is decoding; Open WebUI sends these unstreamed,
+            # which the engine schedules the same way. No max_tokens: the model's default, as Open WebUI.
+            body = {"model": model, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": prompt}]}
+            async with client.stream("POST", url, json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        started.set()
+
+        tasks = [asyncio.create_task(task(p, e)) for p, e in zip(OPEN_WEBUI_TASKS, decoding)]
+        await asyncio.gather(*(e.wait() for e in decoding))
+        busy = (await one_stream(client, url, chat("What should I pack for a week of hiking in Madeira?")))["ttft"]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return alone, busy
+
+
+SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="mlx-lm model directory (default: the embedded demo model)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     ap.add_argument("--skip-mlx-server", action="store_true")
     ap.add_argument("--skip-vision", action="store_true")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     args = ap.parse_args()
+    run = set(args.only or SECTIONS) - ({"mlx_lm.server"} if args.skip_mlx_server else set()) - (
+        {"vision"} if args.skip_vision else set())
     prof = PROFILES[args.profile]
     if args.model_path is None:
         from app.engine.demo_model import ensure_demo_model
 
         args.model_path = str(ensure_demo_model(progress=False))
     name = "bench"
-    print(f"model: {args.model_path}\nprofile: {args.profile} {prof}\n")
+    print(f"model: {args.model_path}\nprofile: {args.profile} {prof}\nsections: {sorted(run)}\n")
+    ratios: list[str] = []
 
-    raw = raw_decode(args.model_path, prof["decode_tokens"])
-    print(f"raw mlx-lm stream_generate decode: {raw:.1f} tok/s")
+    raw = raw_decode(args.model_path, prof["decode_tokens"]) if "decode" in run else None
+    if raw is not None:
+        print(f"raw mlx-lm stream_generate decode: {raw:.1f} tok/s")
 
-    cfg = Path(tempfile.mkdtemp()) / "models.yaml"
-    cfg.write_text(json.dumps({"models": [{"name": name, "local_path": args.model_path, "params": {
-        "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
-        "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256}}]}))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    py = sys.executable
-    ours = start([py, "-m", "app", "serve", "--models-file", str(cfg), "--port", str(port), "--no-vision",
-                  "--log-level", "warning"], base + "/health")
+    def serve(**params) -> tuple[subprocess.Popen, str]:
+        cfg = Path(tempfile.mkdtemp()) / "models.yaml"
+        cfg.write_text(json.dumps({"models": [{"name": name, "local_path": args.model_path, "params": {
+            "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
+            "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256, **params}}]}))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = start([sys.executable, "-m", "app", "serve", "--models-file", str(cfg), "--port", str(port),
+                      "--no-vision", "--log-level", "warning"], base + "/health")
+        return proc, base
+
     results: dict[str, dict] = {"tandem": {}, "mlx_lm.server": {}}
-    try:
-        asyncio.run(concurrent(base, name, 1, 4))  # warm up
-        single = asyncio.run(concurrent(base, name, 1, prof["decode_tokens"]))
-        print(f"tandem single-stream decode: {single['decode_tok_s']:.1f} tok/s")
-        for n in prof["concurrency"]:
-            asyncio.run(concurrent(base, name, n, 2))  # warm up this batch shape
-            res = asyncio.run(concurrent(base, name, n, prof["stream_tokens"]))
-            results["tandem"][n] = res
-            print(f"tandem {n:>2} streams: {res['tok_s']:.1f} tok/s aggregate")
-        itl = sorted(results["tandem"].get(8, res)["itl"])
-        cold, warm, cached = bench_ttft(base, name, prof["system_tokens"])
-        print(f"TTFT system prompt ~{prof['system_tokens']} tokens: cold {cold:.2f}s, cached {warm:.2f}s ({cached} cached tokens)")
-        idle = rss_mb(ours.pid)
-        peak = asyncio.run(rss_burst(base, name, ours.pid, prof["rss_requests"], prof["rss_prompt_tokens"], prof["rss_max_tokens"]))
-    finally:
-        stop(ours)
+    if run & {"decode", "ttft", "rss"}:
+        ours, base = serve()
+        try:
+            if "decode" in run:
+                asyncio.run(concurrent(base, name, 1, 4))  # warm up
+                single = asyncio.run(concurrent(base, name, 1, prof["decode_tokens"]))
+                print(f"tandem single-stream decode: {single['decode_tok_s']:.1f} tok/s")
+                ratios.append(f"single-stream decode, tandem / raw mlx-lm:      {single['decode_tok_s'] / raw:.3f}"
+                              "   (target >= 0.95)")
+                for n in prof["concurrency"]:
+                    asyncio.run(concurrent(base, name, n, 2))  # warm up this batch shape
+                    res = asyncio.run(concurrent(base, name, n, prof["stream_tokens"]))
+                    results["tandem"][n] = res
+                    print(f"tandem {n:>2} streams: {res['tok_s']:.1f} tok/s aggregate")
+            if "ttft" in run:
+                cold, warm, cached = bench_ttft(base, name, prof["system_tokens"])
+                print(f"TTFT system prompt ~{prof['system_tokens']} tokens: cold {cold:.2f}s, cached {warm:.2f}s "
+                      f"({cached} cached tokens)")
+                ratios.append(f"TTFT cached / cold (~{prof['system_tokens']}-token system prompt): {warm / cold:.3f}"
+                              "   (target <= 0.2)")
+            if "rss" in run:
+                idle = rss_mb(ours.pid)
+                peak = asyncio.run(rss_burst(base, name, ours.pid, prof["rss_requests"], prof["rss_prompt_tokens"],
+                                             prof["rss_max_tokens"]))
+                budget = weights_mb(args.model_path) + prof["mem"]
+                ratios.append(f"peak RSS / (weights + mem): {peak:.0f} MB / {budget:.0f} MB = {peak / budget:.3f}"
+                              "   (target <= 1.1)")
+                # The process's own floor (Python, MLX, tokenizer, HTTP stack) dominates a small model;
+                # growth over idle is what the KV budget bounds.
+                ratios.append(f"RSS growth under the burst / mem: {peak - idle:.0f} MB / {prof['mem']} MB = "
+                              f"{(peak - idle) / prof['mem']:.3f}   (idle {idle:.0f} MB)")
+        finally:
+            stop(ours)
 
-    if not args.skip_mlx_server:
+    if "mlx_lm.server" in run:
         port2 = free_port()
         base2 = f"http://127.0.0.1:{port2}"
-        theirs = start([py, "-m", "mlx_lm.server", "--model", args.model_path, "--port", str(port2),
+        theirs = start([sys.executable, "-m", "mlx_lm.server", "--model", args.model_path, "--port", str(port2),
                         "--decode-concurrency", str(max(prof["concurrency"])), "--log-level", "WARNING"],
                        base2 + "/v1/models")
         try:
@@ -282,32 +362,40 @@ def main() -> None:
                 print(f"mlx_lm.server {n:>2} streams: {res['tok_s']:.1f} tok/s aggregate")
         finally:
             stop(theirs)
-
-    first = repeat = None
-    if not args.skip_vision:
-        first, repeat = bench_vision()
-
-    print("\n== ratios ==")
-    print(f"single-stream decode, tandem / raw mlx-lm:      {single['decode_tok_s'] / raw:.3f}   (target >= 0.95)")
-    for n in prof["concurrency"]:
+    for n in results["tandem"]:
         ours_n = results["tandem"][n]["tok_s"]
         line = f"aggregate tok/s at {n:>2} streams: tandem {ours_n:.1f}"
         if n in results["mlx_lm.server"]:
-            line += f", mlx_lm.server {results['mlx_lm.server'][n]['tok_s']:.1f}, ratio {ours_n / results['mlx_lm.server'][n]['tok_s']:.3f}"
+            theirs_n = results["mlx_lm.server"][n]["tok_s"]
+            line += f", mlx_lm.server {theirs_n:.1f}, ratio {ours_n / theirs_n:.3f}"
             line += "   (target >= 1.3)" if n == 8 else ""
+        ratios.append(line)
+    if results["tandem"]:
+        itl = sorted(results["tandem"].get(8, results["tandem"][max(results["tandem"])])["itl"])
+        if itl:
+            p50, p99 = itl[len(itl) // 2] * 1000, itl[min(len(itl) - 1, int(len(itl) * 0.99))] * 1000
+            ratios.append(f"inter-token latency at {max(k for k in results['tandem'] if k <= 8)} streams: "
+                          f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+
+    if "vision" in run:
+        first, repeat = bench_vision()
+        ratios.append(f"caption repeat / first image: {repeat * 1000:.2f} ms / {first * 1000:.0f} ms = "
+                      f"{repeat / first:.4f}   (target <= 0.01)")
+
+    if "priority" in run:
+        # No prefix cache, so neither chat finds the other's prompt cached.
+        ours, base = serve(prompt_cache="off")
+        try:
+            alone, busy = asyncio.run(bench_priority(base, name))
+        finally:
+            stop(ours)
+        print(f"chat TTFT alone {alone:.2f}s, with 3 background tasks decoding {busy:.2f}s")
+        ratios.append(f"chat TTFT with 3 background tasks / alone: {busy:.2f}s / {alone:.2f}s = {busy / alone:.3f}"
+                      "   (target <= 1.5)")
+
+    print("\n== ratios ==")
+    for line in ratios:
         print(line)
-    print(f"TTFT cached / cold (~{prof['system_tokens']}-token system prompt): {warm / cold:.3f}   (target <= 0.2)")
-    budget = weights_mb(args.model_path) + prof["mem"]
-    print(f"peak RSS / (weights + mem): {peak:.0f} MB / {budget:.0f} MB = {peak / budget:.3f}   (target <= 1.1)")
-    # The process's own floor (Python, MLX, tokenizer, HTTP stack) dominates a small model;
-    # growth over idle is what the KV budget bounds.
-    print(f"RSS growth under the burst / mem: {peak - idle:.0f} MB / {prof['mem']} MB = {(peak - idle) / prof['mem']:.3f}   (idle {idle:.0f} MB)")
-    if itl:
-        p50 = itl[len(itl) // 2] * 1000
-        p99 = itl[min(len(itl) - 1, int(len(itl) * 0.99))] * 1000
-        print(f"inter-token latency at {max(k for k in results['tandem'] if k <= 8)} streams: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
-    if first is not None:
-        print(f"caption repeat / first image: {repeat * 1000:.2f} ms / {first * 1000:.0f} ms = {repeat / first:.4f}   (target <= 0.01)")
 
 
 if __name__ == "__main__":
