@@ -1,28 +1,25 @@
 """Image input: turn an ``image_url`` from a chat message into checked pixels.
 
-``load_image`` accepts three URL schemes and refuses everything else:
+``read_image_async`` accepts three URL schemes and refuses everything else:
 
     data:image/png;base64,...   always on (what OpenAI clients and Open WebUI send)
     file:///abs/path.png        only under ``ImagePolicy.allowed_file_dir``
-    http(s)://host/a.png        off unless ``allow_remote``; then host allow-list,
-                                no private addresses, no redirects, size cap
+    http(s)://host/a.png        off unless ``allow_remote``; then ``app.vision.fetch``:
+                                host allow-list, no private addresses, no
+                                redirects, size cap, one deadline for the fetch
 
 Every failure is an ``ImageError`` (400) whose ``param`` names the part, e.g.
 ``messages[1].content[2].image_url``. Pillow, base64, OS and network errors are
-translated here, where they enter our code.
+translated here (and in ``fetch``), where they enter our code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
-import http.client
-import ipaddress
 import math
-import socket
-import ssl
-import time
 import warnings
 from dataclasses import dataclass, field
 from io import BytesIO
@@ -32,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image, ImageOps
 
 from app.errors import ImageError
+from app.vision.fetch import fetch_image
 
 # Pillow format names we decode; ``Image.open`` is told to try only these.
 FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
@@ -56,7 +54,7 @@ class ImagePolicy:
     remote_allow_hosts: tuple[str, ...] = field(default_factory=tuple)
     # Refuse hosts resolving to loopback/private/link-local addresses (SSRF).
     allow_private_remote: bool = False
-    # Per socket operation and for the whole download.
+    # For the whole fetch: lookup, connect, TLS, headers and body together.
     remote_timeout_s: float = 10.0
     # Bytes read from a remote server before giving up.
     remote_max_bytes: int = 20 * 1024 * 1024
@@ -74,28 +72,33 @@ class LoadedImage:
 
 
 def load_image(url: str, policy: ImagePolicy, *, param: str) -> LoadedImage:
-    """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``."""
+    """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``.
+
+    Blocking, for scripts and tests; async code uses ``read_image_async``.
+    """
     return decode_image(read_image(url, policy, param=param), policy, param=param)
 
 
-def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
-    """The encoded bytes at ``url`` (scheme rules and byte caps applied), not yet decoded."""
-    if not isinstance(url, str) or not url.strip():
-        raise ImageError(f"{param}: image URL must be a non-empty string", param=param)
-    url = url.strip()
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        raw = _read_data_url(url, policy, param)
-    elif scheme == "file":
-        raw = _read_file_url(url, policy, param)
-    elif scheme in ("http", "https"):
-        raw = _read_remote_url(url, policy, param)
+async def read_image_async(url: str, policy: ImagePolicy, *, param: str) -> bytes:
+    """The encoded bytes at ``url`` (scheme rules and byte caps applied), not yet decoded.
+
+    A remote fetch runs on the event loop under ``remote_timeout_s``; data: and
+    file: URLs take a worker thread for moments (base64, a local read).
+    """
+    if _scheme(url, param) in ("http", "https"):
+        raw = await fetch_image(url.strip(), policy, param=param)
     else:
-        raise ImageError(
-            f"{param}: unsupported image URL scheme {scheme or '(none)'!r}; "
-            "use a data: URL with base64 image bytes",
-            param=param,
-        )
+        raw = await asyncio.to_thread(_read_local, url, policy, param)
+    _check_bytes(len(raw), policy.max_image_bytes, param)
+    return raw
+
+
+def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
+    """``read_image_async`` for code without an event loop."""
+    if _scheme(url, param) in ("http", "https"):
+        raw = asyncio.run(fetch_image(url.strip(), policy, param=param))
+    else:
+        raw = _read_local(url, policy, param)
     _check_bytes(len(raw), policy.max_image_bytes, param)
     return raw
 
@@ -191,6 +194,28 @@ def _too_many_pixels(param: str, limit: int, size: tuple[int, int] | None = None
     )
 
 
+def _scheme(url: str, param: str) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise ImageError(f"{param}: image URL must be a non-empty string", param=param)
+    head, colon, _ = url.strip().partition(":")
+    scheme = head.lower() if colon else ""
+    if scheme not in ("data", "file", "http", "https"):
+        raise ImageError(
+            f"{param}: unsupported image URL scheme {scheme or '(none)'!r}; "
+            "use a data: URL with base64 image bytes",
+            param=param,
+        )
+    return scheme
+
+
+def _read_local(url: str, policy: ImagePolicy, param: str) -> bytes:
+    """The bytes of a data: or file: URL."""
+    url = url.strip()
+    if _scheme(url, param) == "data":
+        return _read_data_url(url, policy, param)
+    return _read_file_url(url, policy, param)
+
+
 def _read_data_url(url: str, policy: ImagePolicy, param: str) -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep:
@@ -237,106 +262,3 @@ def _read_file_url(url: str, policy: ImagePolicy, param: str) -> bytes:
             return f.read(policy.max_image_bytes + 1)
     except (OSError, RuntimeError, ValueError) as exc:
         raise refused from exc
-
-
-def _read_remote_url(url: str, policy: ImagePolicy, param: str) -> bytes:
-    if not policy.allow_remote:
-        raise ImageError(
-            f"{param}: remote image URLs are disabled; send the image as a data: URL",
-            param=param,
-        )
-    try:
-        parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as exc:  # a bad port or a broken [IPv6] literal
-        raise ImageError(f"{param}: malformed image URL ({exc})", param=param) from exc
-    host = (parts.hostname or "").lower()
-    if not host or not _host_allowed(host, policy.remote_allow_hosts):
-        raise ImageError(f"{param}: image host {host!r} is not allowed", param=param)
-    address = _resolve_public(host, port, policy, param)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    try:
-        return _fetch(parts.scheme, host, address, port, target, policy, param)
-    except (OSError, http.client.HTTPException) as exc:
-        raise ImageError(f"{param}: could not fetch image: {exc}", param=param) from exc
-
-
-def _host_allowed(host: str, allowed: tuple[str, ...] | list[str]) -> bool:
-    if not allowed:
-        return True
-    for pattern in allowed:
-        pattern = pattern.lower()
-        if pattern.startswith("*.") and host.endswith(pattern[1:]):
-            return True
-        if host == pattern:
-            return True
-    return False
-
-
-def _resolve_public(host: str, port: int, policy: ImagePolicy, param: str) -> str:
-    """Resolve ``host`` once; refuse it if any address is private (unless allowed)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise ImageError(f"{param}: cannot resolve image host {host!r}", param=param) from exc
-    addresses = [info[4][0] for info in infos]
-    if not policy.allow_private_remote:
-        for addr in addresses:
-            if not ipaddress.ip_address(addr.split("%", 1)[0]).is_global:
-                raise ImageError(
-                    f"{param}: image host {host!r} resolves to a non-public address",
-                    param=param,
-                )
-    # Connect to the address we checked, not a second lookup (DNS rebinding).
-    return addresses[0]
-
-
-class _PinnedHTTPSConnection(http.client.HTTPSConnection):
-    """HTTPS to a fixed IP address, with SNI and certificate checks for the host name."""
-
-    def __init__(self, host: str, address: str, **kw) -> None:
-        super().__init__(host, **kw)
-        self._address = address
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
-
-
-def _fetch(
-    scheme: str, host: str, address: str, port: int, target: str, policy: ImagePolicy, param: str
-) -> bytes:
-    timeout = policy.remote_timeout_s
-    if scheme == "https":
-        conn: http.client.HTTPConnection = _PinnedHTTPSConnection(
-            host, address, port=port, timeout=timeout, context=ssl.create_default_context()
-        )
-    else:
-        conn = http.client.HTTPConnection(address, port, timeout=timeout)
-    deadline = time.monotonic() + timeout
-    try:
-        name = f"[{host}]" if ":" in host else host  # IPv6 literal
-        default_port = 443 if scheme == "https" else 80
-        host_header = name if port == default_port else f"{name}:{port}"
-        conn.request("GET", target, headers={"Host": host_header, "Accept": "image/*"})
-        resp = conn.getresponse()
-        if 300 <= resp.status < 400:
-            raise ImageError(
-                f"{param}: image URL redirects; redirects are not followed", param=param
-            )
-        if resp.status != 200:
-            raise ImageError(f"{param}: image server answered HTTP {resp.status}", param=param)
-        limit = min(policy.remote_max_bytes, policy.max_image_bytes)
-        length = resp.getheader("Content-Length")
-        if length and length.isdigit():
-            _check_bytes(int(length), limit, param)
-        chunks, total = [], 0
-        while chunk := resp.read(64 * 1024):
-            total += len(chunk)
-            _check_bytes(total, limit, param)
-            if time.monotonic() > deadline:
-                raise ImageError(f"{param}: image download timed out", param=param)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        conn.close()

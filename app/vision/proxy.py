@@ -41,7 +41,13 @@ from app.errors import (
 )
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
-from app.vision.images import ImagePolicy, LoadedImage, decode_image, downscale, read_image
+from app.vision.images import (
+    ImagePolicy,
+    LoadedImage,
+    decode_image,
+    downscale,
+    read_image_async,
+)
 
 logger = logging.getLogger("tandem.vision")
 
@@ -225,7 +231,7 @@ class VisionProxy:
 
     async def _check(self, part: ImagePart) -> _Image:
         """Read the bytes; decode them (the check) unless this exact image decoded before."""
-        raw = await asyncio.to_thread(read_image, part.url, self.policy, param=part.param)
+        raw = await read_image_async(part.url, self.policy, param=part.param)
         sha = hashlib.sha256(raw).hexdigest()
         if sha in self._known:
             self._known.move_to_end(sha)
