@@ -8,6 +8,12 @@
                                 host allow-list, no private addresses, no
                                 redirects, size cap, one deadline for the fetch
 
+``decode_image_async`` decodes PNG, JPEG (MPO too: its first picture), WebP and
+GIF (the first frame) into 8-bit RGB, shrunk to the VLM's ``max_pixels`` as
+early as the format allows. Decodes take turns on a small pool of their own, so
+a burst of big images waits there instead of multiplying memory, and glibc is
+asked to give the memory back after a big one.
+
 Every failure is an ``ImageError`` (400) whose ``param`` names the part, e.g.
 ``messages[1].content[2].image_url``. Pillow, base64, OS and network errors are
 translated here (and in ``fetch``), where they enter our code.
@@ -21,19 +27,46 @@ import binascii
 import hashlib
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from io import BytesIO
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image
 
 from app.errors import ImageError
 from app.vision.fetch import fetch_image
+from app.vision.memory import release_memory
 
 # Pillow format names we decode; ``Image.open`` is told to try only these.
 FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
+# Pillow's JPEG opener hands back an MPO (iPhone HDR gain-map photos, 3D cameras:
+# a JPEG with more pictures after it) as format "MPO"; we read its first picture.
+_FORMAT_NAMES = {**FORMATS, "MPO": "jpeg"}
 DATA_MIME_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}
+# What to keep of an image no model will look at (no VLM loaded): decoding is the check.
+THUMBNAIL_PIXELS = 32 * 32
+# Decodes at once. A 40 MP image is up to 160 MB while it decodes. Six 40 MP PNGs
+# sent at once raised the server's peak RSS by 0.37 GB with 2 workers, 0.55 GB
+# with 3 and 1.1 GB with 6 (tests/vision/test_image_soak.py).
+DECODE_WORKERS = 2
+# Rows converted to RGB at a time, so only the decoder's own buffer is full size.
+_STRIP_ROWS = 256
+# Give freed memory back to the OS after a decode of at least this many pixels.
+_RELEASE_AFTER_PIXELS = 2_000_000
+_decodes = ThreadPoolExecutor(max_workers=DECODE_WORKERS, thread_name_prefix="tandem-image")
+# EXIF orientation -> the transpose that shows the picture upright (as ImageOps.exif_transpose).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 @dataclass(frozen=True)
@@ -64,19 +97,22 @@ class ImagePolicy:
 class LoadedImage:
     """A decoded, checked image and the hash of the bytes it came from."""
 
-    image: Image.Image  # RGB, EXIF orientation applied
+    image: Image.Image  # 8-bit RGB, upright (EXIF orientation applied), maybe shrunk
     sha256: str  # of the raw encoded bytes: the caption cache key
     format: str  # "png" | "jpeg" | "webp" | "gif"
-    size: tuple[int, int]  # (width, height) in pixels
+    size: tuple[int, int]  # (width, height) of the source picture, upright
     num_bytes: int
 
 
-def load_image(url: str, policy: ImagePolicy, *, param: str) -> LoadedImage:
+def load_image(
+    url: str, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
     """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``.
 
-    Blocking, for scripts and tests; async code uses ``read_image_async``.
+    Blocking, for scripts and tests; async code uses the ``_async`` functions.
     """
-    return decode_image(read_image(url, policy, param=param), policy, param=param)
+    raw = read_image(url, policy, param=param)
+    return decode_image(raw, policy, param=param, max_pixels=max_pixels)
 
 
 async def read_image_async(url: str, policy: ImagePolicy, *, param: str) -> bytes:
@@ -103,17 +139,45 @@ def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
     return raw
 
 
-def decode_image(raw: bytes, policy: ImagePolicy, *, param: str) -> LoadedImage:
-    """Decode ``raw`` fully (so truncation is caught now) into an RGB image."""
+async def decode_image_async(
+    raw: bytes, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
+    """``decode_image`` on the decode pool, ``DECODE_WORKERS`` at a time.
+
+    Waiting here holds no thread; a request cancelled while it waits is dropped
+    from the queue.
+    """
+    decode = partial(decode_image, raw, policy, param=param, max_pixels=max_pixels)
+    return await asyncio.get_running_loop().run_in_executor(_decodes, decode)
+
+
+def decode_image(
+    raw: bytes, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
+    """Decode ``raw`` fully (so truncation is caught now) into 8-bit RGB.
+
+    With ``max_pixels`` the picture is shrunk to fit it as early as the format
+    allows: a JPEG decodes at 1/2, 1/4 or 1/8 scale (draft mode); other formats
+    are reduced strip by strip right after decoding, so the decoder's buffer is
+    the only full-size copy. ``size`` stays the source's.
+    """
     _check_bytes(len(raw), policy.max_image_bytes, param)
+    decoded_pixels = 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(BytesIO(raw), formats=list(FORMATS))
-            _check_pixels(img.size, policy.max_pixels, param)
-            img.load()
-            fmt = FORMATS[img.format]
-            rgb = _to_rgb(img)
+            with Image.open(BytesIO(raw), formats=list(FORMATS)) as img:
+                fmt = _FORMAT_NAMES[img.format or ""]
+                width, height = img.size
+                _check_pixels(img.size, policy.max_pixels, param)
+                target = _fit(img.size, max_pixels)
+                if target and img.format in ("JPEG", "MPO"):
+                    # At least twice the target, as Pillow's thumbnail(reducing_gap=2).
+                    img.draft("RGB", (target[0] * 2, target[1] * 2))
+                decoded_pixels = img.size[0] * img.size[1]
+                img.load()
+                orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+                rgb = _shrink_to_rgb(img, target)
     except ImageError:
         raise
     except Image.DecompressionBombError as exc:
@@ -128,11 +192,19 @@ def decode_image(raw: bytes, policy: ImagePolicy, *, param: str) -> LoadedImage:
         raise ImageError(
             f"{param}: image data is truncated or corrupt ({exc})", param=param
         ) from exc
+    finally:
+        # The decoder's full-size buffer is freed by now, whether or not it decoded.
+        if decoded_pixels >= _RELEASE_AFTER_PIXELS:
+            release_memory()
+    if orientation in _UPRIGHT:
+        rgb = rgb.transpose(_UPRIGHT[orientation])
+        if orientation >= 5:  # a quarter turn
+            width, height = height, width
     return LoadedImage(
         image=rgb,
         sha256=hashlib.sha256(raw).hexdigest(),
         format=fmt,
-        size=rgb.size,
+        size=(width, height),
         num_bytes=len(raw),
     )
 
@@ -146,23 +218,53 @@ def downscale(
     carry max_pixels/min_pixels); a tiny image is lifted to ``min_pixels``.
     Returns ``image`` itself when it already fits.
     """
-    w, h = image.size
+    new = _fit(image.size, max_pixels, min_pixels)
+    return image if new is None else image.resize(new, Image.Resampling.BICUBIC)
+
+
+def _fit(
+    size: tuple[int, int], max_pixels: int | None, min_pixels: int | None = None
+) -> tuple[int, int] | None:
+    """The size that brings ``size`` within [min_pixels, max_pixels], or None if it is."""
+    w, h = size
     pixels = w * h
     if max_pixels and pixels > max_pixels:
         scale = math.sqrt(max_pixels / pixels)
     elif min_pixels and pixels < min_pixels:
         scale = math.sqrt(min_pixels / pixels)
     else:
-        return image
+        return None
     # floor when shrinking so the result never exceeds max_pixels
     size_of = math.floor if scale < 1 else math.ceil
-    new = (max(1, size_of(w * scale)), max(1, size_of(h * scale)))
-    return image.resize(new, Image.Resampling.BICUBIC)
+    return max(1, size_of(w * scale)), max(1, size_of(h * scale))
+
+
+def _shrink_to_rgb(img: Image.Image, target: tuple[int, int] | None) -> Image.Image:
+    """8-bit RGB at ``target`` (or full) size, converted and box-reduced a strip at a time.
+
+    The integer reduction keeps at least twice the target, then one bicubic
+    resize lands on it: Pillow's own ``reducing_gap`` recipe, without the
+    full-size RGB and premultiplied-alpha copies converting the whole image costs.
+    """
+    w, h = img.size
+    factor = 1
+    if target:
+        factor = max(1, min(w // (2 * target[0]), h // (2 * target[1])))
+    out = Image.new("RGB", (-(-w // factor), -(-h // factor)))
+    rows = factor * max(1, _STRIP_ROWS // factor)  # whole reduction blocks per strip
+    for top in range(0, h, rows):
+        strip = _to_rgb(img.crop((0, top, w, min(h, top + rows))))
+        out.paste(strip.reduce(factor) if factor > 1 else strip, (0, top // factor))
+    if target and out.size != target:
+        out = out.resize(target, Image.Resampling.BICUBIC)
+    return out
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    img = ImageOps.exif_transpose(img) or img
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grey: scale to 8 bits; convert() would clip everything above 255 to white.
+        img = img.point(lambda v: v / 256).convert("L")
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         # Transparent pixels become white, not the black convert("RGB") gives.
         rgba = img.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
