@@ -167,6 +167,8 @@ def test_stuck_fetches_hold_up_neither_other_images_nor_the_exit(tmp_path, vlm_d
             return time.monotonic() - started, await stuck
 
         beside, stuck = asyncio.run(during_stuck_fetches())
+        # Alone it takes seconds on a busy CI box; held up by the fetches it took ~60 s (main).
+        assert beside < 2 * alone + 2, f"a data: URL took {beside:.1f} s beside stuck fetches"
         assert [r.status_code for r in stuck] == [400] * BURST
         assert {r.json()["error"]["message"].split(": ", 1)[1] for r in stuck} == {
             "could not fetch image"}
@@ -186,6 +188,5 @@ def test_stuck_fetches_hold_up_neither_other_images_nor_the_exit(tmp_path, vlm_d
     figures = {"data_url_alone_s": round(alone, 2), "data_url_beside_stuck_s": round(beside, 2),
                "exit_after_sigterm_s": round(exit_s, 1)}
     print("\nstuck remote fetches:", json.dumps(figures))
-    assert beside < alone + 2.0, figures
     assert code == 0
     assert exit_s < 8, figures
