@@ -1,41 +1,72 @@
 """Image input: turn an ``image_url`` from a chat message into checked pixels.
 
-``load_image`` accepts three URL schemes and refuses everything else:
+``read_image_async`` accepts three URL schemes and refuses everything else:
 
     data:image/png;base64,...   always on (what OpenAI clients and Open WebUI send)
     file:///abs/path.png        only under ``ImagePolicy.allowed_file_dir``
-    http(s)://host/a.png        off unless ``allow_remote``; then host allow-list,
-                                no private addresses, no redirects, size cap
+    http(s)://host/a.png        off unless ``allow_remote``; then ``app.vision.fetch``:
+                                host allow-list, no private addresses, no
+                                redirects, size cap, one deadline for the fetch
+
+``decode_image_async`` decodes PNG, JPEG (MPO too: its first picture), WebP and
+GIF (the first frame) into 8-bit RGB, shrunk to the VLM's ``max_pixels`` as
+early as the format allows. Decodes take turns on a small pool of their own, so
+a burst of big images waits there instead of multiplying memory, and glibc is
+asked to give the memory back after a big one.
 
 Every failure is an ``ImageError`` (400) whose ``param`` names the part, e.g.
 ``messages[1].content[2].image_url``. Pillow, base64, OS and network errors are
-translated here, where they enter our code.
+translated here (and in ``fetch``), where they enter our code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
-import http.client
-import ipaddress
 import math
-import socket
-import ssl
-import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from io import BytesIO
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image
 
 from app.errors import ImageError
+from app.vision.fetch import fetch_image
+from app.vision.memory import release_memory
 
 # Pillow format names we decode; ``Image.open`` is told to try only these.
 FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
+# Pillow's JPEG opener hands back an MPO (iPhone HDR gain-map photos, 3D cameras:
+# a JPEG with more pictures after it) as format "MPO"; we read its first picture.
+_FORMAT_NAMES = {**FORMATS, "MPO": "jpeg"}
 DATA_MIME_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}
+# What to keep of an image no model will look at (no VLM loaded): decoding is the check.
+THUMBNAIL_PIXELS = 32 * 32
+# Decodes at once. A 40 MP image is up to 160 MB while it decodes. Six 40 MP PNGs
+# sent at once raised the server's peak RSS by 0.37 GB with 2 workers, 0.55 GB
+# with 3 and 1.1 GB with 6 (tests/vision/test_image_soak.py).
+DECODE_WORKERS = 2
+# Rows converted to RGB at a time, so only the decoder's own buffer is full size.
+_STRIP_ROWS = 256
+# Give freed memory back to the OS after a decode of at least this many pixels.
+_RELEASE_AFTER_PIXELS = 2_000_000
+_decodes = ThreadPoolExecutor(max_workers=DECODE_WORKERS, thread_name_prefix="tandem-image")
+# EXIF orientation -> the transpose that shows the picture upright (as ImageOps.exif_transpose).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +87,7 @@ class ImagePolicy:
     remote_allow_hosts: tuple[str, ...] = field(default_factory=tuple)
     # Refuse hosts resolving to loopback/private/link-local addresses (SSRF).
     allow_private_remote: bool = False
-    # Per socket operation and for the whole download.
+    # For the whole fetch: lookup, connect, TLS, headers and body together.
     remote_timeout_s: float = 10.0
     # Bytes read from a remote server before giving up.
     remote_max_bytes: int = 20 * 1024 * 1024
@@ -66,51 +97,87 @@ class ImagePolicy:
 class LoadedImage:
     """A decoded, checked image and the hash of the bytes it came from."""
 
-    image: Image.Image  # RGB, EXIF orientation applied
+    image: Image.Image  # 8-bit RGB, upright (EXIF orientation applied), maybe shrunk
     sha256: str  # of the raw encoded bytes: the caption cache key
     format: str  # "png" | "jpeg" | "webp" | "gif"
-    size: tuple[int, int]  # (width, height) in pixels
+    size: tuple[int, int]  # (width, height) of the source picture, upright
     num_bytes: int
 
 
-def load_image(url: str, policy: ImagePolicy, *, param: str) -> LoadedImage:
-    """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``."""
-    return decode_image(read_image(url, policy, param=param), policy, param=param)
+def load_image(
+    url: str, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
+    """Fetch, decode and check the image at ``url``; raise ``ImageError`` naming ``param``.
+
+    Blocking, for scripts and tests; async code uses the ``_async`` functions.
+    """
+    raw = read_image(url, policy, param=param)
+    return decode_image(raw, policy, param=param, max_pixels=max_pixels)
 
 
-def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
-    """The encoded bytes at ``url`` (scheme rules and byte caps applied), not yet decoded."""
-    if not isinstance(url, str) or not url.strip():
-        raise ImageError(f"{param}: image URL must be a non-empty string", param=param)
-    url = url.strip()
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        raw = _read_data_url(url, policy, param)
-    elif scheme == "file":
-        raw = _read_file_url(url, policy, param)
-    elif scheme in ("http", "https"):
-        raw = _read_remote_url(url, policy, param)
+async def read_image_async(url: str, policy: ImagePolicy, *, param: str) -> bytes:
+    """The encoded bytes at ``url`` (scheme rules and byte caps applied), not yet decoded.
+
+    A remote fetch runs on the event loop under ``remote_timeout_s``; data: and
+    file: URLs take a worker thread for moments (base64, a local read).
+    """
+    if _scheme(url, param) in ("http", "https"):
+        raw = await fetch_image(url.strip(), policy, param=param)
     else:
-        raise ImageError(
-            f"{param}: unsupported image URL scheme {scheme or '(none)'!r}; "
-            "use a data: URL with base64 image bytes",
-            param=param,
-        )
+        raw = await asyncio.to_thread(_read_local, url, policy, param)
     _check_bytes(len(raw), policy.max_image_bytes, param)
     return raw
 
 
-def decode_image(raw: bytes, policy: ImagePolicy, *, param: str) -> LoadedImage:
-    """Decode ``raw`` fully (so truncation is caught now) into an RGB image."""
+def read_image(url: str, policy: ImagePolicy, *, param: str) -> bytes:
+    """``read_image_async`` for code without an event loop."""
+    if _scheme(url, param) in ("http", "https"):
+        raw = asyncio.run(fetch_image(url.strip(), policy, param=param))
+    else:
+        raw = _read_local(url, policy, param)
     _check_bytes(len(raw), policy.max_image_bytes, param)
+    return raw
+
+
+async def decode_image_async(
+    raw: bytes, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
+    """``decode_image`` on the decode pool, ``DECODE_WORKERS`` at a time.
+
+    Waiting here holds no thread; a request cancelled while it waits is dropped
+    from the queue.
+    """
+    decode = partial(decode_image, raw, policy, param=param, max_pixels=max_pixels)
+    return await asyncio.get_running_loop().run_in_executor(_decodes, decode)
+
+
+def decode_image(
+    raw: bytes, policy: ImagePolicy, *, param: str, max_pixels: int | None = None
+) -> LoadedImage:
+    """Decode ``raw`` fully (so truncation is caught now) into 8-bit RGB.
+
+    With ``max_pixels`` the picture is shrunk to fit it as early as the format
+    allows: a JPEG decodes at 1/2, 1/4 or 1/8 scale (draft mode); other formats
+    are reduced strip by strip right after decoding, so the decoder's buffer is
+    the only full-size copy. ``size`` stays the source's.
+    """
+    _check_bytes(len(raw), policy.max_image_bytes, param)
+    decoded_pixels = 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(BytesIO(raw), formats=list(FORMATS))
-            _check_pixels(img.size, policy.max_pixels, param)
-            img.load()
-            fmt = FORMATS[img.format]
-            rgb = _to_rgb(img)
+            with Image.open(BytesIO(raw), formats=list(FORMATS)) as img:
+                fmt = _FORMAT_NAMES[img.format or ""]
+                width, height = img.size
+                _check_pixels(img.size, policy.max_pixels, param)
+                target = _fit(img.size, max_pixels)
+                if target and img.format in ("JPEG", "MPO"):
+                    # At least twice the target, as Pillow's thumbnail(reducing_gap=2).
+                    img.draft("RGB", (target[0] * 2, target[1] * 2))
+                decoded_pixels = img.size[0] * img.size[1]
+                img.load()
+                orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+                rgb = _shrink_to_rgb(img, target)
     except ImageError:
         raise
     except Image.DecompressionBombError as exc:
@@ -125,11 +192,19 @@ def decode_image(raw: bytes, policy: ImagePolicy, *, param: str) -> LoadedImage:
         raise ImageError(
             f"{param}: image data is truncated or corrupt ({exc})", param=param
         ) from exc
+    finally:
+        # The decoder's full-size buffer is freed by now, whether or not it decoded.
+        if decoded_pixels >= _RELEASE_AFTER_PIXELS:
+            release_memory()
+    if orientation in _UPRIGHT:
+        rgb = rgb.transpose(_UPRIGHT[orientation])
+        if orientation >= 5:  # a quarter turn
+            width, height = height, width
     return LoadedImage(
         image=rgb,
         sha256=hashlib.sha256(raw).hexdigest(),
         format=fmt,
-        size=rgb.size,
+        size=(width, height),
         num_bytes=len(raw),
     )
 
@@ -143,23 +218,53 @@ def downscale(
     carry max_pixels/min_pixels); a tiny image is lifted to ``min_pixels``.
     Returns ``image`` itself when it already fits.
     """
-    w, h = image.size
+    new = _fit(image.size, max_pixels, min_pixels)
+    return image if new is None else image.resize(new, Image.Resampling.BICUBIC)
+
+
+def _fit(
+    size: tuple[int, int], max_pixels: int | None, min_pixels: int | None = None
+) -> tuple[int, int] | None:
+    """The size that brings ``size`` within [min_pixels, max_pixels], or None if it is."""
+    w, h = size
     pixels = w * h
     if max_pixels and pixels > max_pixels:
         scale = math.sqrt(max_pixels / pixels)
     elif min_pixels and pixels < min_pixels:
         scale = math.sqrt(min_pixels / pixels)
     else:
-        return image
+        return None
     # floor when shrinking so the result never exceeds max_pixels
     size_of = math.floor if scale < 1 else math.ceil
-    new = (max(1, size_of(w * scale)), max(1, size_of(h * scale)))
-    return image.resize(new, Image.Resampling.BICUBIC)
+    return max(1, size_of(w * scale)), max(1, size_of(h * scale))
+
+
+def _shrink_to_rgb(img: Image.Image, target: tuple[int, int] | None) -> Image.Image:
+    """8-bit RGB at ``target`` (or full) size, converted and box-reduced a strip at a time.
+
+    The integer reduction keeps at least twice the target, then one bicubic
+    resize lands on it: Pillow's own ``reducing_gap`` recipe, without the
+    full-size RGB and premultiplied-alpha copies converting the whole image costs.
+    """
+    w, h = img.size
+    factor = 1
+    if target:
+        factor = max(1, min(w // (2 * target[0]), h // (2 * target[1])))
+    out = Image.new("RGB", (-(-w // factor), -(-h // factor)))
+    rows = factor * max(1, _STRIP_ROWS // factor)  # whole reduction blocks per strip
+    for top in range(0, h, rows):
+        strip = _to_rgb(img.crop((0, top, w, min(h, top + rows))))
+        out.paste(strip.reduce(factor) if factor > 1 else strip, (0, top // factor))
+    if target and out.size != target:
+        out = out.resize(target, Image.Resampling.BICUBIC)
+    return out
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    img = ImageOps.exif_transpose(img) or img
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grey: scale to 8 bits; convert() would clip everything above 255 to white.
+        img = img.point(lambda v: v / 256).convert("L")
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         # Transparent pixels become white, not the black convert("RGB") gives.
         rgba = img.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
@@ -189,6 +294,28 @@ def _too_many_pixels(param: str, limit: int, size: tuple[int, int] | None = None
         param=param,
         code="image_too_large",
     )
+
+
+def _scheme(url: str, param: str) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise ImageError(f"{param}: image URL must be a non-empty string", param=param)
+    head, colon, _ = url.strip().partition(":")
+    scheme = head.lower() if colon else ""
+    if scheme not in ("data", "file", "http", "https"):
+        raise ImageError(
+            f"{param}: unsupported image URL scheme {scheme or '(none)'!r}; "
+            "use a data: URL with base64 image bytes",
+            param=param,
+        )
+    return scheme
+
+
+def _read_local(url: str, policy: ImagePolicy, param: str) -> bytes:
+    """The bytes of a data: or file: URL."""
+    url = url.strip()
+    if _scheme(url, param) == "data":
+        return _read_data_url(url, policy, param)
+    return _read_file_url(url, policy, param)
 
 
 def _read_data_url(url: str, policy: ImagePolicy, param: str) -> bytes:
@@ -237,106 +364,3 @@ def _read_file_url(url: str, policy: ImagePolicy, param: str) -> bytes:
             return f.read(policy.max_image_bytes + 1)
     except (OSError, RuntimeError, ValueError) as exc:
         raise refused from exc
-
-
-def _read_remote_url(url: str, policy: ImagePolicy, param: str) -> bytes:
-    if not policy.allow_remote:
-        raise ImageError(
-            f"{param}: remote image URLs are disabled; send the image as a data: URL",
-            param=param,
-        )
-    try:
-        parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as exc:  # a bad port or a broken [IPv6] literal
-        raise ImageError(f"{param}: malformed image URL ({exc})", param=param) from exc
-    host = (parts.hostname or "").lower()
-    if not host or not _host_allowed(host, policy.remote_allow_hosts):
-        raise ImageError(f"{param}: image host {host!r} is not allowed", param=param)
-    address = _resolve_public(host, port, policy, param)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    try:
-        return _fetch(parts.scheme, host, address, port, target, policy, param)
-    except (OSError, http.client.HTTPException) as exc:
-        raise ImageError(f"{param}: could not fetch image: {exc}", param=param) from exc
-
-
-def _host_allowed(host: str, allowed: tuple[str, ...] | list[str]) -> bool:
-    if not allowed:
-        return True
-    for pattern in allowed:
-        pattern = pattern.lower()
-        if pattern.startswith("*.") and host.endswith(pattern[1:]):
-            return True
-        if host == pattern:
-            return True
-    return False
-
-
-def _resolve_public(host: str, port: int, policy: ImagePolicy, param: str) -> str:
-    """Resolve ``host`` once; refuse it if any address is private (unless allowed)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise ImageError(f"{param}: cannot resolve image host {host!r}", param=param) from exc
-    addresses = [info[4][0] for info in infos]
-    if not policy.allow_private_remote:
-        for addr in addresses:
-            if not ipaddress.ip_address(addr.split("%", 1)[0]).is_global:
-                raise ImageError(
-                    f"{param}: image host {host!r} resolves to a non-public address",
-                    param=param,
-                )
-    # Connect to the address we checked, not a second lookup (DNS rebinding).
-    return addresses[0]
-
-
-class _PinnedHTTPSConnection(http.client.HTTPSConnection):
-    """HTTPS to a fixed IP address, with SNI and certificate checks for the host name."""
-
-    def __init__(self, host: str, address: str, **kw) -> None:
-        super().__init__(host, **kw)
-        self._address = address
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
-
-
-def _fetch(
-    scheme: str, host: str, address: str, port: int, target: str, policy: ImagePolicy, param: str
-) -> bytes:
-    timeout = policy.remote_timeout_s
-    if scheme == "https":
-        conn: http.client.HTTPConnection = _PinnedHTTPSConnection(
-            host, address, port=port, timeout=timeout, context=ssl.create_default_context()
-        )
-    else:
-        conn = http.client.HTTPConnection(address, port, timeout=timeout)
-    deadline = time.monotonic() + timeout
-    try:
-        name = f"[{host}]" if ":" in host else host  # IPv6 literal
-        default_port = 443 if scheme == "https" else 80
-        host_header = name if port == default_port else f"{name}:{port}"
-        conn.request("GET", target, headers={"Host": host_header, "Accept": "image/*"})
-        resp = conn.getresponse()
-        if 300 <= resp.status < 400:
-            raise ImageError(
-                f"{param}: image URL redirects; redirects are not followed", param=param
-            )
-        if resp.status != 200:
-            raise ImageError(f"{param}: image server answered HTTP {resp.status}", param=param)
-        limit = min(policy.remote_max_bytes, policy.max_image_bytes)
-        length = resp.getheader("Content-Length")
-        if length and length.isdigit():
-            _check_bytes(int(length), limit, param)
-        chunks, total = [], 0
-        while chunk := resp.read(64 * 1024):
-            total += len(chunk)
-            _check_bytes(total, limit, param)
-            if time.monotonic() > deadline:
-                raise ImageError(f"{param}: image download timed out", param=param)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        conn.close()

@@ -31,14 +31,20 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.errors import AppError, ImageError, InvalidRequestError
 from app.pipeline.request import ImagePart, Message
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
-from app.vision.images import ImagePolicy, LoadedImage, decode_image, downscale, read_image
+from app.vision.images import (
+    THUMBNAIL_PIXELS,
+    ImagePolicy,
+    LoadedImage,
+    decode_image_async,
+    read_image_async,
+)
 
 logger = logging.getLogger("tandem.vision")
 
@@ -161,12 +167,12 @@ class VisionProxy:
 
     async def _check(self, part: ImagePart) -> _Image:
         """Read the bytes; decode them (the check) unless this exact image decoded before."""
-        raw = await asyncio.to_thread(read_image, part.url, self.policy, param=part.param)
+        raw = await read_image_async(part.url, self.policy, param=part.param)
         sha = hashlib.sha256(raw).hexdigest()
         if sha in self._known:
             self._known.move_to_end(sha)
             return _Image(sha, raw, part.param)
-        loaded = await asyncio.to_thread(self._decode_small, raw, part.param)
+        loaded = await self._decode_small(raw, part.param)
         self._known[sha] = None
         if len(self._known) > self._known_max:
             self._known.popitem(last=False)
@@ -174,16 +180,18 @@ class VisionProxy:
 
     async def _decoded(self, image: _Image) -> LoadedImage:
         if image.loaded is None:
-            image.loaded = await asyncio.to_thread(self._decode_small, image.raw, image.param)
+            image.loaded = await self._decode_small(image.raw, image.param)
         return image.loaded
 
-    def _decode_small(self, raw: bytes, param: str) -> LoadedImage:
-        """Decode, then shrink at once to what the VLM will see, so a request's
-        images wait for captioning at VLM size, not at up to max_image_pixels each."""
-        loaded = decode_image(raw, self.policy, param=param)
-        max_pixels = getattr(self.captioner, "max_pixels", None)
-        small = downscale(loaded.image, max_pixels) if max_pixels else loaded.image
-        return loaded if small is loaded.image else replace(loaded, image=small)
+    async def _decode_small(self, raw: bytes, param: str) -> LoadedImage:
+        """Decode straight to what the VLM will see (a thumbnail with no VLM: the
+        decode is the check), so a request's images wait small, not at up to
+        max_image_pixels each."""
+        if self.captioner is None:
+            max_pixels: int | None = THUMBNAIL_PIXELS
+        else:
+            max_pixels = getattr(self.captioner, "max_pixels", None)
+        return await decode_image_async(raw, self.policy, param=param, max_pixels=max_pixels)
 
     def _check_count(self, parts: list[tuple[int, ImagePart]]) -> None:
         limit = self.policy.max_images_per_request

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from io import BytesIO
 from pathlib import Path
 
 import pytest
+from PIL import ExifTags, Image, ImageOps
 
 from app.errors import ImageError
-from app.vision.images import ImagePolicy, downscale, load_image
-from tests.vision.sample_images import data_url, image_bytes, png_claiming_size
+from app.vision.images import ImagePolicy, decode_image, downscale, load_image
+from tests.conftest import REPO
+from tests.vision.sample_images import (
+    data_url,
+    image_bytes,
+    mpo_bytes,
+    png16_gray,
+    png16_rgba,
+    png_claiming_size,
+)
 
 PARAM = "messages[1].content[2].image_url"
 POLICY = ImagePolicy()
@@ -36,6 +49,105 @@ def test_transparent_pixels_become_white_and_base64_may_be_wrapped():
     wrapped = "\n".join(b64[i : i + 20] for i in range(0, len(b64), 20))
     loaded = load_image(f"data:image/png;base64,{wrapped}", POLICY, param=PARAM)
     assert loaded.image.getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_multi_picture_jpeg_reads_its_first_frame():
+    """iPhone HDR gain-map photos and 3D-camera files are MPO: a JPEG plus more pictures."""
+    raw = mpo_bytes(first=(0, 0, 255), second=(255, 0, 0))
+    loaded = load_image(data_url(raw, "image/jpeg"), POLICY, param=PARAM)
+    assert loaded.format == "jpeg"
+    assert loaded.size == (40, 30)
+    red, _, blue = loaded.image.getpixel((20, 15))
+    assert blue > 200 and red < 50, "the first picture, not the second"
+
+
+def test_16_bit_pngs_become_8_bit_rgb_without_clipping():
+    grey = load_image(data_url(png16_gray(0x8000)), POLICY, param=PARAM)
+    assert grey.image.mode == "RGB"
+    assert grey.image.getpixel((0, 0)) == (128, 128, 128), "mid-grey, not clipped to white"
+    rgba = load_image(data_url(png16_rgba(64, 8)), POLICY, param=PARAM)
+    assert rgba.image.mode == "RGB"
+    assert rgba.image.getpixel((0, 0)) == (0, 255, 0)
+
+
+@pytest.mark.parametrize(
+    "fmt,mode,colour,expected",
+    [
+        ("png", "RGB", (0, 0, 255), (0, 0, 255)),
+        ("jpeg", "RGB", (0, 0, 255), (0, 0, 255)),
+        ("webp", "RGB", (0, 0, 255), (0, 0, 255)),
+        ("gif", "RGB", (0, 0, 255), (0, 0, 255)),
+        ("png", "RGBA", (0, 0, 0, 0), (255, 255, 255)),
+        ("png", "P", 3, None),
+    ],
+    ids=["png", "jpeg", "webp", "gif", "transparent png", "palette png"],
+)
+def test_decoding_shrinks_to_max_pixels_at_once(fmt, mode, colour, expected):
+    raw = image_bytes(colour, (1200, 900), fmt, mode)
+    loaded = decode_image(raw, POLICY, param=PARAM, max_pixels=200 * 150)
+    assert loaded.size == (1200, 900), "size is the source's"
+    assert loaded.image.mode == "RGB"
+    assert loaded.image.size == downscale(Image.new("RGB", (1200, 900)), 200 * 150).size
+    full = decode_image(raw, POLICY, param=PARAM).image
+    assert full.size == (1200, 900)
+    expected = expected or full.getpixel((0, 0))
+    for x, y in [(0, 0), (100, 75), (199, 149)]:
+        assert all(abs(a - b) <= 8 for a, b in zip(loaded.image.getpixel((x, y)), expected))
+
+
+def test_exif_orientation_is_applied_to_the_shrunk_picture():
+    picture = Image.new("RGB", (400, 200), (255, 0, 0))
+    picture.paste((0, 0, 255), (200, 0, 400, 200))
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # shown turned a quarter clockwise
+    buf = BytesIO()
+    picture.save(buf, format="JPEG", exif=exif)
+    upright = ImageOps.exif_transpose(Image.open(BytesIO(buf.getvalue()))).convert("RGB")
+    for max_pixels in (None, 50 * 100):
+        loaded = decode_image(buf.getvalue(), POLICY, param=PARAM, max_pixels=max_pixels)
+        assert loaded.size == upright.size == (200, 400)
+        w, h = loaded.image.size
+        assert h == 2 * w
+        for fy in (0.25, 0.75):
+            want = upright.getpixel((upright.width // 2, int(upright.height * fy)))
+            got = loaded.image.getpixel((w // 2, int(h * fy)))
+            assert all(abs(a - b) <= 40 for a, b in zip(got, want)), (fy, got, want)
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="reads peak RSS from /proc"
+)
+
+
+def decode_peak(tmp_path: Path, raw: bytes, max_pixels: int) -> dict:
+    path = tmp_path / "image"
+    path.write_bytes(raw)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.vision.decode_peak", str(path), str(max_pixels)],
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@needs_proc
+def test_a_big_jpeg_decodes_at_reduced_scale(tmp_path):
+    picture = Image.linear_gradient("L").resize((6000, 4000)).convert("RGB")
+    buf = BytesIO()
+    picture.save(buf, format="JPEG", quality=85)
+    del picture
+    peak = decode_peak(tmp_path, buf.getvalue(), 448 * 448)
+    full_mb = 6000 * 4000 * 4 / 2**20  # Pillow keeps RGB in 4 bytes a pixel: 92 MB
+    assert peak["rise_mb"] < full_mb / 4, f"{peak['rise_mb']} MB for a 24 MP JPEG"
+    assert peak["size"][0] * peak["size"][1] <= 448 * 448
+
+
+@needs_proc
+def test_a_16_bit_png_costs_little_more_than_its_decoded_pixels(tmp_path):
+    peak = decode_peak(tmp_path, png16_rgba(6300, 6300), 448 * 448)
+    decoded_mb = 6300 * 6300 * 4 / 2**20  # Pillow reads 16-bit RGBA as 8-bit RGBA: 151 MB
+    assert peak["rise_mb"] < decoded_mb * 1.25, f"{peak['rise_mb']} MB for {decoded_mb:.0f} MB"
+    assert peak["size"] == [448, 448]
 
 
 PNG = image_bytes()
@@ -160,7 +272,7 @@ def test_host_not_in_allow_list_is_refused_before_any_lookup():
 class _Handler(BaseHTTPRequestHandler):
     last_host: str | None = None
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         if self.path == "/cat.png":
             type(self).last_host = self.headers["Host"]
             body = image_bytes((9, 9, 9))
@@ -175,8 +287,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/big":
             self.send_response(200)  # no Content-Length: the cap must hold while streaming
             self.end_headers()
-            for _ in range(64):
-                self.wfile.write(b"\0" * 1024)
+            try:
+                for _ in range(64):
+                    self.wfile.write(b"\0" * 1024)
+            except ConnectionError:
+                pass  # the client stopped reading at its cap
         elif self.path == "/slow":
             time.sleep(1.0)
             self.send_response(200)

@@ -255,8 +255,13 @@ def test_repeated_image_is_not_decoded_again(monkeypatch):
             return f"{image.size[0]}x{image.size[1]}"
 
     decodes = []
-    real = proxy_mod.decode_image
-    monkeypatch.setattr(proxy_mod, "decode_image", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    real = proxy_mod.decode_image_async
+
+    async def counting(*a, **k):
+        decodes.append(1)
+        return await real(*a, **k)
+
+    monkeypatch.setattr(proxy_mod, "decode_image_async", counting)
     proxy = VisionProxy(Fixed(), CaptionCache(8), ImagePolicy())
     msg = typed([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}]}])
     first = asyncio.run(proxy.rewrite(msg))
