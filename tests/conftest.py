@@ -59,6 +59,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Pat
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_ministral(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path):
+    """Builds scripted tiny Ministral 3 Reasoning models (tests/fixtures/tiny_ministral.py):
+    ``tiny_ministral(script) -> Path``, one directory per distinct script."""
+    from tests.fixtures.tiny_ministral import build_tiny_ministral
+
+    built: dict[str, Path] = {}
+
+    def make(script: str | dict[str, str]) -> Path:
+        key = json.dumps(script, sort_keys=True)
+        if key not in built:
+            out = tmp_path_factory.mktemp("tiny-ministral")
+            built[key] = build_tiny_ministral(out, script, base=demo_model_dir).path
+        return built[key]
+
+    return make
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
