@@ -47,7 +47,8 @@ def make_parser(
 
     ``reasoning``: reasoning markers are read (thinking is on for the request).
     ``starts_in_reasoning``: the prompt opened the reasoning block.
-    ``tools_offered``: a bare JSON call object counts as a call.
+    ``tools_offered``: the request offered tools: call markers (and a bare JSON call
+    object) are read as calls; otherwise they stay content.
     ``id_factory``: makes tool call ids (default ``call_`` + 24 random alphanumerics).
     """
     family = PARSERS.get(name)

@@ -151,7 +151,9 @@ class FamilyParser:
         self._in_reasoning = reasoning and starts_in_reasoning
         self._bare_json = tools_offered and family.bare_json
         self._new_id = id_factory or family.call_id
-        self._formats = {fmt.start: fmt for fmt in family.call_formats}
+        # Calls are read only when the request offered tools (and allowed them), as OpenAI and
+        # vLLM do; otherwise the model's call text stays content.
+        self._formats = {fmt.start: fmt for fmt in family.call_formats} if tools_offered else {}
         self._closer_of = dict(family.reasoning_markers)
         self._closers = frozenset(self._closer_of.values())
         starts, openers = tuple(self._formats), tuple(self._closer_of)

@@ -164,6 +164,15 @@ def test_tool_call_with_thinking_off_keeps_the_call_and_drops_the_reasoning(call
     assert (content, reasoning, len(calls), finish) == ("", {}, 1, "tool_calls")
 
 
+@pytest.mark.parametrize("kw", [{}, {"tools": TOOLS, "tool_choice": "none"}], ids=["no tools", "tool_choice none"])
+def test_no_tool_calls_come_back_when_the_request_allowed_none(caller, kw):
+    """As OpenAI and vLLM: without tools offered, what the model wrote is content, not a call."""
+    client, _ = caller
+    choice = client.chat.completions.create(model="ministral", messages=USER, **kw).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+
+
 def prompt_of(client, messages) -> str:
     r = client.chat.completions.create(model="ministral", messages=messages, max_tokens=1,
                                        extra_body={"extensions": True})

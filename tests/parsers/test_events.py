@@ -66,7 +66,7 @@ def test_collect_of_nothing() -> None:
 
 def test_mistral_arguments_stream_before_the_call_ends() -> None:
     """[ARGS]{...} streams: the first deltas come while the JSON is still open."""
-    parser = make_parser("mistral", reasoning=False, id_factory=counting_ids())
+    parser = make_parser("mistral", reasoning=False, tools_offered=True, id_factory=counting_ids())
     events = parser.feed('[TOOL_CALLS]get_weather[ARGS]{"city": ')
     assert events[0] == ToolCallStart(0, "call_" + "0" * 24, "get_weather")
     assert events[1:] == [ToolCallArgsDelta(0, '{"city": ')]
@@ -75,14 +75,14 @@ def test_mistral_arguments_stream_before_the_call_ends() -> None:
 
 
 def test_qwen_arguments_stream_once_the_name_is_known() -> None:
-    parser = make_parser("qwen", reasoning=True, id_factory=counting_ids())
+    parser = make_parser("qwen", reasoning=True, tools_offered=True, id_factory=counting_ids())
     assert parser.feed('<tool_call>\n{"name": "get_wea') == []
     events = parser.feed('ther", "arguments": {"city"')
     assert events == [ToolCallStart(0, "call_" + "0" * 24, "get_weather"), ToolCallArgsDelta(0, '{"city"')]
 
 
 def test_error_keeps_raw_text_as_content() -> None:
-    parser = make_parser("llama", reasoning=False, id_factory=counting_ids())
+    parser = make_parser("llama", reasoning=False, tools_offered=True, id_factory=counting_ids())
     events = parser.feed("<function=f>{oops}</function>") + parser.finish()
     error = next(e for e in events if isinstance(e, ToolCallError))
     assert error.raw == "<function=f>{oops}</function>" and error.index == 0
@@ -90,13 +90,13 @@ def test_error_keeps_raw_text_as_content() -> None:
 
 
 def test_held_back_marker_prefix_is_released_when_it_is_not_one() -> None:
-    parser = make_parser("qwen", reasoning=True)
+    parser = make_parser("qwen", reasoning=True, tools_offered=True)
     assert parser.feed("a <tool") == [ContentDelta("a")]
     assert parser.feed("box") == [ContentDelta(" <toolbox")]
 
 
 def test_nothing_after_finish() -> None:
-    parser = make_parser("generic", reasoning=True)
+    parser = make_parser("generic", reasoning=True, tools_offered=True)
     parser.feed("hi")
     parser.finish()
     assert parser.feed("more") == [] and parser.finish() == []
