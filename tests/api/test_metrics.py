@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import re
 from contextlib import ExitStack
 
@@ -128,3 +129,33 @@ def test_log_records_carry_the_request_id(srv, caplog):
     (done,) = [rec for rec in caplog.records if rec.getMessage().startswith("generation length")]
     assert done.request_id == "client-id-42"
     assert "completion_tokens=1" in done.getMessage()
+
+
+def test_a_cancelled_generation_reports_the_tokens_it_used(srv, caplog):
+    """It used to be logged (and counted) with prompt_tokens=0 completion_tokens=0."""
+    caplog.handler.addFilter(RequestIdFilter())
+    before = scrape(srv)
+    try:
+        with caplog.at_level(logging.INFO, logger="tandem"):
+            with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60, json={
+                    "model": "tiny", "messages": HI, "max_tokens": 1000, "stream": True},
+                    headers={"x-request-id": "leaves-early"}) as r:
+                seen = 0
+                for line in r.iter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        seen += 1
+                        if seen == 5:
+                            break
+            for _ in range(200):
+                records = [rec for rec in caplog.records if rec.getMessage().startswith("generation cancelled")]
+                if records:
+                    break
+                time.sleep(0.02)
+    finally:
+        caplog.handler.filters.clear()
+    (record,) = records
+    assert record.request_id == "leaves-early"
+    fields = dict(part.split("=") for part in record.getMessage().split(": ", 1)[1].split())
+    assert int(fields["prompt_tokens"]) > 0 and int(fields["completion_tokens"]) >= 5
+    after = scrape(srv)
+    assert after["tandem_completion_tokens_total"] - before["tandem_completion_tokens_total"] >= 5

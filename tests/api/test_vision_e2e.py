@@ -121,3 +121,26 @@ def test_disabled_vision_refuses_images(tmp_path, tiny_model_dir):
             assert "does not accept images" in r.json()["error"]["message"]
     finally:
         state.worker.stop()
+
+
+def test_no_vision_flag_gives_placeholders_not_a_500(tmp_path, demo_model_dir):
+    """``tandem serve --no-vision`` with a proxy-mode model: images become placeholders with
+    a warning, the documented path (it used to be a 500: the proxy was never built)."""
+    from app.main import build_state, create_app
+
+    state = build_state(resolved_config(DEMO_YAML.replace("{vlm_path}", str(tmp_path / "unused")), tmp_path),
+                        load_vision=False)
+    try:
+        assert state.vision.mode == "proxy" and not state.vision.available
+        assert "--no-vision" in (state.vision.reason or "")
+        with LiveServer(create_app(state)) as server:
+            r = post(server.base_url, [user("What is this?", data_url(image_bytes()))], extensions=True)
+            assert r.status_code == 200, r.text
+            ext = r.json()["extensions"]
+            assert "[Image 1: not available, no vision model loaded]" in ext["prompt"]
+            assert "--no-vision" in ext["warnings"][0]
+            # A broken image is still the client's mistake.
+            bad = post(server.base_url, [user("And this?", "data:image/png;base64,AAAA")])
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_image"
+    finally:
+        state.worker.stop()
