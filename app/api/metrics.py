@@ -12,7 +12,8 @@ scrape time by a collector. Each app has its own registry.
     tandem_prompt_tokens_total, tandem_cached_prompt_tokens_total, tandem_completion_tokens_total
     tandem_time_to_first_token_seconds            histogram, from submission to the first token
     tandem_inter_token_latency_seconds            histogram, per generated token after the first
-    tandem_engine_up, tandem_requests_running, tandem_requests_waiting
+    tandem_engine_up, tandem_requests_running, tandem_requests_waiting, tandem_requests_paused
+    tandem_background_pauses_total                 background sequences paused for interactive work
     tandem_kv_budget_tokens, tandem_kv_reserved_tokens, tandem_prompt_cache_bytes
     tandem_prompt_cache_hits_total, tandem_prompt_cache_tokens_saved_total
     tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
@@ -99,11 +100,14 @@ class _StateCollector(Collector):
             ("tandem_engine_up", int(stats.alive and state.worker.alive), "1 while the MLX engine thread runs."),
             ("tandem_requests_running", stats.active, "Sequences being generated."),
             ("tandem_requests_waiting", stats.waiting, "Requests waiting for the engine."),
+            ("tandem_requests_paused", stats.paused, "Background sequences paused for interactive work."),
             ("tandem_kv_budget_tokens", stats.kv_budget_tokens, "KV-cache budget in tokens (mem)."),
             ("tandem_kv_reserved_tokens", stats.kv_reserved_tokens, "KV tokens reserved by running sequences."),
             ("tandem_prompt_cache_bytes", stats.prompt_cache_bytes, "Bytes held by the prefix cache."),
         ):
             yield GaugeMetricFamily(name, help_, value=value)
+        yield CounterMetricFamily("tandem_background_pauses", "Background sequences paused for interactive work.",
+                                  value=stats.background_pauses)
         yield CounterMetricFamily("tandem_prompt_cache_hits", "Requests that reused a cached prefix.",
                                   value=stats.prompt_cache_hits)
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
