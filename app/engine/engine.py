@@ -216,7 +216,7 @@ class TextEngine:
             seq = self._running.get(r.uid)
             if seq and seq.cache_segments and r.end_of_segment and not r.end_of_prompt:
                 seq.cache_segments -= 1
-                self._cache_prefix(r.uid)
+                self._cache_prefix(seq)
         for r in gen_responses:
             seq = self._running.get(r.uid)
             if seq is not None:
@@ -329,7 +329,7 @@ class TextEngine:
         prompt = list(req.prompt_tokens)
         cache, rest = (None, prompt)
         if p.prompt_cache != "off":
-            cache, rest = self.prompt_cache.fetch_nearest_cache(self.loaded.name, prompt)
+            cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]
@@ -364,9 +364,16 @@ class TextEngine:
         seq.uid = uid
         self._running[uid] = seq
 
-    def _cache_prefix(self, uid: int) -> None:
-        for _, (cache, tokens) in self._bg.extract_cache([uid]).items():
-            self.prompt_cache.insert_cache(self.loaded.name, list(tokens), cache, cache_type="system")
+    def _cache_key(self, seq: _Seq) -> str:
+        """The prefix cache's partition for ``seq``: prefixes are shared only within one
+        namespace (a cache_salt, an API key), so cached_tokens and time to first token
+        never tell a client what another one sent."""
+        return f"{self.loaded.name}\x00{seq.req.cache_namespace}"
+
+    def _cache_prefix(self, seq: _Seq) -> None:
+        assert seq.uid is not None
+        for _, (cache, tokens) in self._bg.extract_cache([seq.uid]).items():
+            self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="system")
 
     def _on_token(self, seq: _Seq, r: Any) -> None:
         assert seq.stops is not None
@@ -382,11 +389,11 @@ class TextEngine:
             if seq.stops.stopped:
                 if finish is None:
                     caches = self._bg.remove([seq.uid], return_prompt_caches=True)
-                    self._store_conversation(*caches.get(seq.uid, (None, None)))
+                    self._store_conversation(seq, *caches.get(seq.uid, (None, None)))
                 finish = "stop"
             elif finish is not None:
                 text += seq.stops.flush()
-                self._store_conversation(r.prompt_cache, r.all_tokens)
+                self._store_conversation(seq, r.prompt_cache, r.all_tokens)
             self._emit(seq, text, finish)
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
             log.exception("request %s failed while decoding", seq.req.request_id)
@@ -404,11 +411,11 @@ class TextEngine:
             seq.gaps.append(now - (seq.last_token or now))
         seq.last_token = now
 
-    def _store_conversation(self, cache: Any, tokens: Any) -> None:
+    def _store_conversation(self, seq: _Seq, cache: Any, tokens: Any) -> None:
         if self.params.prompt_cache != "prefix" or cache is None or tokens is None:
             return
         if len(tokens) >= self.params.cache_min_tokens:
-            self.prompt_cache.insert_cache(self.loaded.name, list(tokens), cache, cache_type="assistant")
+            self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="assistant")
 
     def _emit(self, seq: _Seq, text: str, finish: str | None) -> None:
         delta = TokenDelta(text=text, tokens=1, finish_reason=finish)

@@ -37,6 +37,8 @@ class GenerationRequest:
     request_id: str = ""
     # "background" work yields batch slots to "interactive" work waiting for its first token.
     priority: str = "interactive"
+    # Prefix-cache partition: cached prefixes are shared only between requests with the same one.
+    cache_namespace: str = ""
 
 
 @dataclass

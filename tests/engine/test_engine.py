@@ -190,3 +190,16 @@ def test_system_prefix_is_cached_for_a_different_question(tiny_model_dir):
         assert third.cached_tokens == len(system)
     finally:
         eng.worker.stop()
+
+
+def test_prefix_cache_namespaces_never_share(engine):
+    """A cached conversation helps the next request of its own namespace only."""
+    text = "A long shared system prompt that is well worth caching for later turns. " * 3
+    req = GenerationRequest(prompt(engine, text), max_tokens=4, cache_namespace="alice")
+    asyncio.run(run(engine, req))
+    from dataclasses import replace
+
+    _, mallory = asyncio.run(run(engine, replace(req, cache_namespace="mallory")))
+    _, alice = asyncio.run(run(engine, req))
+    assert mallory.cached_tokens == 0
+    assert alice.cached_tokens > len(req.prompt_tokens) // 2
