@@ -34,7 +34,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="models.yaml entry to serve (default: default_model)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1 and /metrics")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1 and /metrics "
+                   "(visible in ps: prefer TANDEM_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--isq", choices=["q4", "q8"], help="quantize at load")
     p.add_argument("--mem", type=int, help="KV-cache budget in MB")
@@ -73,12 +75,29 @@ def _exit_zero_after_drain() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file or TANDEM_API_KEY (first found), or None."""
+    if args.api_key:
+        return str(args.api_key)
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return os.environ.get("TANDEM_API_KEY") or None
+
+
 def serve(args: argparse.Namespace) -> int:
     from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
     from app.main import build_state, create_app
 
     source = _models_file(args.models_file)
     overrides = {k: getattr(args, k) for k in (*PARAM_FLAGS, *SERVER_FLAGS)}
+    overrides["api_key"] = _api_key(args)
     config = resolve(load_models_file(source), source=str(source), model=args.model, overrides=overrides)
     state = build_state(config, load_vision=not args.no_vision)
     s = config.server

@@ -14,6 +14,7 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     │   ├── ImageError               400 code=invalid_image
     │   └── VisionNotSupportedError  400 code=vision_not_supported
     ├── AuthenticationError          401 authentication_error
+    ├── ForbiddenError               403 permission_error
     ├── NotFoundError                404 not_found_error
     │   └── ModelNotFoundError       404 code=model_not_found
     ├── MethodNotAllowedError        405 invalid_request_error
@@ -77,6 +78,11 @@ class AuthenticationError(AppError):
     status_code = 401
     openai_type = "authentication_error"
     default_code = "invalid_api_key"
+
+
+class ForbiddenError(AppError):
+    status_code = 403
+    openai_type = "permission_error"
 
 
 class NotFoundError(AppError):

@@ -8,21 +8,18 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from collections.abc import Callable
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
-from litestar.connection import ASGIConnection
-from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
 from app.api import request_id
 from app.api.agui import agui
 from app.api.errors import exception_handlers
-from app.api.meta import get_model, health, list_models
+from app.api.guards import api_key_guard, api_keys, request_guard
+from app.api.meta import get_model, health, health_head, list_models
 from app.api.metrics import metrics
 from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
@@ -32,7 +29,7 @@ from app.config.mapping import engine_params, load_params, model_source
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.worker import MLXWorker
-from app.errors import AuthenticationError, EngineDeadError
+from app.errors import EngineDeadError
 from app.pipeline.pipeline import Pipeline, ServedModel, VisionState, log_generation
 from app.pipeline.prompting import make_profile
 
@@ -84,20 +81,6 @@ def build_vision(config: ResolvedConfig, worker: MLXWorker, *, load: bool = True
     return state
 
 
-def _api_key_guard(key: str) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
-    expected = key.encode()
-
-    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        header = connection.headers.get("authorization", "")
-        scheme, _sep, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise AuthenticationError(
-                "missing or invalid API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
-            )
-
-    return guard
-
-
 async def drain(state: AppState) -> None:
     """Graceful shutdown of the engine: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
@@ -115,7 +98,7 @@ async def drain(state: AppState) -> None:
 
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
-    guards = [_api_key_guard(server.api_key.get_secret_value())] if server.api_key else []
+    guards = [api_key_guard(server)] if api_keys(server) else []
     cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
 
     async def on_shutdown(app: Litestar) -> None:
@@ -128,8 +111,10 @@ def create_app(state: AppState) -> Litestar:
             Router("/", route_handlers=[chat_completions, completions, agui, list_models, get_model, metrics],
                    guards=guards),
             health,
+            health_head,
         ],
         exception_handlers=exception_handlers(),
+        middleware=[request_guard(server)],
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),

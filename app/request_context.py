@@ -13,6 +13,8 @@ import logging
 from contextvars import ContextVar
 
 REQUEST_ID: ContextVar[str] = ContextVar("tandem_request_id", default="-")
+# The name of the API key the request presented ("" with no keys configured).
+CLIENT: ContextVar[str] = ContextVar("tandem_client", default="")
 
 
 class RequestIdFilter(logging.Filter):

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import Request, Response, get, head
 from litestar.params import FromPath
 
+from app.api.guards import api_keys, key_name, presented_key
 from app.api.state import AppState
 from app.errors import EngineDeadError
 
@@ -44,15 +45,28 @@ async def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]
     return (await list_models.fn(request))["data"][0]
 
 
-@get("/health", summary="Engine, model and vision status")
-async def health(request: Request) -> Response:
-    state: AppState = request.app.state.tandem
+def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str, Any], int]:
     stats = state.engine.stats()
     ok = stats.alive and state.worker.alive
-    body = {
-        "status": "ok" if ok else "unhealthy",
-        "model": state.profile.name,
-        "engine": {**asdict(stats), "error": repr(state.worker.dead) if state.worker.dead else None},
-        "vision": _vision(state),
-    }
-    return Response(body, status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ok" if ok else "unhealthy", "model": state.profile.name}
+    keys = api_keys(state.config.server)
+    if keys and key_name(keys, presented_key(request)) is None:
+        # Open for probes, but details (paths, exception text) only for key holders.
+        if not ok:
+            body["reason"] = "the engine is not running"
+        return body, 200 if ok else 503
+    body["engine"] = {**asdict(stats), "error": repr(state.worker.dead) if state.worker.dead else None}
+    body["vision"] = _vision(state)
+    return body, 200 if ok else 503
+
+
+@get("/health", summary="Engine, model and vision status")
+async def health(request: Request[Any, Any, Any]) -> Response[Any]:
+    body, status = _health(request.app.state.tandem, request)
+    return Response(body, status_code=status)
+
+
+@head("/health", summary="Whether the engine runs (200) or not (503), without a body")
+async def health_head(request: Request[Any, Any, Any]) -> Response[None]:
+    _, status = _health(request.app.state.tandem, request)
+    return Response(None, status_code=status)

@@ -168,9 +168,17 @@ class ServerSettings(_Strict):
     # Loopback only by default; set 0.0.0.0 deliberately to serve a LAN.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    # When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>`;
-    # a SecretStr, so printing the settings never shows it.
+    # When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>` (or
+    # `x-api-key`); a SecretStr, so printing the settings never shows it. Also TANDEM_API_KEY,
+    # or --api-key-file, so the key never shows in `ps`.
     api_key: SecretStr | None = None
+    # Several named keys (name -> key), one per user or agent; any of them is accepted.
+    api_keys: dict[str, SecretStr] = {}
+    # per_key: requests with different keys never share prefix-cache entries (one user cannot
+    # probe another's prompts through cached_tokens or time to first token); shared: they do.
+    prompt_cache_scope: Literal["per_key", "shared"] = "per_key"
+    # Host names served besides loopback ones (DNS-rebinding guard; see README, Security).
+    allowed_hosts: list[str] = []
     # Browser origins allowed by CORS; empty means CORS is off.
     cors_origins: list[str] = []
     # Largest request body in bytes (413 beyond).

@@ -53,8 +53,9 @@ def reset_random_state() -> None:
 
 
 def build_logits_processors(p: SamplingParams) -> list:
-    """Repetition, presence and frequency penalties (only those switched on)."""
+    """Logit bias and the repetition, presence and frequency penalties (only those switched on)."""
     return make_logits_processors(
+        logit_bias=dict(p.logit_bias) or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None,

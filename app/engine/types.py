@@ -21,6 +21,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # Token id -> bias added to its logit before sampling.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

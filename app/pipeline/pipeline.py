@@ -13,6 +13,7 @@ are raised from ``app.errors`` and each format's edge renders them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -36,12 +37,14 @@ from app.pipeline.prompting import (
 )
 from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest
 from app.pipeline.results import Completion, Step, Usage
-from app.request_context import REQUEST_ID
+from app.request_context import CLIENT, REQUEST_ID
 
 log = logging.getLogger("tandem.api")
 
 # Open WebUI's title, tags and follow-up prompts start so; they run as background work.
 BACKGROUND_TASK_PREFIX = "### Task:"
+# Sampling values this close to their limit are that limit: 1e-39 is greedy, not overflow.
+SAMPLING_EPSILON = 1e-5
 
 
 @dataclass
@@ -116,7 +119,8 @@ class Pipeline:
         messages, extras = await self._see(model, req)
         prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
         prepared.extras = {**extras, **prepared.extras}
-        prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get())
+        prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get(),
+                               cache_namespace=self.cache_namespace(req.options.cache_salt))
         return prepared
 
     async def prepare_text(self, req: TextRequest) -> Prepared:
@@ -124,7 +128,16 @@ class Pipeline:
         model = self.model(req.options.model)
         check_prompt_chars(model.profile, len(req.prompt), "prompt")
         gen = await anyio.to_thread.run_sync(build_text, model.profile, req)
-        return Prepared(model.profile.name, replace(gen, request_id=REQUEST_ID.get()), req.prompt)
+        gen = replace(gen, request_id=REQUEST_ID.get(), cache_namespace=self.cache_namespace(req.options.cache_salt))
+        return Prepared(model.profile.name, gen, req.prompt)
+
+    def cache_namespace(self, salt: str | None) -> str:
+        """The prefix-cache partition of this request: its API key's (``per_key`` scope)
+        and its ``cache_salt``. Requests share cached KV only within one."""
+        client = CLIENT.get() if self.server.prompt_cache_scope == "per_key" else ""
+        if not client and not salt:
+            return ""
+        return hashlib.sha256(f"{client}\x00{salt or ''}".encode()).hexdigest()[:24]
 
     async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
         """Images into text (proxy vision); refused where the model takes none."""
@@ -253,11 +266,18 @@ def sampling_for(profile: ModelProfile, options: Options) -> SamplingParams:
     if vocab and top_k >= vocab:
         # Keeping every token is no top-k at all; mlx-lm would raise mid-batch, failing its neighbours.
         top_k = 0
+    for token, _ in s.logit_bias:
+        if vocab and not 0 <= token < vocab:
+            raise InvalidRequestError(f"logit_bias: {token} is not a token id of this model (0..{vocab - 1})",
+                                      param="logit_bias")
     pick: Callable[[str], Any] = lambda name: v if (v := getattr(s, name)) is not None else getattr(d, name)  # noqa: E731
+    temperature, top_p = pick("temperature"), pick("top_p")
+    if temperature < SAMPLING_EPSILON or top_p < SAMPLING_EPSILON:
+        temperature, top_p = 0.0, 1.0  # their limit: the most likely token
     return SamplingParams(
-        temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k, min_p=pick("min_p"),
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=pick("min_p"),
         frequency_penalty=pick("frequency_penalty"), presence_penalty=pick("presence_penalty"),
-        repetition_penalty=pick("repetition_penalty"), seed=s.seed,
+        repetition_penalty=pick("repetition_penalty"), seed=s.seed, logit_bias=s.logit_bias,
     )
 
 

@@ -142,6 +142,8 @@ class Sampling:
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    # Token id -> bias added to its logit (OpenAI's logit_bias, -100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class Options:
     stop: tuple[str, ...] = ()
     # "background" work (titles, tags, follow-ups) yields to interactive requests.
     priority: Priority = "interactive"
+    # vLLM's cache_salt: prefixes with different salts never share KV.
+    cache_salt: str | None = None
     # Tandem extension: captions, warnings, parser chunks and the exact prompt in the answer.
     extensions: bool = False
 

@@ -133,7 +133,12 @@ class _SamplingFields(_Lenient):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=3.0)
+    # Below 0.01 the penalty divides logits into overflow: refused, not garbage.
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=3.0)
+    # Token id (as a string, OpenAI's JSON) -> bias added to its logit.
+    logit_bias: dict[int, float] | None = Field(default=None, max_length=1024)
+    # vLLM's: requests with different salts never share cached prompt prefixes.
+    cache_salt: str | None = Field(default=None, max_length=256)
     # Any 64-bit seed, signed or not; MLX takes it unsigned, so negatives wrap (-1 -> 2**64 - 1).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
@@ -148,6 +153,14 @@ class _SamplingFields(_Lenient):
     @classmethod
     def _unsigned_seed(cls, v: int | None) -> int | None:
         return None if v is None else v % 2**64
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for token, bias in (v or {}).items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias {bias} for token {token} is outside -100..100")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -167,9 +180,11 @@ class _SamplingFields(_Lenient):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed,
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
         )
         return typed.Options(self.model, sampling, max_tokens if max_tokens is not None else self.max_tokens,
-                             stop=self.stop_list(), priority=self.priority, extensions=extensions)
+                             stop=self.stop_list(), priority=self.priority, cache_salt=self.cache_salt,
+                             extensions=extensions)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,0 +1,119 @@
+"""Who may call, from where, with what: the checks a request passes before any route runs.
+
+The threat model is a local server: other users of the machine, web pages in
+the user's own browser, and LAN clients when bound beyond loopback.
+
+- **Host** (DNS rebinding): a page can point its own host name at 127.0.0.1
+  and then read Tandem's answers as same-origin. Bound to loopback, Tandem
+  serves only loopback Host names (``localhost``, ``127.0.0.1``, ``[::1]``, any
+  port) plus ``server.allowed_hosts``; anything else is a 403, as Jupyter and
+  Ollama guard theirs. Bound elsewhere, ``allowed_hosts`` (when set) is the list.
+- **Content-Type** (CSRF): a page may POST ``text/plain`` (or a form) without
+  a CORS preflight. A POST must say JSON, or it is a 415.
+- **API keys**: with keys configured, ``/v1/*`` and ``/metrics`` need one, as
+  ``Authorization: Bearer <key>`` or ``x-api-key`` (Anthropic's header),
+  compared in constant time. Which key was used (its name) becomes the
+  request's client, which partitions the prefix cache under
+  ``prompt_cache_scope: per_key``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from app.config.schema import ServerSettings
+from app.errors import AuthenticationError, ForbiddenError, UnsupportedMediaTypeError
+from app.request_context import CLIENT
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+_LOOPBACK_BINDS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def allowed_hosts(server: ServerSettings) -> frozenset[str] | None:
+    """The Host names served, lower-case and without port; None: any."""
+    extra = {h.lower() for h in server.allowed_hosts}
+    if server.host in _LOOPBACK_BINDS or server.host.startswith("127."):
+        return LOOPBACK_HOSTS | extra
+    return frozenset(extra) if extra else None
+
+
+def _host_name(header: str) -> str:
+    header = header.strip().lower()
+    if header.startswith("["):  # [::1]:8000
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def request_guard(server: ServerSettings) -> Callable[[ASGIApp], ASGIApp]:
+    """Litestar middleware: the Host and Content-Type checks. Errors raised here are
+    rendered by the route's own exception handlers, in its wire format."""
+    hosts = allowed_hosts(server)
+
+    def factory(app: ASGIApp) -> ASGIApp:
+        async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+                if hosts is not None and _host_name(headers.get("host", "")) not in hosts:
+                    raise ForbiddenError(
+                        "this server does not answer to that Host name (add it to server.allowed_hosts)",
+                        code="host_not_allowed")
+                if scope.get("method") == "POST" and not _is_json(headers.get("content-type", "")):
+                    raise UnsupportedMediaTypeError("request body must be JSON: send Content-Type: application/json")
+            await app(scope, receive, send)
+
+        return guarded
+
+    return factory
+
+
+def api_keys(server: ServerSettings) -> dict[str, bytes]:
+    """Every configured key by its name (``api_key`` alone is named "default")."""
+    keys = {name: secret.get_secret_value().encode() for name, secret in server.api_keys.items()}
+    if server.api_key is not None:
+        keys.setdefault("default", server.api_key.get_secret_value().encode())
+    return keys
+
+
+def presented_key(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``x-api-key``."""
+    scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return connection.headers.get("x-api-key", "").strip()
+
+
+def key_name(keys: dict[str, bytes], presented: str) -> str | None:
+    """The name of the key presented, comparing every key in constant time."""
+    found = None
+    for name, key in keys.items():
+        if hmac.compare_digest(presented.encode(), key):
+            found = name
+    return found
+
+
+def api_key_guard(
+    server: ServerSettings,
+) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Awaitable[None]]:
+    """A Litestar guard: a valid key, whose name becomes the request's client. Async, so it
+    runs in the handler's context (a sync guard runs in a thread, and the name would not reach it)."""
+    keys = api_keys(server)
+
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        name = key_name(keys, presented_key(connection))
+        if name is None:
+            raise AuthenticationError("missing or invalid API key (Authorization: Bearer <key>, or x-api-key)",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        CLIENT.set(name)
+
+    return guard
