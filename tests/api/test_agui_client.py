@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
+from tests.api.serving import serving, tiny_yaml
 from tests.api.sse_frames import parse_frames, read_stream
-from tests.api.test_tools_e2e import BROKEN_SHOT, FEW_SHOT, TOOLS
+from tests.api.test_tools_e2e import FEW_SHOT, TOOLS
 from tests.conftest import REPO
 
 FIXTURE = REPO / "tests" / "fixtures" / "agui_client"
@@ -53,10 +54,12 @@ def _install(target: Path) -> None:
         try:
             done = subprocess.run(cmd, cwd=partial, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
+            shutil.rmtree(partial, ignore_errors=True)
             pytest.skip(f"npm ci @ag-ui/client@{VERSION} took over 300 s: is the npm registry reachable?")
         if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-            pytest.skip(f"could not install @ag-ui/client@{VERSION} (is the npm registry reachable?):\n{tail}")
+            shutil.rmtree(partial, ignore_errors=True)
+            why = "\n".join([line for line in done.stderr.splitlines() if line.startswith("npm error")][:3])
+            pytest.skip(f"could not install @ag-ui/client@{VERSION} (is the npm registry reachable?):\n{why}")
         (partial / ".installed").write_text(stamp)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
@@ -78,15 +81,30 @@ def agui_client() -> Path:
     return target
 
 
-def run_client(client_dir: Path, url: str, body: dict[str, Any]) -> tuple[list[dict], dict]:
-    """One ``HttpAgent.runAgent`` with ``body``'s input: the events its subscriber saw, then
-    ``{"result": ...}`` (what ``runAgent`` resolved to) or ``{"failed": ...}`` (why it rejected)."""
+def start_client(client_dir: Path, url: str, body: dict[str, Any]) -> subprocess.Popen[str]:
+    """``run.mjs`` started on ``body``'s input; it prints a JSON line per event as the client sees it."""
     spec = {"url": url, **{k: body[k] for k in ("threadId", "runId", "messages", "tools", "forwardedProps")}}
-    done = subprocess.run(["node", str(FIXTURE / "run.mjs"), str(client_dir)], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    *events, outcome = [json.loads(line) for line in done.stdout.splitlines()]
-    return [e["event"] for e in events], outcome
+    proc = subprocess.Popen(["node", str(FIXTURE / "run.mjs"), str(client_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    proc.stdin = None  # sent: communicate() then only reads
+    return proc
+
+
+def finish_client(proc: subprocess.Popen[str], seen: list[dict] | None = None) -> tuple[list[dict], dict]:
+    """The events the client's subscriber saw (``seen`` already read), then ``{"result": ...}``
+    (what ``runAgent`` resolved to) or ``{"failed": ...}`` (why it rejected)."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = [*(seen or []), *(json.loads(line) for line in out.splitlines())]
+    return [line["event"] for line in lines[:-1]], lines[-1]
+
+
+def run_client(client_dir: Path, url: str, body: dict[str, Any]) -> tuple[list[dict], dict]:
+    """One whole ``HttpAgent.runAgent``: see ``finish_client``."""
+    return finish_client(start_client(client_dir, url, body))
 
 
 def run_to_result(client_dir: Path, url: str, body: dict[str, Any]) -> tuple[list[dict], dict]:
@@ -119,7 +137,7 @@ def same_run(client_events: list[dict], raw: bytes) -> None:
     assert [strip(e) for e in client_events] == [strip(e) for e in wire]
 
 
-def test_the_official_client_reads_a_whole_run(demo_server, agui_client):
+def test_the_official_client_reads_a_whole_run(agui_client, demo_server):
     url = demo_server.base_url + "/v1/agui"
     body = agui_input([{"role": "user", "content": Q}], [], max_tokens=8)
     events, result = run_to_result(agui_client, url, body)
@@ -133,7 +151,7 @@ def test_the_official_client_reads_a_whole_run(demo_server, agui_client):
     same_run(events, read_stream(demo_server.base_url, "/v1/agui", body))
 
 
-def test_the_official_client_reads_a_tool_call(demo_server, agui_client):
+def test_the_official_client_reads_a_tool_call(agui_client, demo_server):
     body = agui_input(FEW_SHOT, ag_ui_tools(), max_tokens=40)
     events, result = run_to_result(agui_client, demo_server.base_url + "/v1/agui", body)
     types = [e["type"] for e in events]
@@ -150,17 +168,29 @@ def test_the_official_client_reads_a_tool_call(demo_server, agui_client):
     same_run(events, read_stream(demo_server.base_url, "/v1/agui", body))
 
 
-def test_the_official_client_reads_an_error_after_the_start(demo_server, agui_client):
-    """A tool call the parser cannot read ends the run with RUN_ERROR after the text it kept."""
-    body = agui_input(BROKEN_SHOT, ag_ui_tools(), max_tokens=40)
-    events, _ = run_client(agui_client, demo_server.base_url + "/v1/agui", body)
+def test_the_official_client_reads_an_error_after_the_start(agui_client, tmp_path, tiny_model_dir):
+    """The engine dies mid-run (a broken step on its thread, as in test_faults): the client gets
+    every event up to it, then RUN_ERROR."""
+    with serving(tmp_path, tiny_yaml(tiny_model_dir)) as srv:
+        proc = start_client(agui_client, srv.base_url + "/v1/agui",
+                            agui_input([{"role": "user", "content": Q}], [], max_tokens=1500))
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # the run has started, and the client read it
+        assert first.get("event", {}).get("type") == "RUN_STARTED", first
+
+        def broken_step() -> bool:
+            raise RuntimeError("injected fault")
+
+        srv.state.worker.add_stepper(broken_step, lambda exc: None)
+        events, _ = finish_client(proc, [first])
     types = [e["type"] for e in events]
-    assert types[0] == "RUN_STARTED" and types[-1] == "RUN_ERROR" and "RUN_FINISHED" not in types, types
-    assert events[-1]["code"] == "tool_call_parse_error"
-    assert "get_weather" in "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT")
+    assert types[-1] == "RUN_ERROR" and "RUN_FINISHED" not in types, types
+    assert events[-1]["code"] == "engine_unavailable" and "injected fault" in events[-1]["message"]
+    # Every block the run opened was closed before the error.
+    assert types.count("TEXT_MESSAGE_START") == types.count("TEXT_MESSAGE_END")
 
 
-def test_the_official_client_sees_a_refused_run_as_an_http_error(demo_server, agui_client):
+def test_the_official_client_sees_a_refused_run_as_an_http_error(agui_client, demo_server):
     """A client mistake is a 4xx before any event, which the client reports with our error body."""
     body = agui_input([{"role": "user", "content": Q}], [], max_tokens=8)
     body["forwardedProps"]["temperature"] = 7
