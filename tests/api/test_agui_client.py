@@ -17,6 +17,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +90,22 @@ def start_client(client_dir: Path, url: str, body: dict[str, Any]) -> subprocess
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(spec))
     proc.stdin.close()
-    proc.stdin = None  # sent: communicate() then only reads
     return proc
 
 
 def finish_client(proc: subprocess.Popen[str], seen: list[dict] | None = None) -> tuple[list[dict], dict]:
     """The events the client's subscriber saw (``seen`` already read), then ``{"result": ...}``
     (what ``runAgent`` resolved to) or ``{"failed": ...}`` (why it rejected)."""
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.stdout is not None and proc.stderr is not None
+    # Read through the same buffered pipes as any readline() before (communicate() would skip
+    # what they hold); the timer stands in for a timeout. stderr is a stack trace at most.
+    killer = threading.Timer(120, proc.kill)
+    killer.start()
+    try:
+        out, err = proc.stdout.read(), proc.stderr.read()
+    finally:
+        killer.cancel()
+    assert proc.wait() == 0, err
     lines = [*(seen or []), *(json.loads(line) for line in out.splitlines())]
     return [line["event"] for line in lines[:-1]], lines[-1]
 
