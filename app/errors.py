@@ -24,6 +24,8 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     ├── ServiceUnavailableError      503 service_unavailable (Retry-After)
     │   ├── EngineBusyError          503 code=engine_busy
     │   ├── EngineDeadError          503 code=engine_unavailable
+    │   ├── InsufficientMemoryError  503 code=insufficient_memory
+    │   ├── ModelLoadError           503 code=model_unavailable
     │   ├── VisionUnavailableError   503 code=vision_unavailable
     │   └── TooManyConnectionsError  503 code=too_many_connections (rendered by app.httpserver)
     ├── ConfigError                  raised at start-up: bad models.yaml or flags
@@ -137,6 +139,18 @@ class EngineBusyError(ServiceUnavailableError):
 
 class EngineDeadError(ServiceUnavailableError):
     default_code = "engine_unavailable"
+
+
+class InsufficientMemoryError(ServiceUnavailableError):
+    """A model does not fit the memory budget, even with every idle model unloaded."""
+
+    default_code = "insufficient_memory"
+
+
+class ModelLoadError(ServiceUnavailableError):
+    """A model could not be loaded (the next request tries again)."""
+
+    default_code = "model_unavailable"
 
 
 class VisionUnavailableError(ServiceUnavailableError):

@@ -25,75 +25,85 @@ from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
 from app.api.state import AppState
 from app.config.loader import ResolvedConfig
-from app.config.mapping import engine_params, load_params, model_source
-from app.engine.engine import TextEngine
-from app.engine.loader import load_text_model
+from app.config.mapping import load_params, model_spec
+from app.config.schema import ModelEntry
+from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
-from app.pipeline.pipeline import Pipeline, ServedModel, VisionState, log_generation
-from app.pipeline.prompting import make_profile
+from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
 
 log = logging.getLogger("tandem")
 
 
 def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState:
-    """Start the MLX thread, load the models, and return the shared state."""
-    primary = config.primary
-    load = load_params(primary.params)
-    log.info("model %s: LoadParams %s", primary.name, load)
+    """Start the MLX thread, load the default model (and ``preload`` ones), and return the
+    shared state; every other served model loads on its first request."""
+    files = config.models_file
+    primary = config.primary  # the default model, with the command line's overrides
+    entries = [primary if e.name == primary.name else e for e in files.models]
+    served = [e for e in entries if e.role in ("chat", "embedding", "rerank")]
+    specs = [model_spec(e, files.idle_unload_secs) for e in served]
+    log.info("model %s: LoadParams %s", primary.name, load_params(primary.params))
     worker = MLXWorker()
     worker.start()
+    limit = config.server.memory_limit_mb
+    registry = Registry(worker, specs, memory_limit_bytes=limit * 2**20 if limit else None)
     try:
-        loaded = worker.submit(lambda: load_text_model(model_source(primary), load)).result()
+        registry.load_now(primary.name)
     except BaseException:
         worker.stop()  # a failed load leaves no thread behind; the caller reports why
         raise
-    engine = TextEngine(worker, loaded, engine_params(primary.params))
-    profile = make_profile(primary.name, loaded.tokenizer, primary.params, loaded.max_model_len, primary.capabilities,
-                           vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_budget_tokens)
-    log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name, profile.parser,
-             profile.reasoning, profile.thinking_switch, profile.system_prompt)
-    vision = build_vision(config, worker, load=load_vision)
-    served = ServedModel(profile, engine, vision, aliases=(primary.hf_id,) if primary.hf_id else ())
-    state = AppState(config, worker, engine, profile, vision, Pipeline([served], config.server))
-    engine.add_listener(state.metrics.on_generation)
-    engine.add_listener(log_generation)
+    for entry in served:
+        if entry.preload and entry.name != primary.name:
+            registry.load_now(entry.name, required=False)
+    chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if e.role == "chat"}
+    vision = {e.name: build_vision(config, e, worker, load=load_vision) for e in served if e.role == "chat"}
+    pipeline = Pipeline(registry, config.server, chats, vision)
+    state = AppState(config, worker, registry, pipeline, primary.name)
+    registry.add_listener(state.metrics.on_generation)
+    registry.add_listener(log_generation)
     state.metrics.watch(lambda: state)
+    profile = state.profile
+    if profile is not None:
+        log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name,
+                 profile.parser, profile.reasoning, profile.thinking_switch, profile.system_prompt)
+    log.info("serving %s; memory limit %.0f MB", ", ".join(s.name for s in specs), registry.limit_bytes / 2**20)
     return state
 
 
-def build_vision(config: ResolvedConfig, worker: MLXWorker, *, load: bool = True) -> VisionState:
-    """The vision side for a proxy-mode model; any failure (or ``--no-vision``) leaves
+def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, *, load: bool = True) -> VisionState:
+    """The vision side of a proxy-mode chat model; any failure (or ``--no-vision``) leaves
     text serving, with images replaced by placeholders and a warning."""
     from app.vision.wiring import build_proxy
 
-    caps = config.primary.capabilities
+    caps = chat.capabilities
     state = VisionState(mode=caps.vision_mode)
-    if caps.vision_mode != "proxy":
+    if caps.vision_mode != "proxy" or caps.vision_proxy is None:
         return state
-    state.model = config.vision.name if config.vision else caps.vision_proxy.model if caps.vision_proxy else None
-    state.proxy, state.reason = build_proxy(config, worker, load=load)
+    state.model = caps.vision_proxy.model
+    state.proxy, state.reason = build_proxy(config, worker, load=load, chat=chat)
     state.available = state.reason is None
     if state.reason:
-        log.warning("vision model %s unavailable, serving text only: %s", state.model, state.reason)
+        log.warning("vision model %s unavailable for %s, serving text only: %s", state.model, chat.name, state.reason)
     else:
-        log.info("vision model %s loaded", state.model)
+        log.info("vision model %s loaded for %s", state.model, chat.name)
     return state
 
 
 async def drain(state: AppState) -> None:
-    """Graceful shutdown of the engine: refuse new requests (503), give running ones
+    """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
     when streaming). The HTTP server drains its connections meanwhile."""
-    state.engine.stop_accepting()
+    engines = state.registry.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
-    while state.engine.in_flight and time.monotonic() < deadline:
+    in_flight = lambda: sum(e.in_flight for e in engines)  # noqa: E731
+    while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if state.engine.in_flight and state.worker.alive:
-        log.warning("shutdown: ending %d requests still running after %gs", state.engine.in_flight, grace)
-        aborted = state.engine.abort_all(EngineDeadError("the server is shutting down", retry_after=10))
-        await asyncio.wrap_future(aborted)
+    if in_flight() and state.worker.alive:
+        log.warning("shutdown: ending %d requests still running after %gs", in_flight(), grace)
+        for engine in engines:
+            await asyncio.wrap_future(engine.abort_all(EngineDeadError("the server is shutting down", retry_after=10)))
 
 
 def create_app(state: AppState) -> Litestar:
@@ -101,7 +111,11 @@ def create_app(state: AppState) -> Litestar:
     guards = [api_key_guard(server)] if api_keys(server) else []
     cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
 
+    async def on_startup(app: Litestar) -> None:
+        app.state.tandem.registry.start()
+
     async def on_shutdown(app: Litestar) -> None:
+        await app.state.tandem.registry.stop()
         await drain(app.state.tandem)
         app.state.tandem.worker.stop()
 
@@ -121,6 +135,7 @@ def create_app(state: AppState) -> Litestar:
         before_request=request_id.before_request,
         # Every response, errors and SSE included, is tagged with its request id and counted.
         before_send=[request_id.before_send, state.metrics.before_send],
+        on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         logging_config=None,  # the process's logging (app.cli.configure_logging) stays as it is
         debug=False,

@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /health."""
+"""GET /v1/models, GET /v1/models/{id}, GET and HEAD /health."""
 
 from __future__ import annotations
 
@@ -10,57 +10,70 @@ from litestar.params import FromPath
 
 from app.api.guards import api_keys, key_name, presented_key
 from app.api.state import AppState
+from app.engine.params import ModelSpec
 from app.errors import EngineDeadError
 
 
-def _vision(state: AppState) -> dict[str, Any]:
-    v = state.vision
+def _vision(state: AppState, name: str) -> dict[str, Any]:
+    v = state.pipeline.vision(name)
     return {"mode": v.mode, "model": v.model, "available": v.available, "reason": v.reason}
 
 
+def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
+    """One model as /v1/models lists it: what is known before loading, and more once loaded."""
+    loaded = state.registry.loaded(spec.name) is not None
+    entry: dict[str, Any] = {"id": spec.name, "object": "model", "created": int(state.started), "owned_by": "tandem",
+                             "role": spec.role, "loaded": loaded}
+    if spec.role == "chat":
+        profile = state.pipeline.profile(spec.name)
+        caps: dict[str, Any] = {"vision": _vision(state, spec.name)}
+        if profile is not None:
+            entry["max_model_len"] = profile.max_model_len
+            caps.update(reasoning=profile.reasoning, tool_parser=profile.parser)
+        entry["capabilities"] = caps
+    else:
+        encoder = state.registry.loaded(spec.name)
+        if encoder is not None:
+            entry["max_model_len"] = encoder.max_length
+            entry["dimensions"] = encoder.dim
+    return entry
+
+
 @get("/v1/models", summary="List the served models")
-async def list_models(request: Request) -> dict[str, Any]:
+async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     if not state.worker.alive:  # UIs poll this to decide whether the server works: it does not
         raise EngineDeadError("the engine is not running; see /health")
-    entry = {
-        "id": state.profile.name,
-        "object": "model",
-        "created": int(state.started),
-        "owned_by": "tandem",
-        "max_model_len": state.profile.max_model_len,
-        "capabilities": {
-            "reasoning": state.profile.reasoning,
-            "tool_parser": state.profile.parser,
-            "vision": _vision(state),
-        },
-    }
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.specs]}
 
 
 @get("/v1/models/{model_id:str}", summary="Describe one model")
-async def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
+async def get_model(request: Request[Any, Any, Any], model_id: FromPath[str]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
-    state.pipeline.model(model_id)
-    return (await list_models.fn(request))["data"][0]
+    return _entry(state, state.registry.spec(model_id))
 
 
 def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str, Any], int]:
-    stats = state.engine.stats()
-    ok = stats.alive and state.worker.alive
-    body: dict[str, Any] = {"status": "ok" if ok else "unhealthy", "model": state.profile.name}
+    ok = state.worker.alive
+    body: dict[str, Any] = {"status": "ok" if ok else "unhealthy", "model": state.default_model}
     keys = api_keys(state.config.server)
     if keys and key_name(keys, presented_key(request)) is None:
         # Open for probes, but details (paths, exception text) only for key holders.
         if not ok:
             body["reason"] = "the engine is not running"
         return body, 200 if ok else 503
-    body["engine"] = {**asdict(stats), "error": repr(state.worker.dead) if state.worker.dead else None}
-    body["vision"] = _vision(state)
+    snapshot = state.registry.snapshot()
+    body["default_model"] = state.default_model
+    body["memory"] = {k: snapshot[k] for k in ("limit_mb", "used_mb", "free_mb", "mlx")}
+    body["models"] = snapshot["models"]
+    engine = state.registry.loaded(state.default_model)
+    stats = asdict(engine.stats()) if engine is not None else None
+    body["engine"] = {**(stats or {"alive": ok}), "error": repr(state.worker.dead) if state.worker.dead else None}
+    body["vision"] = _vision(state, state.default_model)
     return body, 200 if ok else 503
 
 
-@get("/health", summary="Engine, model and vision status")
+@get("/health", summary="Models, memory, engine and vision status")
 async def health(request: Request[Any, Any, Any]) -> Response[Any]:
     body, status = _health(request.app.state.tandem, request)
     return Response(body, status_code=status)

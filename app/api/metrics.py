@@ -17,6 +17,9 @@ scrape time by a collector. Each app has its own registry.
     tandem_kv_budget_tokens, tandem_kv_reserved_tokens, tandem_prompt_cache_bytes
     tandem_prompt_cache_hits_total, tandem_prompt_cache_tokens_saved_total
     tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
+    tandem_model_loaded{model,role}, tandem_model_memory_bytes{model,part}
+    tandem_memory_limit_bytes, tandem_memory_used_bytes
+    tandem_mlx_active_memory_bytes, tandem_mlx_peak_memory_bytes, tandem_mlx_cache_memory_bytes
 """
 
 from __future__ import annotations
@@ -95,23 +98,28 @@ class _StateCollector(Collector):
         state = self._read_state()
         if state is None:
             return
-        stats = state.engine.stats()
+        registry = state.registry
+        engines = [e for spec in registry.specs if spec.role == "chat" and (e := registry.loaded(spec.name))]
+        stats = [e.stats() for e in engines]
+        total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
         for name, value, help_ in (
-            ("tandem_engine_up", int(stats.alive and state.worker.alive), "1 while the MLX engine thread runs."),
-            ("tandem_requests_running", stats.active, "Sequences being generated."),
-            ("tandem_requests_waiting", stats.waiting, "Requests waiting for the engine."),
-            ("tandem_requests_paused", stats.paused, "Background sequences paused for interactive work."),
-            ("tandem_kv_budget_tokens", stats.kv_budget_tokens, "KV-cache budget in tokens (mem)."),
-            ("tandem_kv_reserved_tokens", stats.kv_reserved_tokens, "KV tokens reserved by running sequences."),
-            ("tandem_prompt_cache_bytes", stats.prompt_cache_bytes, "Bytes held by the prefix cache."),
+            ("tandem_engine_up", int(state.worker.alive and all(s.alive for s in stats)),
+             "1 while the MLX engine thread runs."),
+            ("tandem_requests_running", total("active"), "Sequences being generated."),
+            ("tandem_requests_waiting", total("waiting"), "Requests waiting for the engine."),
+            ("tandem_requests_paused", total("paused"), "Background sequences paused for interactive work."),
+            ("tandem_kv_budget_tokens", total("kv_budget_tokens"), "KV-cache budget in tokens (mem), loaded models."),
+            ("tandem_kv_reserved_tokens", total("kv_reserved_tokens"), "KV tokens reserved by running sequences."),
+            ("tandem_prompt_cache_bytes", total("prompt_cache_bytes"), "Bytes held by the prefix caches."),
         ):
             yield GaugeMetricFamily(name, help_, value=value)
         yield CounterMetricFamily("tandem_background_pauses", "Background sequences paused for interactive work.",
-                                  value=stats.background_pauses)
+                                  value=total("background_pauses"))
         yield CounterMetricFamily("tandem_prompt_cache_hits", "Requests that reused a cached prefix.",
-                                  value=stats.prompt_cache_hits)
+                                  value=total("prompt_cache_hits"))
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
-                                  value=stats.prompt_cache_tokens_saved)
+                                  value=total("prompt_cache_tokens_saved"))
+        yield from _model_metrics(registry.snapshot())
         proxy = state.vision.proxy
         if proxy is not None:
             cache = proxy.cache.stats()
@@ -121,6 +129,27 @@ class _StateCollector(Collector):
                                       value=cache["misses"])
             yield GaugeMetricFamily("tandem_caption_cache_entries", "Captions held by the cache.",
                                     value=cache["entries"])
+
+
+def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
+    """Each model's state and memory, the budget, and MLX's own memory figures."""
+    mb = 2**20
+    loaded = GaugeMetricFamily("tandem_model_loaded", "1 while the model is loaded.", labels=["model", "role"])
+    memory = GaugeMetricFamily("tandem_model_memory_bytes", "A model's weights, KV budget and KV in use.",
+                               labels=["model", "part"])
+    for name, m in snapshot["models"].items():
+        loaded.add_metric([name, m["role"]], int(m["state"] == "loaded"))
+        for part, value in m["memory_mb"].items():
+            memory.add_metric([name, part], value * mb)
+    yield loaded
+    yield memory
+    yield GaugeMetricFamily("tandem_memory_limit_bytes", "The process's memory budget (server.memory_limit_mb).",
+                            value=snapshot["limit_mb"] * mb)
+    yield GaugeMetricFamily("tandem_memory_used_bytes", "What the loaded models count against the budget.",
+                            value=snapshot["used_mb"] * mb)
+    for key, help_ in (("active", "MLX's active memory."), ("peak", "MLX's peak memory."),
+                       ("cache", "MLX's buffer cache.")):
+        yield GaugeMetricFamily(f"tandem_mlx_{key}_memory_bytes", help_, value=snapshot["mlx"][f"{key}_mb"] * mb)
 
 
 @get("/metrics", summary="Prometheus metrics")

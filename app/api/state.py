@@ -1,4 +1,4 @@
-"""What the route handlers share: the pipeline, the engine, the model profile, settings."""
+"""What the route handlers share: the registry, the pipeline, settings, metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from app.api.metrics import Metrics
 from app.config.loader import ResolvedConfig
+from app.engine.registry import Registry
 from app.engine.types import Engine
 from app.engine.worker import MLXWorker
 from app.pipeline.pipeline import Pipeline, VisionState
@@ -17,10 +18,10 @@ from app.pipeline.prompting import ModelProfile
 class AppState:
     config: ResolvedConfig
     worker: MLXWorker
-    engine: Engine
-    profile: ModelProfile
-    vision: VisionState
+    registry: Registry
     pipeline: Pipeline
+    # The chat model /health names first, AG-UI runs without a model use, and the CLI loads at start.
+    default_model: str
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -29,6 +30,17 @@ class AppState:
         return tuple(self.config.server.reasoning_fields)
 
     @property
-    def default_model(self) -> str:
-        """The model a request that names none (AG-UI) goes to, and /health names first."""
-        return self.profile.name
+    def engine(self) -> Engine:
+        """The default model's engine (loaded at start-up; it loads again on its next
+        request if it was unloaded since)."""
+        engine: Engine | None = self.registry.loaded(self.default_model)
+        assert engine is not None, f"{self.default_model} is not loaded"
+        return engine
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        return self.pipeline.profile(self.default_model)
+
+    @property
+    def vision(self) -> VisionState:
+        return self.pipeline.vision(self.default_model)

@@ -7,7 +7,7 @@ dataclasses (``app/engine/params.py``): the engine never imports pydantic.
 from __future__ import annotations
 
 from app.config.schema import ModelEntry, ModelParams
-from app.engine.params import EngineParams, LoadParams, ModelSource
+from app.engine.params import EncoderSpec, EngineParams, LoadParams, ModelSource, ModelSpec
 
 
 def model_source(entry: ModelEntry) -> ModelSource:
@@ -36,4 +36,18 @@ def engine_params(p: ModelParams) -> EngineParams:
         prompt_cache_mb=p.prompt_cache_mem,
         prompt_cache_entries=p.prompt_cache_entries,
         background_share=p.background_share,
+    )
+
+
+def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:
+    """A served entry as the registry takes it."""
+    idle = entry.idle_unload_secs if entry.idle_unload_secs is not None else file_idle_unload_secs
+    p = entry.params
+    return ModelSpec(
+        name=entry.name, role=entry.role, source=model_source(entry), load=load_params(p),
+        engine=engine_params(p),
+        encoder=EncoderSpec(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
+                            max_length=p.max_model_len),
+        aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,
+        idle_unload_s=float(idle) if idle else None,
     )

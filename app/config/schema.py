@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 Dtype = Literal["float16", "bfloat16", "float32"]
 VisionMode = Literal["disabled", "proxy", "native"]
 PromptCacheMode = Literal["off", "system", "first_message", "prefix"]
-BUILTIN_MODELS = ("smollm2-135m-instruct",)
+BUILTIN_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")
+Role = Literal["chat", "vision", "embedding", "rerank"]
 
 
 class _Strict(BaseModel):
@@ -89,6 +90,12 @@ class ModelParams(_Strict):
     # Vision models only: images one request may carry.
     max_images_per_request: int = Field(default=8, ge=1)
 
+    # Embedding and rerank models only: inputs encoded together, padded tokens in one batch (one
+    # engine step: this bounds how long chat decoding waits), and inputs one request may carry.
+    max_batch: int = Field(default=32, ge=1)
+    max_batch_tokens: int = Field(default=4096, ge=16)
+    max_inputs: int = Field(default=2048, ge=1)
+
     @property
     def kv_mem_mb(self) -> int:
         """The KV budget: `mem`, or the gpu+cpu split when only that is given."""
@@ -146,10 +153,18 @@ class ModelEntry(_Strict):
     local_path: str | None = None
     # A llama-architecture GGUF file, converted once into the cache directory.
     weight_file: str | None = None
-    # A model shipped inside an installed package (offline): "smollm2-135m-instruct".
-    builtin: Literal["smollm2-135m-instruct"] | None = None
-    # What this entry is for: a chat model, or a VLM that captions for others.
-    role: Literal["chat", "vision"] = "chat"
+    # A model shipped inside an installed package, prepared offline into the cache:
+    # "smollm2-135m-instruct" (chat) or "all-minilm-l6-v2" (embeddings).
+    builtin: Literal["smollm2-135m-instruct", "all-minilm-l6-v2"] | None = None
+    # What this entry is for: chat, a VLM that captions for others (vision), embeddings
+    # (/v1/embeddings and /v1/rerank by cosine), or a cross-encoder reranker (rerank).
+    role: Role = "chat"
+    # Load at start-up instead of on the first request.
+    preload: bool = False
+    # Never unload (idle or for room).
+    pin: bool = False
+    # Unload after this many seconds unused; overrides the file's idle_unload_secs (0: never).
+    idle_unload_secs: int | None = Field(default=None, ge=0)
     params: ModelParams = ModelParams()
     capabilities: ModelCapabilities = ModelCapabilities()
 
@@ -212,14 +227,19 @@ class ServerSettings(_Strict):
     max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
     # Largest decoded image in pixels (decompression-bomb guard).
     max_image_pixels: int = Field(default=40_000_000, ge=1024)
+    # The process's memory budget in MB: weights plus KV budget (`mem`) of every loaded model
+    # must fit in it. None: 75% of physical memory (unified memory on a Mac).
+    memory_limit_mb: int | None = Field(default=None, ge=64)
     # Cached captions, keyed by image hash, prompt and model.
     caption_cache_entries: int = Field(default=512, ge=0)
 
 
 class ModelsFile(_Strict):
-    # Unload the vision model after this many seconds unused; it reloads on the next image.
+    # Unload any model after this many seconds unused (pinned ones never); it loads again on
+    # its next request. None: models stay loaded until memory is needed for another.
     idle_unload_secs: int | None = Field(default=None, ge=1)
-    # The chat model served when --model is not given; None takes the first chat entry.
+    # The chat model /health and the CLI name first, loaded at start-up; None: the first
+    # chat entry. Every entry is served under its name whatever this says.
     default_model: str | None = None
     server: ServerSettings = ServerSettings()
     models: list[ModelEntry] = Field(min_length=1)

@@ -174,6 +174,14 @@ class TextEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def close(self) -> None:
+        """Leave the MLX loop and drop the model's arrays (an unload). MLX thread only,
+        with nothing queued or running."""
+        self._accepting = False
+        self.worker.remove_stepper(self._step)
+        self._bg.close()
+        self.prompt_cache.trim_to(n_bytes=0)
+
     @property
     def in_flight(self) -> int:
         return len(self._inbox) + len(self.admission.waiting) + len(self._running) + len(self._paused)

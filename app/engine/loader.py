@@ -13,6 +13,7 @@ Must run on the MLX-owner thread.
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,9 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def apply_params(model: nn.Module, params: LoadParams) -> None:
-    """dtype and load-time quantization onto a loaded model."""
+def apply_params(model: nn.Module, params: LoadParams, *, evaluate: bool = True) -> None:
+    """dtype and load-time quantization onto a loaded model (evaluated here unless the
+    caller evaluates it in slices)."""
     if params.dtype is not None:
         dtype = DTYPES[params.dtype]
         # Only floating-point arrays; packed quantized weights are uint32 and stay.
@@ -122,7 +124,8 @@ def apply_params(model: nn.Module, params: LoadParams) -> None:
                 class_predicate=lambda _, m: hasattr(m, "to_quantized")
                 and m.weight.shape[-1] % params.quantization_group_size == 0,
             )
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
@@ -147,19 +150,51 @@ class LoadedModel:
     path: str
     # The KV cache's bits per element when quantized (LoadParams.kv_cache_bits).
     kv_cache_bits: int | None = None
+    # Bytes the weights take in memory, as loaded (after dtype and quantization).
+    weights_bytes: int = 0
+
+
+# Bytes of weights evaluated per step of a sliced load: a running stream's longest
+# pause while another model loads is about the time to read this much.
+LOAD_SLICE_BYTES = 64 * 2**20
 
 
 def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
-    """Load a chat model with mlx-lm and apply its params. MLX thread only."""
+    """Load a chat model with mlx-lm and apply its params, in one go. MLX thread only."""
+    steps = load_text_model_steps(entry, params)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            loaded: LoadedModel = done.value
+            return loaded
+
+
+def load_text_model_steps(entry: ModelSource, params: LoadParams) -> Generator[None, None, LoadedModel]:
+    """Load a chat model in slices (``MLXWorker.submit_steps``): the weights are mapped
+    lazily, then read ``LOAD_SLICE_BYTES`` at a time, so the batches of models already
+    loaded take their steps in between. MLX thread only."""
     from mlx_lm import load
 
     source = model_source(entry)
+    yield
     try:
-        loaded: Any = load(source, return_config=True)
+        loaded: Any = load(source, return_config=True, lazy=True)
         model, tokenizer, config = loaded
     except Exception as exc:  # noqa: BLE001 - any load failure is a config problem for the user
         raise ConfigError(f"model {entry.name!r}: cannot load {source}: {exc}") from exc
-    apply_params(model, params)
+    yield
+    apply_params(model, params, evaluate=False)
+    batch: list[Any] = []
+    size = 0
+    for array in _arrays(model):
+        batch.append(array)
+        size += array.nbytes
+        if size >= LOAD_SLICE_BYTES:
+            mx.eval(batch)
+            batch, size = [], 0
+            yield
+    mx.eval(batch)
     kv = kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
     if params.kv_cache_bits is not None:
         from app.engine.kv_quant import check_quantizable
@@ -170,4 +205,10 @@ def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
-    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits)
+    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits,
+                       weights_bytes=sum(a.nbytes for a in _arrays(model)))
+
+
+def _arrays(model: nn.Module) -> list[Any]:
+    flat: list[tuple[str, Any]] = nn.utils.tree_flatten(model.parameters())  # type: ignore[assignment]
+    return [array for _, array in flat]

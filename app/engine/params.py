@@ -89,3 +89,34 @@ class ModelSource:
     weight_file: str | None = None
     # A Hugging Face repo id (needs the hub or its local cache).
     hf_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """How an embedding or rerank model batches (app.engine.encoder.EncoderLimits)."""
+
+    max_batch: int = 32
+    max_batch_tokens: int = 4096
+    max_inputs: int = 2048
+    max_length: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model, from its models.yaml entry."""
+
+    name: str
+    role: str  # chat | embedding | rerank | vision
+    source: ModelSource
+    load: LoadParams = LoadParams()
+    engine: EngineParams = EngineParams()
+    encoder: EncoderSpec = EncoderSpec()
+    aliases: tuple[str, ...] = ()
+    preload: bool = False
+    pin: bool = False
+    # Seconds unused before it is unloaded; None: never (unless memory is needed).
+    idle_unload_s: float | None = None
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.engine.kv_mem_mb * 2**20 if self.role == "chat" else 0

@@ -51,6 +51,14 @@ class MLXWorker:
         self._steppers.append(step)
         self._on_death.append(on_death)
 
+    def remove_stepper(self, step: Callable[[], bool]) -> None:
+        """Stop calling ``step`` (an unloaded model's engine). MLX thread only."""
+        for i, registered in enumerate(self._steppers):
+            if registered == step:
+                del self._steppers[i]
+                del self._on_death[i]
+                return
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the MLX thread, ahead of the next batch step."""
         return self._enqueue(self._jobs, fn)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -22,14 +23,16 @@ from typing import Any
 
 import anyio
 
-from app.config.schema import ServerSettings
+from app.config.schema import ModelCapabilities, ModelParams, ServerSettings
+from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
-from app.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError, VisionNotSupportedError
+from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.prompting import (
     ModelProfile,
     encode,
     gather_system,
+    make_profile,
     offered_tools,
     render,
     template_message,
@@ -60,12 +63,11 @@ class VisionState:
 
 @dataclass
 class ServedModel:
-    """A chat model the pipeline can send requests to."""
+    """A loaded chat model the pipeline can send requests to."""
 
     profile: ModelProfile
     engine: Engine
     vision: VisionState
-    aliases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -87,49 +89,95 @@ class Prepared:
     tools_offered: bool = False
     # Captions, warnings and (on request) the prompt: Tandem's response extensions.
     extras: dict[str, Any] = field(default_factory=dict)
+    # Keeps the model loaded from preparation to the end of generation.
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """What the pipeline knows of a chat entry before it loads: its models.yaml view."""
+
+    params: ModelParams
+    caps: ModelCapabilities
 
 
 class Pipeline:
     """Check, see, render, tokenize, generate, parse: the shared steps of every format."""
 
-    def __init__(self, models: list[ServedModel], server: ServerSettings) -> None:
+    def __init__(self, registry: Registry, server: ServerSettings, chats: dict[str, ChatConfig],
+                 vision: dict[str, VisionState]) -> None:
+        self.registry = registry
         self.server = server
-        self._models: dict[str, ServedModel] = {}
-        for m in models:
-            for key in (m.profile.name, *m.aliases):
-                self._models.setdefault(key, m)
+        self._chats = chats
+        self._vision = vision
+        self._profiles: dict[str, tuple[Any, ModelProfile]] = {}
 
-    def model(self, name: str, param: str = "model") -> ServedModel:
-        """The served model called ``name`` (or one of its aliases); 404 otherwise."""
-        served = self._models.get(name)
-        if served is None:
-            shown = name if len(name) <= 64 else name[:64] + "..."
-            names = ", ".join(sorted({m.profile.name for m in self._models.values()}))
-            raise ModelNotFoundError(f"model {shown!r} does not exist; this server serves {names}", param=param)
-        return served
+    async def served(self, name: str, param: str = "model") -> tuple[ServedModel, Lease]:
+        """The chat model ``name`` (or an alias), loaded, with a lease the caller releases;
+        404 for an unknown model, 400 for one that is not a chat model."""
+        lease = await self.registry.acquire(name, roles=("chat",), param=param)
+        try:
+            return self._served(lease.name, lease.handle), lease
+        except BaseException:
+            lease.release()
+            raise
+
+    def profile(self, name: str) -> ModelProfile | None:
+        """A loaded chat model's profile (None when it is not loaded)."""
+        engine = self.registry.loaded(name)
+        return self._served(name, engine).profile if engine is not None else None
+
+    def vision(self, name: str) -> VisionState:
+        caps = self._chats[name].caps if name in self._chats else None
+        return self._vision.get(name) or VisionState(mode=caps.vision_mode if caps else "disabled")
+
+    def _served(self, name: str, engine: Any) -> ServedModel:
+        cached = self._profiles.get(name)
+        if cached is None or cached[0] is not engine:  # first use of this load: probe the template once
+            chat = self._chats[name]
+            profile = make_profile(name, engine.tokenizer, chat.params, engine.max_model_len, chat.caps,
+                                   vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_budget_tokens)
+            self._profiles[name] = cached = (engine, profile)
+        return ServedModel(cached[1], engine, self.vision(name))
 
     # ---- prepare ----------------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatRequest) -> Prepared:
         """Validate, caption images, render the template and tokenize (off the event loop)."""
-        model = self.model(req.options.model)
         if len(req.messages) > self.server.max_messages:
             raise InvalidRequestError(f"at most {self.server.max_messages} messages", param=req.messages_param)
-        check_prompt_chars(model.profile, sum(map(len, req.texts())), req.messages_param)
-        messages, extras = await self._see(model, req)
-        prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
+        model, lease = await self.served(req.options.model)
+        try:
+            check_prompt_chars(model.profile, sum(map(len, req.texts())), req.messages_param)
+            messages, extras = await self._see(model, req)
+            prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
+        except BaseException:
+            lease.release()
+            raise
         prepared.extras = {**extras, **prepared.extras}
         prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get(),
                                cache_namespace=self.cache_namespace(req.options.cache_salt))
-        return prepared
+        return self._hold(prepared, lease)
 
     async def prepare_text(self, req: TextRequest) -> Prepared:
         """Validate and tokenize a plain-text prompt (off the event loop)."""
-        model = self.model(req.options.model)
-        check_prompt_chars(model.profile, len(req.prompt), "prompt")
-        gen = await anyio.to_thread.run_sync(build_text, model.profile, req)
+        model, lease = await self.served(req.options.model)
+        try:
+            check_prompt_chars(model.profile, len(req.prompt), "prompt")
+            gen = await anyio.to_thread.run_sync(build_text, model.profile, req)
+        except BaseException:
+            lease.release()
+            raise
         gen = replace(gen, request_id=REQUEST_ID.get(), cache_namespace=self.cache_namespace(req.options.cache_salt))
-        return Prepared(model.profile.name, gen, req.prompt)
+        return self._hold(Prepared(model.profile.name, gen, req.prompt), lease)
+
+    @staticmethod
+    def _hold(prepared: Prepared, lease: Lease) -> Prepared:
+        """The lease goes with the prepared request: released when its generation ends,
+        or when it is dropped without one."""
+        prepared.lease = lease
+        weakref.finalize(prepared, lease.release)
+        return prepared
 
     def cache_namespace(self, salt: str | None) -> str:
         """The prefix-cache partition of this request: its API key's (``per_key`` scope)
@@ -155,21 +203,25 @@ class Pipeline:
 
     async def steps(self, p: Prepared) -> AsyncGenerator[Step, None]:
         """The generation, one ``Step`` per engine delta; closing it cancels the generation."""
+        assert p.lease is not None, "a prepared request holds its model's lease"
         parser = None
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
                                  tools_offered=p.tools_offered)
-        async with aclosing(self.model(p.model).engine.stream(p.gen)) as deltas:
-            async for delta in deltas:
-                events = parser.feed(delta.text) if parser is not None and delta.text else []
-                usage = None
-                if delta.finish_reason is not None:
-                    if parser is not None:
-                        events += parser.finish()
-                    usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
-                if not p.emit_reasoning:
-                    events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
-                yield Step(events, delta.text, delta.finish_reason, usage)
+        try:
+            async with aclosing(p.lease.handle.stream(p.gen)) as deltas:
+                async for delta in deltas:
+                    events = parser.feed(delta.text) if parser is not None and delta.text else []
+                    usage = None
+                    if delta.finish_reason is not None:
+                        if parser is not None:
+                            events += parser.finish()
+                        usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                    if not p.emit_reasoning:
+                        events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
+                    yield Step(events, delta.text, delta.finish_reason, usage)
+        finally:
+            p.lease.release()
 
     async def complete(self, p: Prepared) -> Completion:
         """The whole generation, folded from the same steps as a stream."""

@@ -19,7 +19,7 @@ from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
     from app.config.loader import ResolvedConfig
-    from app.config.schema import ModelParams, ServerSettings
+    from app.config.schema import ModelEntry, ModelParams, ServerSettings
 
 logger = logging.getLogger("tandem.vision")
 
@@ -41,14 +41,17 @@ def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
     )
 
 
-def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True) -> tuple[VisionProxy, str | None]:
-    """Load the vision model on the MLX thread; return the proxy and why vision is off, if it is.
+def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True,
+                chat: ModelEntry | None = None) -> tuple[VisionProxy, str | None]:
+    """Load the vision model of ``chat`` (default: the primary model) on the MLX thread;
+    return the proxy and why vision is off, if it is.
 
     With ``load=False`` (``--no-vision``) the proxy has no captioner: images are
     still checked, then replaced by placeholders with a warning."""
-    proxy_config = config.primary.capabilities.vision_proxy
-    entry = config.vision
-    params = (entry or config.primary).params
+    chat = chat or config.primary
+    proxy_config = chat.capabilities.vision_proxy
+    entry = config.models_file.find(proxy_config.model) if proxy_config else None
+    params = (entry or chat).params
     cache = CaptionCache(config.server.caption_cache_entries)
     policy = image_policy(config.server, params)
 

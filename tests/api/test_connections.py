@@ -126,14 +126,14 @@ def test_idle_keep_alive_connections_do_not_starve_new_ones(srv):
     try:
         kept_statuses = []
         for s in kept:  # one after the other, well within uvicorn's 5 s keep-alive timeout
-            s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
             kept_statuses.append(read_response(s))
         health = timed(lambda: srv.get("/health", timeout=10))
         chatted = timed(lambda: chat(srv))
         closed = sum(is_closed(s) for s in kept)
         # The keep-alive connections left open still serve their clients.
         survivor = next(s for s in reversed(kept) if not is_closed(s))
-        survivor.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        survivor.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         reused = read_response(survivor)
     finally:
         for s in kept:
@@ -150,9 +150,9 @@ def test_silent_and_trickling_connections_are_closed_within_seconds(srv):
     """A socket that never sends, one that trickles a request head (slowloris), and one
     that trickles the next head on a keep-alive connection: each is closed within seconds."""
     keep_alive = connect(srv)
-    keep_alive.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+    keep_alive.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
     assert read_response(keep_alive) == 200
-    head = b"GET /health HTTP/1.1\r\nhost: t\r\nx-slow: "
+    head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: "
     socks = {"silent": (connect(srv), None), "slowloris": (connect(srv), head), "keep-alive slowloris": (keep_alive, head)}
     try:
         with ThreadPoolExecutor(len(socks)) as pool:
@@ -177,11 +177,11 @@ def test_the_head_deadline_spares_idle_keep_alive_and_slow_bodies(quick):
     connection waits for its next request, nor while a request's body arrives."""
     conn = connect(quick)
     try:
-        conn.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        conn.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         assert read_response(conn) == 200
         time.sleep(1.0)  # past the head deadline, within uvicorn's 5 s keep-alive
         body = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}'
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n" % len(body))
         for i in range(0, len(body), 16):  # the body over about 1.2 s
             time.sleep(0.2)
@@ -197,7 +197,7 @@ def test_connections_stuck_in_a_head_free_their_place_at_the_deadline(quick):
     stuck = [connect(quick) for _ in range(4)]
     try:
         for s in stuck:
-            s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\nx-slow: a")
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: a")
         refused = chat(quick).status_code
         started = time.monotonic()
         while chat(quick).status_code != 200:

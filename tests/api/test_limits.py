@@ -152,7 +152,7 @@ def test_when_every_connection_is_busy_a_request_gets_503_but_health_is_answered
     busy = [socket.create_connection((host, int(port))) for _ in range(limit)]
     try:
         for s in busy:
-            s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n")
         time.sleep(0.2)
         r = chat(srv)
         err = assert_openai_error(r, 503, "too_many_connections")

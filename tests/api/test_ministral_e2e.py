@@ -97,7 +97,7 @@ def reasoning_of(message) -> dict:
 
 def test_detection_reads_the_template(thinker):
     _, served = thinker
-    profile = served.state.pipeline.model("ministral").profile
+    profile = served.state.pipeline.profile("ministral")
     assert profile.parser == "mistral" and profile.reasoning
     assert not profile.thinking_switch
     assert profile.default_system_prompt == DEFAULT_SYSTEM_PROMPT
@@ -203,7 +203,7 @@ def test_append_keeps_the_default_before_the_clients_system_prompt(thinker):
 
 def test_replace_sends_the_clients_system_prompt_alone(replacer):
     client, served = replacer
-    assert served.state.pipeline.model("ministral").profile.system_prompt == "replace"
+    assert served.state.pipeline.profile("ministral").system_prompt == "replace"
     prompt = prompt_of(client, [{"role": "system", "content": "You are Open WebUI's helper."}, *USER])
     assert prompt.startswith("<s>[SYSTEM_PROMPT]You are Open WebUI's helper.[/SYSTEM_PROMPT][INST]")
     assert DEFAULT_SYSTEM_PROMPT not in prompt

@@ -1,0 +1,418 @@
+"""The model registry: every served model by name, loaded on demand, under one memory budget.
+
+    unloaded --acquire--> loading --> loaded --idle / room--> unloading --> unloaded
+                             \\--> failed (the next acquire tries again)
+
+``acquire(name)`` returns a ``Lease`` on a loaded model; a model with leases
+(requests preparing, queued or running) is never unloaded. Loading runs on the
+MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
+loaded keep moving; requests for a model that is loading wait under its queue
+limits (429 when too many wait, 503 past ``queue_timeout_s``).
+
+Memory: a model's budget is its weights plus, for a chat model, its KV budget
+(``mem``), and for an encoder an allowance for its activations. Loading a model
+that does not fit first unloads the least recently used models that are idle
+and not pinned; if it still cannot fit, the request gets a 503 saying what is
+needed and what is free. After each load or unload, MLX's buffer cache is
+bounded to what the budget leaves free, and on Metal the loaded models' memory
+is kept wired (as mlx-lm's ``wired_limit`` does for mlx_lm.server).
+
+Bookkeeping (states, leases, timestamps) happens on the event loop; every MLX
+call (loading, unloading) on the MLX thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from app.engine.engine import TextEngine
+from app.engine.loader import load_text_model_steps, model_source
+from app.engine.params import ModelSpec
+from app.engine.types import GenerationRecord
+from app.engine.worker import MLXWorker
+from app.errors import (
+    AppError,
+    EngineBusyError,
+    EngineDeadError,
+    InsufficientMemoryError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    RateLimitError,
+)
+
+log = logging.getLogger("tandem.registry")
+
+MB = 2**20
+# The memory budget when server.memory_limit_mb is not set: this share of physical memory.
+DEFAULT_MEMORY_SHARE = 0.75
+# An encoder's activations while it embeds, as a multiple of its weights (MiniLM measured
+# ~2x for a full 4096-token batch).
+ENCODER_ACTIVATION_FACTOR = 2.0
+# How often idle models are looked for.
+IDLE_SWEEP_S = 1.0
+
+
+@dataclass(eq=False)
+class _Slot:
+    spec: ModelSpec
+    state: str = "unloaded"
+    handle: Any = None  # TextEngine | Encoder
+    weights_bytes: int = 0
+    error: str | None = None
+    leases: int = 0
+    waiting: int = 0
+    last_used: float | None = None
+    transition: asyncio.Future[None] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def budget_bytes(self) -> int:
+        """What this model counts against the memory limit while loaded."""
+        if self.spec.role in ("embedding", "rerank"):
+            return int(self.weights_bytes * (1 + ENCODER_ACTIVATION_FACTOR))
+        return self.weights_bytes + self.spec.kv_budget_bytes
+
+    @property
+    def busy(self) -> bool:
+        in_flight = getattr(self.handle, "in_flight", 0) if self.handle is not None else 0
+        return bool(self.leases or self.waiting or in_flight)
+
+
+class Lease:
+    """A model kept loaded while a request uses it; ``release`` is idempotent."""
+
+    def __init__(self, registry: Registry, slot: _Slot) -> None:
+        self._registry = registry
+        self._slot = slot
+        self.handle = slot.handle
+        self.name = slot.spec.name
+        self.role = slot.spec.role
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._slot.leases -= 1
+            self._slot.last_used = time.monotonic()
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory (unified memory on a Mac)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def estimate_weights_bytes(source: str) -> int:
+    """The weights' size on disk, a good estimate of their size in memory before loading."""
+    path = Path(source)
+    if not path.is_dir():
+        return 0  # a hub id not downloaded yet: known after the load
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+class Registry:
+    """Every served model by name and alias, its state, and the memory budget."""
+
+    def __init__(self, worker: MLXWorker, specs: list[ModelSpec], *, memory_limit_bytes: int | None = None) -> None:
+        self.worker = worker
+        self.limit_bytes = memory_limit_bytes or int(physical_memory_bytes() * DEFAULT_MEMORY_SHARE)
+        self._slots: dict[str, _Slot] = {}
+        self._by_name: dict[str, _Slot] = {}
+        for spec in specs:
+            slot = _Slot(spec)
+            self._slots[spec.name] = slot
+            for key in (spec.name, *spec.aliases):
+                self._by_name.setdefault(key, slot)
+        self._listeners: list[Callable[[GenerationRecord], None]] = []
+        self._engine_hooks: list[Callable[[str, Any], None]] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- what is served -----------------------------------------------------------------
+
+    @property
+    def specs(self) -> list[ModelSpec]:
+        return [slot.spec for slot in self._slots.values()]
+
+    def spec(self, name: str, roles: tuple[str, ...] | None = None, param: str = "model") -> ModelSpec:
+        """The spec served as ``name`` (or alias); 404 if none, 400 if it serves another API."""
+        return self._slot(name, roles, param).spec
+
+    def _slot(self, name: str, roles: tuple[str, ...] | None, param: str) -> _Slot:
+        slot = self._by_name.get(name)
+        if slot is None or slot.spec.role == "vision":
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            served = ", ".join(sorted(s.spec.name for s in self._slots.values() if s.spec.role != "vision"))
+            raise ModelNotFoundError(f"model {shown!r} does not exist; this server serves {served}", param=param)
+        if roles is not None and slot.spec.role not in roles:
+            what = {"chat": "a chat model (/v1/chat/completions and friends)",
+                    "embedding": "an embedding model (/v1/embeddings, /v1/rerank)",
+                    "rerank": "a rerank model (/v1/rerank)"}.get(slot.spec.role, slot.spec.role)
+            raise InvalidRequestError(f"model {slot.spec.name!r} is {what}", param=param, code="wrong_model_type")
+        return slot
+
+    def loaded(self, name: str) -> Any:
+        """The handle of a loaded model, or None (no lease: for /health and tests)."""
+        slot = self._slots.get(name)
+        return slot.handle if slot is not None and slot.state == "loaded" else None
+
+    def stop_accepting(self) -> list[TextEngine]:
+        """Shutdown: no more loads, and every loaded chat engine refuses new requests."""
+        self._closing = True
+        engines = [s.handle for s in self._slots.values() if isinstance(s.handle, TextEngine)]
+        for engine in engines:
+            engine.stop_accepting()
+        return engines
+
+    def add_listener(self, listener: Callable[[GenerationRecord], None]) -> None:
+        """Be told of every generation of every chat engine, those loaded later included."""
+        self._listeners.append(listener)
+        for slot in self._slots.values():
+            if isinstance(slot.handle, TextEngine):
+                slot.handle.add_listener(listener)
+
+    def on_engine(self, hook: Callable[[str, Any], None]) -> None:
+        """Call ``hook(name, handle)`` whenever a model finishes loading."""
+        self._engine_hooks.append(hook)
+
+    # ---- leases and loading ---------------------------------------------------------------
+
+    async def acquire(self, name: str, roles: tuple[str, ...] | None = None, param: str = "model") -> Lease:
+        """A lease on the loaded model ``name``, loading it first if need be."""
+        slot = self._slot(name, roles, param)
+        slot.leases += 1
+        slot.last_used = time.monotonic()
+        try:
+            await self._ensure_loaded(slot)
+        except BaseException:
+            slot.leases -= 1
+            raise
+        return Lease(self, slot)
+
+    async def _ensure_loaded(self, slot: _Slot) -> None:
+        while slot.state != "loaded":
+            if slot.transition is not None and not slot.transition.done():
+                await self._wait(slot)
+                continue
+            if self._closing:
+                raise EngineDeadError("the server is shutting down", retry_after=10)
+            async with slot.lock:
+                if slot.state in ("unloaded", "failed"):
+                    await self._make_room(slot)
+                    slot.state = "loading"
+                    slot.transition = asyncio.ensure_future(self._load(slot))
+            if slot.state == "failed":
+                raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
+
+    async def _wait(self, slot: _Slot) -> None:
+        """Wait for a load (or unload) in progress, under the model's queue limits."""
+        params = slot.spec.engine
+        if slot.waiting >= params.max_queue:
+            raise RateLimitError(f"model {slot.spec.name!r} is loading and {slot.waiting} requests wait for it; "
+                                 "retry shortly", retry_after=2)
+        slot.waiting += 1
+        try:
+            assert slot.transition is not None
+            await asyncio.wait_for(asyncio.shield(slot.transition), params.queue_timeout_s)
+        except TimeoutError as exc:
+            raise EngineBusyError(f"model {slot.spec.name!r} did not finish loading within "
+                                  f"{params.queue_timeout_s:.0f}s; retry shortly", retry_after=5) from exc
+        finally:
+            slot.waiting -= 1
+        if slot.state == "failed":
+            raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
+
+    def load_now(self, name: str, *, required: bool = True) -> None:
+        """Load ``name`` at start-up, before the event loop runs (the default model, and
+        ``preload: true`` ones). A required model that cannot load raises (start-up stops)."""
+        slot = self._slots[name]
+        started = time.monotonic()
+        slot.state = "loading"
+        try:
+            handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot.spec)).result()
+        except Exception as exc:
+            slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
+            if required:
+                raise
+            log.error("model %s: preload failed: %s", name, slot.error)
+            return
+        self._loaded(slot, handle, weights, started)
+
+    async def _load(self, slot: _Slot) -> None:
+        started = time.monotonic()
+        try:
+            handle, weights = await asyncio.wrap_future(self.worker.submit_steps(lambda: self._load_steps(slot.spec)))
+        except AppError as exc:
+            slot.state, slot.error = "failed", exc.message
+            log.error("model %s: load failed: %s", slot.spec.name, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - a model that cannot load fails its requests, not the server
+            slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("model %s: load failed", slot.spec.name)
+            return
+        self._loaded(slot, handle, weights, started)
+
+    def _loaded(self, slot: _Slot, handle: Any, weights: int, started: float) -> None:
+        slot.handle, slot.weights_bytes, slot.error = handle, weights, None
+        slot.state = "loaded"
+        if isinstance(handle, TextEngine):
+            for listener in self._listeners:
+                handle.add_listener(listener)
+        for hook in self._engine_hooks:
+            hook(slot.spec.name, handle)
+        log.info("model %s: loaded in %.1fs, %.0f MB of weights; %.0f of %.0f MB in use", slot.spec.name,
+                 time.monotonic() - started, weights / MB, self.used_bytes / MB, self.limit_bytes / MB)
+        self.worker.submit(self._tune_mlx_memory)
+
+    def _load_steps(self, spec: ModelSpec) -> Generator[None, None, tuple[Any, int]]:
+        """Load one model on the MLX thread, in slices."""
+        if spec.role == "chat":
+            loaded = yield from load_text_model_steps(spec.source, spec.load)
+            return TextEngine(self.worker, loaded, spec.engine), loaded.weights_bytes
+        if spec.role in ("embedding", "rerank"):
+            from app.engine.encoder import EncoderLimits, load_encoder
+
+            e = spec.encoder
+            limits = EncoderLimits(max_batch=e.max_batch, max_batch_tokens=e.max_batch_tokens,
+                                   max_inputs=e.max_inputs, max_length=e.max_length)
+            path = model_source(spec.source)
+            yield
+            encoder = load_encoder(path, name=spec.name, limits=limits, dtype=spec.load.dtype)
+            if spec.role == "embedding" and encoder.kind != "embedding":
+                raise InvalidRequestError(f"model {spec.name!r} is a cross-encoder: serve it with role: rerank")
+            return encoder, encoder.weight_bytes
+        raise InvalidRequestError(f"model {spec.name!r}: role {spec.role!r} is not loaded by the registry")
+
+    # ---- memory -----------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
+
+    def _need_bytes(self, slot: _Slot) -> int:
+        source = slot.spec.source
+        path = source.local_path or ""
+        weights = estimate_weights_bytes(str(Path(path).expanduser())) if path else 0
+        if slot.spec.role in ("embedding", "rerank"):
+            return int(weights * (1 + ENCODER_ACTIVATION_FACTOR))
+        return weights + slot.spec.kv_budget_bytes
+
+    async def _make_room(self, slot: _Slot) -> None:
+        """Unload least recently used idle models until ``slot`` fits; 503 if it cannot."""
+        need = self._need_bytes(slot)
+        loading = sum(self._need_bytes(s) for s in self._slots.values() if s.state == "loading")
+        while self.used_bytes + loading + need > self.limit_bytes:
+            victims = sorted((s for s in self._slots.values()
+                              if s.state == "loaded" and not s.spec.pin and not s.busy and s is not slot),
+                             key=lambda s: s.last_used or 0.0)
+            if not victims:
+                free = max(0, self.limit_bytes - self.used_bytes - loading)
+                loaded = ", ".join(f"{s.spec.name} ({s.budget_bytes / MB:.0f} MB{', pinned' if s.spec.pin else ''}"
+                                   f"{', busy' if s.busy else ''})" for s in self._slots.values()
+                                   if s.state == "loaded") or "none"
+                raise InsufficientMemoryError(
+                    f"model {slot.spec.name!r} needs {need / MB:.0f} MB but {free / MB:.0f} MB of the "
+                    f"{self.limit_bytes / MB:.0f} MB memory limit (server.memory_limit_mb) are free; loaded: {loaded}")
+            await self.unload(victims[0].spec.name, reason="to make room for " + slot.spec.name)
+
+    async def unload(self, name: str, reason: str = "") -> None:
+        """Unload an idle model, freeing its memory (MLX thread)."""
+        slot = self._slots[name]
+        if slot.state != "loaded" or slot.busy:
+            return
+        slot.state = "unloading"
+        handle = slot.handle
+        loop = asyncio.get_running_loop()
+        slot.transition = loop.create_future()
+
+        def unload_on_mlx_thread() -> None:
+            if isinstance(handle, TextEngine):
+                handle.close()
+            gc.collect()
+            mx.clear_cache()
+            self._tune_mlx_memory()
+
+        try:
+            await asyncio.wrap_future(self.worker.submit(unload_on_mlx_thread))
+        finally:
+            slot.handle, slot.weights_bytes = None, 0
+            slot.state = "unloaded"
+            slot.transition.set_result(None)
+            log.info("model %s: unloaded%s; %.0f of %.0f MB in use", name, f" ({reason})" if reason else "",
+                     self.used_bytes / MB, self.limit_bytes / MB)
+
+    def _tune_mlx_memory(self) -> None:
+        """Bound MLX's buffer cache to what the budget leaves free; on Metal, keep the loaded
+        models wired. MLX thread only."""
+        free = max(0, self.limit_bytes - self.used_bytes)
+        mx.set_cache_limit(free)
+        metal = getattr(mx, "metal", None)
+        if metal is not None and metal.is_available():
+            ceiling = int(metal.device_info().get("max_recommended_working_set_size", self.limit_bytes))
+            mx.set_wired_limit(min(self.used_bytes, ceiling))
+
+    # ---- idle unloading ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start unloading idle models (call on the server's event loop)."""
+        if self._sweeper is None and any(s.spec.idle_unload_s for s in self._slots.values()):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_S)
+            now = time.monotonic()
+            for slot in list(self._slots.values()):
+                idle = slot.spec.idle_unload_s
+                if (idle and slot.state == "loaded" and not slot.spec.pin and not slot.busy
+                        and now - (slot.last_used or now) >= idle):
+                    try:
+                        await self.unload(slot.spec.name, reason=f"idle for {idle:g}s")
+                    except AppError as exc:  # the engine thread is gone: nothing to unload on
+                        log.warning("model %s: not unloaded: %s", slot.spec.name, exc.message)
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every model's state and memory, and the budget, for /health and /metrics."""
+        now = time.monotonic()
+        models: dict[str, Any] = {}
+        for slot in self._slots.values():
+            stats = slot.handle.stats() if isinstance(slot.handle, TextEngine) else None
+            kv_used = (stats.kv_reserved_tokens * slot.handle.bytes_per_token / MB) if stats else 0.0
+            models[slot.spec.name] = {
+                "role": slot.spec.role, "state": slot.state, "pinned": slot.spec.pin,
+                "idle_s": None if slot.last_used is None else round(now - slot.last_used, 1),
+                "memory_mb": {"weights": round(slot.weights_bytes / MB, 1),
+                              "kv_budget": round(slot.spec.kv_budget_bytes / MB, 1) if slot.state == "loaded" else 0.0,
+                              "kv_used": round(kv_used, 1)},
+                "requests": {"running": stats.active if stats else 0,
+                             "waiting": (stats.waiting + stats.paused if stats else 0) + slot.waiting},
+                "error": slot.error,
+            }
+        used = self.used_bytes
+        return {
+            "limit_mb": round(self.limit_bytes / MB), "used_mb": round(used / MB),
+            "free_mb": round(max(0, self.limit_bytes - used) / MB),
+            "mlx": {"active_mb": round(mx.get_active_memory() / MB, 1), "peak_mb": round(mx.get_peak_memory() / MB, 1),
+                    "cache_mb": round(mx.get_cache_memory() / MB, 1)},
+            "models": models,
+        }
