@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model_steps, model_source
-from app.engine.params import ModelSpec
+from app.engine.params import ModelSource, ModelSpec
 from app.engine.types import GenerationRecord
 from app.engine.worker import MLXWorker
 from app.errors import (
@@ -115,11 +115,25 @@ def physical_memory_bytes() -> int:
         return 16 * 2**30
 
 
-def estimate_weights_bytes(source: str) -> int:
+def local_dir(source: ModelSource) -> Path | None:
+    """Where a model's files already are on disk, without converting or downloading anything."""
+    if source.local_path:
+        return Path(source.local_path).expanduser()
+    if source.builtin:
+        from app.engine.demo_model import cache_root
+
+        return cache_root() / "models" / source.builtin
+    if source.weight_file:
+        from app.engine.demo_model import cache_root
+
+        return cache_root() / "converted" / source.name
+    return None  # a hub id: its size is known after the load
+
+
+def estimate_weights_bytes(path: Path | None) -> int:
     """The weights' size on disk, a good estimate of their size in memory before loading."""
-    path = Path(source)
-    if not path.is_dir():
-        return 0  # a hub id not downloaded yet: known after the load
+    if path is None or not path.is_dir():
+        return 0
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
@@ -303,9 +317,7 @@ class Registry:
         return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
 
     def _need_bytes(self, slot: _Slot) -> int:
-        source = slot.spec.source
-        path = source.local_path or ""
-        weights = estimate_weights_bytes(str(Path(path).expanduser())) if path else 0
+        weights = estimate_weights_bytes(local_dir(slot.spec.source))
         if slot.spec.role in ("embedding", "rerank"):
             return int(weights * (1 + ENCODER_ACTIVATION_FACTOR))
         return weights + slot.spec.kv_budget_bytes
