@@ -88,6 +88,7 @@ __all__ = [
     "vlm_clean_output",
     "vlm_image_limit",
     "vlm_input_embeddings",
+    "vlm_language_model",
     "vlm_prompt_inputs",
     "vlm_text_config",
     "new_vlm_batch_generator",
@@ -159,7 +160,7 @@ def new_vlm_batch_generator(
     from mlx_vlm.generate.ar import BatchGenerator as VlmBatchGenerator
 
     return VlmBatchGenerator(
-        model.language_model,
+        vlm_language_model(model),
         processor,
         completion_batch_size=max_num_seqs + prefill_batch_size - 1,
         prefill_batch_size=prefill_batch_size,
@@ -197,6 +198,11 @@ def vlm_input_embeddings(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extras
     )
     return {**extras, **{k: v for k, v in features.to_dict().items() if v is not None}}
+
+
+def vlm_language_model(model: Any) -> Any:
+    """The text half of an mlx-vlm model (what BatchGenerator runs and KV is sized for)."""
+    return model.language_model
 
 
 def vlm_text_config(model: Any) -> dict[str, Any]:

@@ -32,7 +32,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from app.engine.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
-from app.engine.mlx_internals import vlm_image_limit, vlm_input_embeddings, vlm_prompt_inputs, vlm_text_config
+from app.engine.mlx_internals import (
+    vlm_image_limit,
+    vlm_input_embeddings,
+    vlm_language_model,
+    vlm_prompt_inputs,
+    vlm_text_config,
+)
 from app.engine.params import LoadParams
 from app.errors import ConfigError, InvalidRequestError
 
@@ -114,10 +120,10 @@ def load_vlm(
     # mlx-vlm's own convert leaves the vision tower unquantized.
     apply_params(model, replace(load, quantization=None))
     if load.quantization is not None:
-        apply_params(model.language_model, replace(load, dtype=None))
+        apply_params(vlm_language_model(model), replace(load, dtype=None))
     config = vlm_text_config(model)
     try:
-        kv = kv_geometry(config, activation_dtype(model.language_model), None)
+        kv = kv_geometry(config, activation_dtype(vlm_language_model(model)), None)
     except ConfigError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
     native_len = int(config.get("max_position_embeddings") or 4096)
