@@ -227,3 +227,24 @@ def test_shared_copy_captions_through_the_engine(engine):
     assert alone == direct.strip() == beside
     captions = [r for r in engine.records[before:] if r.request_id == "caption"]
     assert len(captions) == 2, "captions ran on the engine's copy"
+
+
+def test_a_conversation_from_typed_messages(engine):
+    """The pipeline's path: typed messages -> vlm_messages -> render_vlm_prompt -> the engine."""
+    from app.pipeline.request import ImagePart, Message, TextPart
+    from app.vision.native import load_native_images, native_image_parts, vlm_messages
+
+    policy = ImagePolicy(max_images_per_request=MAX_IMAGES)
+    messages = [
+        Message.of("system", "You describe pictures."),
+        Message("user", (ImagePart(data_url(striped_bytes(1)), "messages[1].content[0]"), TextPart("What is it?"))),
+        Message.of("assistant", "A pattern."),
+        Message("user", (TextPart("And this one?"), ImagePart(data_url(striped_bytes(2)), "messages[3].content[1]"))),
+    ]
+    parts = native_image_parts(messages, policy)
+    images = asyncio.run(load_native_images(parts, policy, max_pixels=engine.loaded.max_pixels))
+    prompt = render_vlm_prompt(engine.loaded, vlm_messages(messages))
+    assert prompt.count("<|image_pad|>") == 2 and "A pattern." in prompt and "You describe pictures." in prompt
+    assert prompt.index("What is it?") < prompt.index("And this one?") < prompt.rindex("<|image_pad|>")
+    _, last = generate(engine, GenerationRequest([], max_tokens=6, prompt_text=prompt, images=tuple(images)))
+    assert last.completion_tokens == 6 or last.finish_reason == "stop"
