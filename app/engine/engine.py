@@ -47,7 +47,7 @@ from app.engine.sampling import build_logits_processors, build_sampler, reset_ra
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
-from app.errors import AppError, EngineDeadError, EngineError
+from app.errors import AppError, EngineDeadError, EngineError, VisionNotSupportedError
 
 log = logging.getLogger("tandem.engine")
 
@@ -162,6 +162,8 @@ class TextEngine:
                 self.worker.wake()
 
     def _submit(self, seq: _Seq) -> None:
+        if seq.req.images:
+            raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
         if not self.worker.alive:
             raise EngineDeadError("the engine is not running; see /health")
         if not self._accepting:

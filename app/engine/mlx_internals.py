@@ -34,6 +34,23 @@ mlx-vlm
   ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not);
 - ``processor.clean_output(text)`` when the model defines one;
 - ``stream_generate`` responses' ``is_draft`` (speculative decoding).
+- ``generate.ar.BatchGenerator(language_model, processor, completion_batch_size=,
+  prefill_batch_size=, prefill_step_size=, compute_logprobs=, sampler=)``: one
+  batch-wide sampler; ``insert([ids], max_tokens=, prompt_kwargs=[kw],
+  logits_processors=[[...]]) -> uids`` where ``kw`` carries the prompt's
+  ``inputs_embeds``; ``next() -> (prompt_progress, responses)`` with ``uid, token,
+  finish_reason`` ("stop" at an EOS of the processor's stopping criteria,
+  "length"); ``remove(uid)``; ``close()``. It admits waiting prompts only while
+  ``completion_batch_size - decoding >= prefill_batch_size``.
+- ``model.get_input_embeddings(input_ids, pixel_values, mask=, **processor_extras)
+  .to_dict()``: the prompt's embeddings with the image features merged in, and
+  the model's position extras (Qwen2-VL's M-RoPE ``position_ids``, ``rope_deltas``);
+  ``model.language_model``; ``model.config.text_config`` (a dataclass);
+- ``utils.should_add_special_tokens(model_type, processor)``, the rule
+  ``mlx_vlm.generate`` applies before ``prepare_inputs``;
+- ``prompt_utils.SINGLE_IMAGE_ONLY_MODELS``: model types that take one image;
+- ``tokenizer_utils.make_streaming_detokenizer(processor)``: a private streaming
+  detokenizer (``add_token``, ``finalize``, ``last_segment``) per sequence.
 """
 
 from __future__ import annotations
@@ -69,6 +86,13 @@ __all__ = [
     "reset_vlm_stopping",
     "trim_prompt_cache",
     "vlm_clean_output",
+    "vlm_image_limit",
+    "vlm_input_embeddings",
+    "vlm_language_model",
+    "vlm_prompt_inputs",
+    "vlm_text_config",
+    "new_vlm_batch_generator",
+    "new_vlm_detokenizer",
 ]
 
 
@@ -118,3 +142,83 @@ def vlm_clean_output(processor: Any, text: str) -> str:
 def is_draft(response: Any) -> bool:
     """Whether an mlx-vlm stream response is a speculative draft, not accepted text."""
     return bool(getattr(response, "is_draft", False))
+
+
+# ---- mlx-vlm: native VLM chat models (app/engine/vlm.py, vlm_engine.py) ----------------
+
+
+def new_vlm_batch_generator(
+    model: Any, processor: Any, *, max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int,
+) -> Any:
+    """mlx-vlm's BatchGenerator over ``model``'s language model, greedy over the
+    logits each row's processors leave (per-request sampling is one of them),
+    stopping at the model's EOS tokens. Admission caps running sequences at
+    ``max_num_seqs`` outside; the completion batch is sized so that a waiting
+    prompt always finds room (mlx-vlm starts prompts only while
+    ``completion_batch_size - decoding >= prefill_batch_size``)."""
+    import mlx.core as mx
+    from mlx_vlm.generate.ar import BatchGenerator as VlmBatchGenerator
+
+    return VlmBatchGenerator(
+        vlm_language_model(model),
+        processor,
+        completion_batch_size=max_num_seqs + prefill_batch_size - 1,
+        prefill_batch_size=prefill_batch_size,
+        prefill_step_size=prefill_step_size,
+        compute_logprobs=False,
+        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+    )
+
+
+def vlm_prompt_inputs(model: Any, processor: Any, prompt_text: str, images: list[Any]) -> dict[str, Any]:
+    """The processor's inputs for one prompt (``input_ids`` with every image
+    placeholder expanded to the image's tokens, ``pixel_values``, ``attention_mask``
+    and model extras such as ``image_grid_thw``), tokenized as mlx-vlm's own
+    ``generate`` does."""
+    from mlx_vlm import prepare_inputs
+    from mlx_vlm.utils import should_add_special_tokens
+
+    return dict(
+        prepare_inputs(
+            processor,
+            images=images or None,
+            prompts=[prompt_text],
+            image_token_index=getattr(model.config, "image_token_index", None),
+            add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
+        )
+    )
+
+
+def vlm_input_embeddings(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The ``prompt_kwargs`` BatchGenerator.insert takes for one prompt: its
+    embeddings with the image features merged in (this runs the vision tower),
+    and the model's position extras, as mlx-vlm's own server builds them."""
+    extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    features = model.get_input_embeddings(
+        inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extras
+    )
+    return {**extras, **{k: v for k, v in features.to_dict().items() if v is not None}}
+
+
+def vlm_language_model(model: Any) -> Any:
+    """The text half of an mlx-vlm model (what BatchGenerator runs and KV is sized for)."""
+    return model.language_model
+
+
+def vlm_text_config(model: Any) -> dict[str, Any]:
+    """The language model's config fields (layers, heads, vocab, context length)."""
+    return dict(vars(model.config.text_config))
+
+
+def vlm_image_limit(model: Any) -> int | None:
+    """The most images the model takes in one prompt, when mlx-vlm knows a limit."""
+    from mlx_vlm.prompt_utils import SINGLE_IMAGE_ONLY_MODELS
+
+    return 1 if model.config.model_type in SINGLE_IMAGE_ONLY_MODELS else None
+
+
+def new_vlm_detokenizer(processor: Any) -> Any:
+    """A fresh streaming detokenizer of the processor's, one per sequence."""
+    from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
+
+    return make_streaming_detokenizer(processor)

@@ -60,3 +60,20 @@ def build_logits_processors(p: SamplingParams) -> list:
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None,
     )
+
+
+def sampling_processor(sampler):
+    """``sampler`` as a logits processor: it samples the row's token itself and
+    leaves logits that only that token can win (0 there, -inf elsewhere).
+
+    For batch generators with one batch-wide sampler (mlx-vlm's): each request
+    keeps its own temperature, top-p and seed, and the batch's argmax picks
+    the token this request sampled.
+    """
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        chosen = mx.arange(logits.shape[-1]) == token.reshape(-1, 1)
+        return mx.where(chosen, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
+
+    return process

@@ -41,6 +41,13 @@ class GenerationRequest:
     priority: str = "interactive"
     # Prefix-cache partition: cached prefixes are shared only between requests with the same one.
     cache_namespace: str = ""
+    # Native VLMs only (``app.engine.vlm``): the prompt as mlx-vlm's chat template rendered it,
+    # one placeholder per image, and the images (decoded PIL images, already within the model's
+    # max_pixels) in the order their placeholders appear. The VLM engine tokenizes
+    # ``prompt_text`` with the model's processor (which expands each placeholder to the image's
+    # tokens) and ignores ``prompt_tokens``; text engines refuse requests with images.
+    images: tuple[Any, ...] = ()
+    prompt_text: str | None = None
 
 
 @dataclass

@@ -1,7 +1,14 @@
 """Captioners: turn one image (and what the user asked) into a text description.
 
 ``Captioner`` is the seam the proxy depends on; tests put a fake there.
-``MlxVlmCaptioner`` runs a local mlx-vlm model (Qwen2-VL and friends).
+``MlxVlmCaptioner`` runs a local mlx-vlm model (Qwen2-VL and friends): its own
+copy, or (``MlxVlmCaptioner.from_engine``) the copy a native VLM chat model
+already serves, captioning through that model's engine. The engine then
+batches captions with its chat requests and counts them in its KV budget, and
+no second copy of the weights is loaded. Captions never run beside the engine
+on the same weights through ``stream_generate``: Qwen2-VL's language model
+keeps its M-RoPE offsets in itself, and the engine's batch steps overwrite them
+between a caption's tokens.
 
 MLX is not thread-safe, so every MLX call (load and generate) runs on the
 server's one MLX-owner thread, reached through an ``MlxExecutor``: anything
@@ -19,10 +26,13 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from app.errors import ConfigError, EngineError, VisionUnavailableError
 from app.vision.images import LoadedImage, downscale
+
+if TYPE_CHECKING:
+    from app.engine.vlm import VlmEngine
 
 T = TypeVar("T")
 
@@ -108,17 +118,46 @@ class MlxVlmCaptioner:
         self.unloaded = False
         self._last_used = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        # Set by from_engine: caption through a native chat model's engine, on its weights.
+        self._engine: VlmEngine | None = None
+
+    @classmethod
+    def from_engine(
+        cls,
+        engine: VlmEngine,
+        *,
+        name: str | None = None,
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+        no_text_prompt: str = DEFAULT_NO_TEXT_PROMPT,
+        max_tokens: int = 256,
+        max_context_chars: int = 2000,
+    ) -> MlxVlmCaptioner:
+        """A captioner on the VLM ``engine`` already serves (a ``vision_mode: native``
+        chat model): captions are requests to that engine, batched with its chat
+        requests and admitted under its KV budget. Nothing is loaded or unloaded
+        here; the pixel bounds are the engine's model's."""
+        loaded = engine.loaded
+        captioner = cls(
+            loaded.path, engine.worker, name=name or loaded.name, prompt_template=prompt_template,
+            no_text_prompt=no_text_prompt, max_tokens=max_tokens, max_pixels=loaded.max_pixels,
+            min_pixels=loaded.min_pixels, max_context_chars=max_context_chars,
+        )
+        captioner._engine = engine
+        return captioner
 
     @property
     def loaded(self) -> bool:
-        """Whether ``load()`` has succeeded."""
-        return self._model is not None
+        """Whether ``load()`` has succeeded (always, for a captioner on an engine)."""
+        return self._model is not None or self._engine is not None
 
     def load(self) -> None:
         """Load model and processor on the MLX thread, blocking; ``ConfigError`` if unusable.
 
         Meant for start-up; from async code use ``await asyncio.to_thread(captioner.load)``.
+        A captioner on an engine has nothing to load.
         """
+        if self._engine is not None:
+            return
         started = time.perf_counter()
         self._executor.submit(self._load_on_mlx_thread).result()
         logger.info(
@@ -138,13 +177,29 @@ class MlxVlmCaptioner:
         """Caption ``image``; ``EngineError`` if the model fails on it."""
         if not self.loaded and not self.unloaded:
             raise VisionUnavailableError(f"vision model {self.name} is not loaded")
-        self._touch()
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
+        if self._engine is not None:
+            return await self._describe_on_engine(self._engine, pixels, self.prompt(user_text))
+        self._touch()
         steps = partial(self._caption_steps, pixels, self.prompt(user_text))
         submit_steps = getattr(self._executor, "submit_steps", None)
         if submit_steps is not None:  # the engine thread: one token per turn, between batch steps
             return await asyncio.wrap_future(submit_steps(steps))
         return await asyncio.wrap_future(self._executor.submit(partial(_run_to_end, steps)))
+
+    async def _describe_on_engine(self, engine: VlmEngine, pixels: Any, prompt: str) -> str:
+        """The caption as a temperature-0 request to the native model's engine."""
+        from app.engine.mlx_internals import vlm_clean_output
+        from app.engine.types import GenerationRequest
+        from app.engine.vlm import render_vlm_prompt
+
+        messages = [_image_then_text(prompt)]
+        prompt_text = await asyncio.to_thread(render_vlm_prompt, engine.loaded, messages)
+        req = GenerationRequest(
+            [], max_tokens=self.max_tokens, prompt_text=prompt_text, images=(pixels,), request_id="caption",
+        )
+        text = [delta.text async for delta in engine.stream(req)]
+        return vlm_clean_output(engine.loaded.processor, "".join(text)).strip()
 
     def _touch(self) -> None:
         self._last_used = time.monotonic()
@@ -186,42 +241,15 @@ class MlxVlmCaptioner:
 
     def _check_loaded(self, model: Any, processor: Any) -> None:
         """Refuse, loudly, the setups where mlx-vlm would silently ignore the image."""
-        tokenizer = getattr(processor, "tokenizer", processor)
-        if not (
-            getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-        ):
-            raise ConfigError(
-                f"vision model {self.name} has no chat template "
-                "(mlx-vlm would fall back to a bare prompt)"
-            )
-        config_id = getattr(model.config, "image_token_id", None)
-        image_token = getattr(processor, "image_token", None)
-        if config_id is not None and isinstance(image_token, str):
-            token_id = tokenizer.convert_tokens_to_ids(image_token)
-            if token_id != config_id:
-                raise ConfigError(
-                    f"vision model {self.name}: config image_token_id {config_id} is not "
-                    f"the tokenizer's id {token_id} for {image_token!r}"
-                )
-            try:
-                probe = self._chat_prompt(model, processor, "probe")
-            except Exception as exc:
-                raise ConfigError(f"vision model {self.name}: chat template fails: {exc}") from exc
-            if image_token not in probe:
-                raise ConfigError(
-                    f"vision model {self.name}: its chat template drops the image token"
-                )
+        from app.engine.vlm import check_vlm
+
+        check_vlm(self.name, model, processor)
 
     @staticmethod
     def _chat_prompt(model: Any, processor: Any, text: str) -> str:
         from mlx_vlm import apply_chat_template
 
-        # Image before text, the order Qwen2-VL's own examples use.
-        message = {
-            "role": "user",
-            "content": [{"type": "image"}, {"type": "text", "text": text}],
-        }
-        return str(apply_chat_template(processor, model.config, message, num_images=1))
+        return str(apply_chat_template(processor, model.config, _image_then_text(text), num_images=1))
 
     def _caption_steps(self, pixels: Any, prompt: str) -> Generator[None, None, str]:
         """mlx-vlm's ``generate``, one token per step, so the MLX thread can
@@ -249,6 +277,11 @@ class MlxVlmCaptioner:
         except Exception as exc:
             raise EngineError(f"vision model {self.name} failed: {exc}") from exc
         return caption.strip()
+
+
+def _image_then_text(text: str) -> dict[str, Any]:
+    # Image before text, the order Qwen2-VL's own examples use.
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
 
 
 def _run_to_end(make: Callable[[], Generator[None, None, T]]) -> T:

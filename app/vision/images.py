@@ -27,6 +27,7 @@ import binascii
 import hashlib
 import math
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -271,6 +272,18 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return img.convert("RGB")
+
+
+def check_image_count(params: Sequence[str], limit: int) -> None:
+    """``ImageError`` (code ``too_many_images``) naming the first image over ``limit``;
+    ``params`` are the request's image parts' params, in order."""
+    if len(params) > limit:
+        extra = params[limit]
+        raise ImageError(
+            f"{extra}: this request has {len(params)} images; at most {limit} are accepted",
+            param=extra,
+            code="too_many_images",
+        )
 
 
 def _check_bytes(n: int, limit: int, param: str) -> None:

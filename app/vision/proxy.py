@@ -42,6 +42,7 @@ from app.vision.images import (
     THUMBNAIL_PIXELS,
     ImagePolicy,
     LoadedImage,
+    check_image_count,
     decode_image_async,
     read_image_async,
 )
@@ -194,15 +195,7 @@ class VisionProxy:
         return await decode_image_async(raw, self.policy, param=param, max_pixels=max_pixels)
 
     def _check_count(self, parts: list[tuple[int, ImagePart]]) -> None:
-        limit = self.policy.max_images_per_request
-        if len(parts) > limit:
-            extra = parts[limit][1]
-            raise ImageError(
-                f"{extra.param}: this request has {len(parts)} images; "
-                f"at most {limit} are accepted",
-                param=extra.param,
-                code="too_many_images",
-            )
+        check_image_count([p.param for _, p in parts], self.policy.max_images_per_request)
 
     def _placeholders(self, messages: Sequence[Message], parts: list[tuple[int, ImagePart]]) -> ProxyResult:
         result = ProxyResult(messages=list(messages))

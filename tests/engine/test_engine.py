@@ -8,7 +8,7 @@ import pytest
 
 from app.engine.types import GenerationRequest, SamplingParams
 from tests.engine.engines import make_engine, run
-from app.errors import ContextLengthError, EngineError, RateLimitError
+from app.errors import ContextLengthError, EngineError, RateLimitError, VisionNotSupportedError
 
 
 
@@ -44,6 +44,14 @@ def test_batched_equals_alone_at_temperature_zero(engine):
 
     batched = [t for t, _ in asyncio.run(together())]
     assert batched == alone
+
+
+def test_images_are_refused(engine):
+    """A text engine cannot see images: a request carrying some is the client's 400."""
+    req = GenerationRequest(prompt(engine), max_tokens=4, images=(object(),))
+    with pytest.raises(VisionNotSupportedError):
+        asyncio.run(run(engine, req))
+    assert engine.in_flight == 0
 
 
 def test_seeded_sampling_is_reproducible(engine):

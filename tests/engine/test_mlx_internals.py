@@ -1,0 +1,108 @@
+"""Contracts of the private mlx-vlm APIs in ``app/engine/mlx_internals.py``.
+
+Each test checks one behaviour Tandem relies on, on the tiny random Qwen2-VL,
+and its name says which, so an mlx-vlm upgrade that breaks one fails here by
+name instead of somewhere deep in the engine.
+"""
+
+from __future__ import annotations
+
+from io import BytesIO
+
+import mlx.core as mx
+import pytest
+from PIL import Image
+
+from app.engine import mlx_internals as mi
+from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.vision.sample_images import striped_bytes
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from mlx_vlm import apply_chat_template, load
+
+    model, processor = load(str(build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))))
+
+    def prompt(images: int) -> str:
+        content = [{"type": "image"}] * images + [{"type": "text", "text": "Describe"}]
+        return str(apply_chat_template(processor, model.config, [{"role": "user", "content": content}],
+                                       num_images=images))
+
+    return model, processor, prompt
+
+
+def image(seed: int) -> Image.Image:
+    return Image.open(BytesIO(striped_bytes(seed))).convert("RGB")
+
+
+def test_vlm_prompt_inputs_expands_each_placeholder(vlm):
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(2), [image(1), image(2)])
+    ids = inputs["input_ids"]
+    assert ids.shape[0] == 1 and "pixel_values" in inputs
+    grid = inputs["image_grid_thw"].tolist()
+    merged = sum(t * h * w for t, h, w in grid) // 4  # 2x2 patches per token
+    assert ids[0].tolist().count(model.config.image_token_id) == merged
+
+
+def test_vlm_input_embeddings_gives_embeds_and_positions(vlm):
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    kw = mi.vlm_input_embeddings(model, inputs)
+    assert kw["inputs_embeds"].shape == (1, inputs["input_ids"].shape[1], model.config.text_config.hidden_size)
+    assert "position_ids" in kw and "rope_deltas" in kw  # Qwen2-VL's M-RoPE extras
+    text_only = mi.vlm_input_embeddings(model, {"input_ids": mx.array([[1, 2, 3]])})
+    assert text_only["inputs_embeds"].shape[:2] == (1, 3)
+
+
+def test_vlm_batch_generator_insert_next_remove(vlm):
+    model, processor, prompt = vlm
+    bg = mi.new_vlm_batch_generator(model, processor, max_num_seqs=2, prefill_batch_size=1, prefill_step_size=16)
+    uids = []
+    for seed in (1, 2):
+        inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(seed)])
+        uids += bg.insert([inputs["input_ids"][0].tolist()], max_tokens=[6],
+                          prompt_kwargs=[mi.vlm_input_embeddings(model, inputs)], logits_processors=[[]])
+    tokens: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    for _ in range(100):
+        if not bg.has_work:
+            break
+        _, responses = bg.next()
+        for r in responses:
+            tokens.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finish[r.uid] = r.finish_reason
+        if uids[1] in tokens and uids[1] not in finish:
+            assert bg.remove(uids[1]) is True
+    bg.close()
+    assert finish[uids[0]] in ("stop", "length") and 1 <= len(tokens[uids[0]]) <= 6
+    assert len(tokens[uids[1]]) == 1 and uids[1] not in finish, "a removed sequence yields nothing more"
+
+
+def test_vlm_batch_generator_stops_at_the_models_eos(vlm):
+    model, processor, _ = vlm
+    eos = model.config.eos_token_id
+    assert set(processor.tokenizer.stopping_criteria.eos_token_ids) >= set(eos if isinstance(eos, list) else [eos])
+
+
+def test_vlm_text_config_has_the_kv_geometry(vlm):
+    config = mi.vlm_text_config(vlm[0])
+    assert {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+            "max_position_embeddings", "vocab_size"} <= set(config)
+
+
+def test_vlm_image_limit(vlm):
+    assert mi.vlm_image_limit(vlm[0]) is None  # Qwen2-VL takes several images
+
+
+def test_new_vlm_detokenizer_is_private_per_sequence(vlm):
+    _, processor, _ = vlm
+    ids = processor.tokenizer.encode("a red square", add_special_tokens=False)
+    one, two = mi.new_vlm_detokenizer(processor), mi.new_vlm_detokenizer(processor)
+    for t in ids:
+        one.add_token(t)
+    one.finalize()
+    two.add_token(ids[0])
+    assert one.text == "a red square" and two.text != one.text
