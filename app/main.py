@@ -57,7 +57,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
         if entry.preload and entry.name != primary.name:
             registry.load_now(entry.name, required=False)
     chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if e.role == "chat"}
-    vision = {e.name: build_vision(config, e, worker, load=load_vision) for e in served if e.role == "chat"}
+    vision = {e.name: build_vision(config, e, worker, registry, load=load_vision) for e in served if e.role == "chat"}
     pipeline = Pipeline(registry, config.server, chats, vision)
     state = AppState(config, worker, registry, pipeline, primary.name)
     registry.add_listener(state.metrics.on_generation)
@@ -71,17 +71,21 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
     return state
 
 
-def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, *, load: bool = True) -> VisionState:
+def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, registry: Registry, *,
+                 load: bool = True) -> VisionState:
     """The vision side of a proxy-mode chat model; any failure (or ``--no-vision``) leaves
     text serving, with images replaced by placeholders and a warning."""
     from app.vision.wiring import build_proxy
 
     caps = chat.capabilities
     state = VisionState(mode=caps.vision_mode)
+    if caps.vision_mode == "native":
+        state.model, state.available = chat.name, True
+        return state
     if caps.vision_mode != "proxy" or caps.vision_proxy is None:
         return state
     state.model = caps.vision_proxy.model
-    state.proxy, state.reason = build_proxy(config, worker, load=load, chat=chat)
+    state.proxy, state.reason = build_proxy(config, worker, load=load, chat=chat, registry=registry)
     state.available = state.reason is None
     if state.reason:
         log.warning("vision model %s unavailable for %s, serving text only: %s", state.model, chat.name, state.reason)

@@ -7,7 +7,7 @@ dataclasses (``app/engine/params.py``): the engine never imports pydantic.
 from __future__ import annotations
 
 from app.config.schema import ModelEntry, ModelParams
-from app.engine.params import EncoderSpec, EngineParams, LoadParams, ModelSource, ModelSpec
+from app.engine.params import EncoderSpec, EngineParams, LoadParams, ModelSource, ModelSpec, VisionSpec
 
 
 def model_source(entry: ModelEntry) -> ModelSource:
@@ -48,6 +48,8 @@ def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpe
         engine=engine_params(p),
         encoder=EncoderSpec(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
                             max_length=p.max_model_len),
+        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
+        if entry.capabilities.vision_mode == "native" else None,
         aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,
         idle_unload_s=float(idle) if idle else None,
     )

@@ -116,11 +116,10 @@ class VisionProxyConfig(_Strict):
 
 
 class ModelCapabilities(_Strict):
-    # How images reach this model: refused, captioned by a VLM, or sent natively.
+    # How images reach this model: refused (disabled), captioned by a VLM (proxy), or sent
+    # straight in to a VLM served with mlx-vlm (native; its processor places the images).
     vision_mode: VisionMode = "disabled"
     vision_proxy: VisionProxyConfig | None = None
-    # Reserved for native VLMs: the placeholder token for an image.
-    image_token: str | None = None
     # Stream parser family for tool calls (app/parsers: qwen, mistral, llama, generic);
     # None detects it from the chat template.
     tool_parser: str | None = None
@@ -136,11 +135,6 @@ class ModelCapabilities(_Strict):
     def _proxy_needs_model(self) -> ModelCapabilities:
         if self.vision_mode == "proxy" and self.vision_proxy is None:
             raise ValueError("vision_mode 'proxy' needs vision_proxy.model")
-        if self.vision_mode == "native":
-            # Reserved in the schema so configs can name it; refused until it is built.
-            raise ValueError(
-                "vision_mode 'native' (a VLM as the chat model) is not supported yet; use 'proxy' or 'disabled'"
-            )
         return self
 
 

@@ -102,6 +102,15 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """A native VLM's image limits (``vision_mode: native``)."""
+
+    max_pixels: int = 448 * 448
+    min_pixels: int = 28 * 28
+    max_images: int = 8
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One served model, from its models.yaml entry."""
 
@@ -111,6 +120,8 @@ class ModelSpec:
     load: LoadParams = LoadParams()
     engine: EngineParams = EngineParams()
     encoder: EncoderSpec = EncoderSpec()
+    # Set for a chat model that is a VLM served natively (mlx-vlm).
+    vision: VisionSpec | None = None
     aliases: tuple[str, ...] = ()
     preload: bool = False
     pin: bool = False

@@ -107,6 +107,16 @@ class Lease:
             self._slot.last_used = time.monotonic()
 
 
+def _is_engine(handle: Any) -> bool:
+    """A chat engine (text or native VLM), as opposed to an encoder."""
+    return hasattr(handle, "stream") and hasattr(handle, "add_listener")
+
+
+def _kv_bytes_per_token(engine: Any) -> int:
+    kv = getattr(engine.loaded, "kv", None)
+    return int(kv.bytes_per_token) if kv is not None else 0
+
+
 def physical_memory_bytes() -> int:
     """This machine's physical memory (unified memory on a Mac)."""
     try:
@@ -186,7 +196,7 @@ class Registry:
     def stop_accepting(self) -> list[TextEngine]:
         """Shutdown: no more loads, and every loaded chat engine refuses new requests."""
         self._closing = True
-        engines = [s.handle for s in self._slots.values() if isinstance(s.handle, TextEngine)]
+        engines = [s.handle for s in self._slots.values() if _is_engine(s.handle)]
         for engine in engines:
             engine.stop_accepting()
         return engines
@@ -195,7 +205,7 @@ class Registry:
         """Be told of every generation of every chat engine, those loaded later included."""
         self._listeners.append(listener)
         for slot in self._slots.values():
-            if isinstance(slot.handle, TextEngine):
+            if _is_engine(slot.handle):
                 slot.handle.add_listener(listener)
 
     def on_engine(self, hook: Callable[[str, Any], None]) -> None:
@@ -282,7 +292,7 @@ class Registry:
     def _loaded(self, slot: _Slot, handle: Any, weights: int, started: float) -> None:
         slot.handle, slot.weights_bytes, slot.error = handle, weights, None
         slot.state = "loaded"
-        if isinstance(handle, TextEngine):
+        if _is_engine(handle):
             for listener in self._listeners:
                 handle.add_listener(listener)
         for hook in self._engine_hooks:
@@ -293,6 +303,17 @@ class Registry:
 
     def _load_steps(self, spec: ModelSpec) -> Generator[None, None, tuple[Any, int]]:
         """Load one model on the MLX thread, in slices."""
+        if spec.role == "chat" and spec.vision is not None:
+            from app.engine.vlm import load_vlm
+            from app.engine.vlm_engine import VlmEngine
+
+            path = model_source(spec.source)
+            yield
+            v = spec.vision
+            vlm = load_vlm(path, spec.load, name=spec.name, max_pixels=v.max_pixels, min_pixels=v.min_pixels,
+                           max_images=v.max_images)
+            # The worst-case images' peak through the vision tower counts with the weights.
+            return VlmEngine(self.worker, vlm, spec.engine), vlm.weights_bytes + vlm.profile_peak_bytes
         if spec.role == "chat":
             loaded = yield from load_text_model_steps(spec.source, spec.load)
             return TextEngine(self.worker, loaded, spec.engine), loaded.weights_bytes
@@ -351,7 +372,7 @@ class Registry:
         slot.transition = loop.create_future()
 
         def unload_on_mlx_thread() -> None:
-            if isinstance(handle, TextEngine):
+            if _is_engine(handle):
                 handle.close()
             gc.collect()
             mx.clear_cache()
@@ -408,8 +429,8 @@ class Registry:
         now = time.monotonic()
         models: dict[str, Any] = {}
         for slot in self._slots.values():
-            stats = slot.handle.stats() if isinstance(slot.handle, TextEngine) else None
-            kv_used = (stats.kv_reserved_tokens * slot.handle.bytes_per_token / MB) if stats else 0.0
+            stats = slot.handle.stats() if _is_engine(slot.handle) else None
+            kv_used = stats.kv_reserved_tokens * _kv_bytes_per_token(slot.handle) / MB if stats else 0.0
             models[slot.spec.name] = {
                 "role": slot.spec.role, "state": slot.state, "pinned": slot.spec.pin,
                 "idle_s": None if slot.last_used is None else round(now - slot.last_used, 1),

@@ -137,6 +137,12 @@ class VlmEngine:
         """Call ``listener`` (on the MLX thread; it must be quick) for every generation that ends."""
         self._listeners.append(listener)
 
+    def close(self) -> None:
+        """Leave the MLX loop and drop the model (an unload). MLX thread only, idle."""
+        self._accepting = False
+        self.worker.remove_stepper(self._step)
+        self._bg = None
+
     def stop_accepting(self) -> None:
         self._accepting = False
 

@@ -26,6 +26,7 @@ import anyio
 from app.config.schema import ModelCapabilities, ModelParams, ServerSettings
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
+from app.engine.vlm import render_vlm_prompt
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.prompting import (
@@ -38,9 +39,11 @@ from app.pipeline.prompting import (
     template_message,
     tool_note,
 )
-from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest
+from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest, Tool
 from app.pipeline.results import Completion, Step, Usage
 from app.request_context import CLIENT, REQUEST_ID
+from app.vision.native import load_native_images, native_image_parts, vlm_messages
+from app.vision.wiring import image_policy
 
 log = logging.getLogger("tandem.api")
 
@@ -149,8 +152,11 @@ class Pipeline:
         model, lease = await self.served(req.options.model)
         try:
             check_prompt_chars(model.profile, sum(map(len, req.texts())), req.messages_param)
-            messages, extras = await self._see(model, req)
-            prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
+            if model.vision.mode == "native":
+                prepared, extras = await self._prepare_native(model, req), dict[str, Any]()
+            else:
+                messages, extras = await self._see(model, req)
+                prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
         except BaseException:
             lease.release()
             raise
@@ -186,6 +192,15 @@ class Pipeline:
         if not client and not salt:
             return ""
         return hashlib.sha256(f"{client}\x00{salt or ''}".encode()).hexdigest()[:24]
+
+    async def _prepare_native(self, model: ServedModel, req: ChatRequest) -> Prepared:
+        """Images decoded at the VLM's size and handed to it as they are."""
+        params = self._chats[model.profile.name].params
+        policy = image_policy(self.server, params)
+        parts = native_image_parts(req.messages, policy)
+        images = await load_native_images(parts, policy, max_pixels=params.max_pixels, min_pixels=params.min_pixels)
+        vlm = getattr(model.engine, "loaded", None)
+        return await anyio.to_thread.run_sync(build_native, model.profile, vlm, req, images)
 
     async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
         """Images into text (proxy vision); refused where the model takes none."""
@@ -253,27 +268,33 @@ def check_prompt_chars(profile: ModelProfile, chars: int, param: str) -> None:
         )
 
 
+def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...]
+               ) -> tuple[list[Message], tuple[Tool, ...], list[dict[str, Any]] | None]:
+    """One system message first, and the offered tools: for the template when it renders
+    tools, else as a compact note in that system message. Returns the messages, the tools
+    offered, and what to pass the template as ``tools``."""
+    msgs = gather_system(profile, messages)
+    tools = offered_tools(req.tools, req.tool_choice)
+    if not tools:
+        return msgs, tools, None
+    if profile.template_takes_tools:
+        return msgs, tools, [t.as_dict() for t in tools]
+    note = tool_note(tools, req.tool_choice.mode == "required")
+    if msgs and msgs[0].role == "system":
+        msgs[0] = msgs[0].with_text(f"{msgs[0].text()}\n\n{note}")
+    else:
+        msgs.insert(0, Message.of("system", note))
+    return msgs, tools, None
+
+
 def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...] | None = None) -> Prepared:
     """Render, tokenize and bound a chat request; ``messages`` replaces the request's
     (the vision proxy's rewrite, images turned into text)."""
-    msgs = gather_system(profile, req.messages if messages is None else messages)
-    tools = offered_tools(req.tools, req.tool_choice)
+    msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
     dicts = [template_message(m) for m in msgs]
-    template_tools = None
-    if tools and not profile.template_takes_tools:
-        note = tool_note(tools, req.tool_choice.mode == "required")
-        if dicts and dicts[0]["role"] == "system":
-            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{note}"}
-        else:
-            dicts.insert(0, {"role": "system", "content": note})
-    elif tools:
-        template_tools = [t.as_dict() for t in tools]
     text = render(profile, dicts, template_tools, wanted)
     tokens = encode(profile, text)
-    # A template with no thinking switch renders the same prompt either way, and the model
-    # may reason anyway: its reasoning is still read, so markers never reach the content.
-    parse_reasoning = profile.reasoning and (wanted or not profile.thinking_switch)
     gen = GenerationRequest(
         prompt_tokens=tokens,
         max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
@@ -282,9 +303,41 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted) if len(dicts) > 1 else None,
         priority=_priority(req),
     )
+    return _parsed_as(profile, req, gen, text, wanted, bool(tools))
+
+
+def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list[Any]) -> Prepared:
+    """A chat request for a native VLM: mlx-vlm's own template places the images (its
+    processor expands each placeholder into the image's tokens in the engine)."""
+    msgs, tools, template_tools = with_tools(profile, req, req.messages)
+    wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
+    kwargs: dict[str, Any] = {"tools": template_tools} if template_tools else {}
+    if profile.reasoning:
+        kwargs["enable_thinking"] = wanted
+    text = render_vlm_prompt(vlm, vlm_messages(msgs), **kwargs)
+    # Text tokens only: the engine counts the images' tokens and clamps again.
+    text_tokens = len(encode(profile, text))
+    gen = GenerationRequest(
+        prompt_tokens=[],
+        max_tokens=completion_budget(profile, text_tokens, req.options, req.messages_param),
+        sampling=sampling_for(profile, req.options),
+        stop=req.options.stop,
+        priority=_priority(req),
+        prompt_text=text,
+        images=tuple(images),
+    )
+    return _parsed_as(profile, req, gen, text, wanted, bool(tools))
+
+
+def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, text: str, wanted: bool,
+               tools_offered: bool) -> Prepared:
+    """How the model's output is read: its family's parser, reasoning, tool calls."""
+    # A template with no thinking switch renders the same prompt either way, and the model
+    # may reason anyway: its reasoning is still read, so markers never reach the content.
+    parse_reasoning = profile.reasoning and (wanted or not profile.thinking_switch)
     extras = {"prompt": text} if req.options.extensions else {}
     return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
-                    parse_reasoning and template_opens_reasoning(text), bool(tools), extras)
+                    parse_reasoning and template_opens_reasoning(text), tools_offered, extras)
 
 
 def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:

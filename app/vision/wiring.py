@@ -11,10 +11,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.engine.registry import Registry
 from app.errors import AppError
 from app.vision.cache import CaptionCache
-from app.vision.captioner import DEFAULT_PROMPT_TEMPLATE, MlxExecutor, MlxVlmCaptioner
-from app.vision.images import ImagePolicy
+from app.vision.captioner import (
+    DEFAULT_NO_TEXT_PROMPT,
+    DEFAULT_PROMPT_TEMPLATE,
+    MlxExecutor,
+    MlxVlmCaptioner,
+    render_prompt,
+)
+from app.vision.images import ImagePolicy, LoadedImage
 from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
@@ -22,6 +29,8 @@ if TYPE_CHECKING:
     from app.config.schema import ModelEntry, ModelParams, ServerSettings
 
 logger = logging.getLogger("tandem.vision")
+# The user's words in a caption prompt are cut at this many characters.
+MAX_CONTEXT_CHARS = 2000
 
 
 def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
@@ -41,8 +50,35 @@ def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
     )
 
 
+class LeasedCaptioner:
+    """Captions with a VLM the registry serves natively (``vision_mode: native``): one
+    loaded copy serves both roles. The VLM is leased per image, so it loads on demand and
+    is never unloaded mid-caption; each caption is a request to its engine, batched with
+    its chats and admitted under its KV budget."""
+
+    def __init__(self, registry: Registry, name: str, *, prompt_template: str, max_tokens: int,
+                 max_pixels: int | None) -> None:
+        self._registry = registry
+        self.name = name
+        self.prompt_template = prompt_template
+        self.max_tokens = max_tokens
+        self.max_pixels = max_pixels
+
+    def prompt(self, user_text: str | None) -> str:
+        return render_prompt(self.prompt_template, DEFAULT_NO_TEXT_PROMPT, user_text, MAX_CONTEXT_CHARS)
+
+    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
+        lease = await self._registry.acquire(self.name, roles=("chat",))
+        try:
+            captioner = MlxVlmCaptioner.from_engine(lease.handle, name=self.name,
+                                                    prompt_template=self.prompt_template, max_tokens=self.max_tokens)
+            return await captioner.describe(image, user_text)
+        finally:
+            lease.release()
+
+
 def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True,
-                chat: ModelEntry | None = None) -> tuple[VisionProxy, str | None]:
+                chat: ModelEntry | None = None, registry: Registry | None = None) -> tuple[VisionProxy, str | None]:
     """Load the vision model of ``chat`` (default: the primary model) on the MLX thread;
     return the proxy and why vision is off, if it is.
 
@@ -62,6 +98,10 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = T
         return unavailable("no vision model is configured")
     if not load:
         return unavailable("vision loading skipped (--no-vision)")
+    if entry.role == "chat" and entry.capabilities.vision_mode == "native" and registry is not None:
+        leased = LeasedCaptioner(registry, entry.name, max_tokens=proxy_config.max_tokens, max_pixels=params.max_pixels,
+                                 prompt_template=proxy_config.prompt_template or DEFAULT_PROMPT_TEMPLATE)
+        return VisionProxy(leased, cache, policy), None
     source = Path(entry.local_path).expanduser() if entry.local_path else entry.hf_id
     if source is None:
         return unavailable(f"vision model {entry.name!r} needs local_path or hf_id")

@@ -1,0 +1,82 @@
+"""Native VLM chat end to end: a tiny random Qwen2-VL served by mlx-vlm, through the openai SDK.
+
+Image parts go straight to the model (its processor places them); a proxy-mode
+text model may caption with the same loaded copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.api.serving import assert_openai_error, serving
+from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.vision.sample_images import data_url, image_bytes, striped_bytes
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory, demo_model_dir):
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("native") / "vlm")
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory, vlm_dir, demo_model_dir):
+    models = [
+        {"name": "demo", "builtin": "smollm2-135m-instruct",
+         "params": {"mem": 64, "max_model_len": 2048, "max_tokens": 4, "temperature": 0.0},
+         "capabilities": {"vision_mode": "proxy", "vision_proxy": {"model": "qwen", "max_tokens": 4}}},
+        {"name": "qwen", "local_path": str(vlm_dir),
+         "params": {"mem": 16, "max_tokens": 6, "temperature": 0.0, "max_images_per_request": 2,
+                    "max_pixels": 56 * 56},
+         "capabilities": {"vision_mode": "native"}},
+    ]
+    text = yaml.safe_dump({"default_model": "demo", "server": {"shutdown_grace_s": 1}, "models": models})
+    with serving(tmp_path_factory.mktemp("native-server"), text) as srv:
+        yield srv
+
+
+def ask(srv, *images: str, text: str = "What is in the picture?", model: str = "qwen", **kw):
+    content = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    with OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                              max_tokens=6, temperature=0, **kw)
+
+
+def test_images_reach_the_model(native, caplog):
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        a = ask(native, data_url(striped_bytes(1)))
+    assert any("worst case" in r.getMessage() and "peak" in r.getMessage() for r in caplog.records)
+    a_again = ask(native, data_url(striped_bytes(1)))
+    b = ask(native, data_url(striped_bytes(2)))
+    assert a.choices[0].message.content == a_again.choices[0].message.content
+    assert a.choices[0].message.content != b.choices[0].message.content
+    # Image tokens count in the prompt.
+    assert a.usage.prompt_tokens > ask(native).usage.prompt_tokens
+
+
+def test_text_only_requests_work(native):
+    r = ask(native, text="Hello there")
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+
+
+def test_too_many_images_is_a_400_naming_the_limit(native):
+    r = native.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes((i * 40, 0, 0)))}} for i in range(3)]}]})
+    err = assert_openai_error(r, 400, "too_many_images")
+    assert "at most 2" in err["message"] and err["param"] == "messages[0].content[2].image_url"
+
+
+def test_a_proxy_model_captions_with_the_same_loaded_copy(native):
+    r = native.post("/v1/chat/completions", {"model": "demo", "max_tokens": 2, "extensions": True, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Describe it"},
+                                     {"type": "image_url", "image_url": {"url": data_url(striped_bytes(3))}}]}]})
+    assert r.status_code == 200, r.text
+    (caption,) = r.json()["extensions"]["captions"]
+    assert caption["caption"] and "Image 1: " in r.json()["extensions"]["prompt"]
+    models = native.get("/health").json()["models"]
+    assert set(models) == {"demo", "qwen"} and models["qwen"]["state"] == "loaded"  # one copy, not two
+    listed = {m["id"]: m for m in native.get("/v1/models").json()["data"]}
+    assert listed["qwen"]["capabilities"]["vision"]["mode"] == "native"
