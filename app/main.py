@@ -23,6 +23,8 @@ from app.api.meta import get_model, health, health_head, list_models
 from app.api.metrics import metrics
 from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
+from app.api.openai.embeddings import embeddings
+from app.api.rerank import rerank
 from app.api.state import AppState
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_spec
@@ -126,7 +128,8 @@ def create_app(state: AppState) -> Litestar:
     app = Litestar(
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
-            Router("/", route_handlers=[chat_completions, completions, agui, list_models, get_model, metrics],
+            Router("/", route_handlers=[chat_completions, completions, embeddings, rerank, agui, list_models,
+                                        get_model, metrics],
                    guards=guards),
             health,
             health_head,

@@ -12,6 +12,7 @@ are raised from ``app.errors`` and each format's edge renders them.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import logging
@@ -24,6 +25,7 @@ from typing import Any
 import anyio
 
 from app.config.schema import ModelCapabilities, ModelParams, ServerSettings
+from app.engine.encoder import Embeddings, Ranking
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
 from app.engine.vlm import render_vlm_prompt
@@ -242,6 +244,34 @@ class Pipeline:
         """The whole generation, folded from the same steps as a stream."""
         async with aclosing(self.steps(p)) as steps:
             return Completion.fold([s async for s in steps])
+
+
+    # ---- encoders ---------------------------------------------------------------------
+
+    async def embed(self, model: str, inputs: object, *, truncate: bool = False,
+                    dimensions: int | None = None) -> tuple[Embeddings, int]:
+        """The vectors of ``inputs`` from an embedding model, and their dimension."""
+        lease = await self.registry.acquire(model, roles=("embedding",))
+        try:
+            encoder = lease.handle
+            if dimensions is not None and dimensions != encoder.dim:
+                raise InvalidRequestError(f"model {model!r} gives {encoder.dim}-dimensional vectors; "
+                                          f"dimensions {dimensions} cannot be served", param="dimensions")
+            steps = self.registry.worker.submit_steps(lambda: encoder.embed_steps(inputs, truncate=truncate))
+            return await asyncio.wrap_future(steps), encoder.dim
+        finally:
+            lease.release()
+
+    async def rerank(self, model: str, query: object, documents: object, *, truncate: bool = False) -> Ranking:
+        """Relevance of each document to ``query``: cosine with an embedding model, the
+        classifier's score with a cross-encoder (``role: rerank``)."""
+        lease = await self.registry.acquire(model, roles=("embedding", "rerank"))
+        try:
+            encoder = lease.handle
+            steps = self.registry.worker.submit_steps(lambda: encoder.rerank_steps(query, documents, truncate=truncate))
+            return await asyncio.wrap_future(steps)
+        finally:
+            lease.release()
 
 
 # ---- the CPU work, in a worker thread ---------------------------------------------------
