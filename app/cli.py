@@ -87,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
     with _exit_zero_after_drain():
         server.run()
     state.worker.stop()
-    return 0
+    return server.exit_code  # non-zero when the engine died, so a service manager restarts us
 
 
 def configure_logging(level: str) -> None:

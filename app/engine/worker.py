@@ -51,6 +51,14 @@ class MLXWorker:
         self._steppers.append(step)
         self._on_death.append(on_death)
 
+    def add_death_hook(self, notify: Callable[[BaseException], None]) -> None:
+        """Call ``notify(exc)`` on the MLX thread if its loop dies, after the steppers' own hooks
+        (so their requests have been failed first); at once if it is already dead."""
+        if self.dead is not None:
+            notify(self.dead)
+            return
+        self._on_death.append(notify)
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the MLX thread, ahead of the next batch step."""
         return self._enqueue(self._jobs, fn)
