@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(args)
         if args.command in service_cli.COMMANDS or args.action is None:
-            return service_cli.run(args, _models_file(args.models_file))
+            return service_cli.run(args, _models_file(getattr(args, "models_file", None)))
         if args.action == "prepare-demo":
             from app.engine.demo_model import ensure_demo_model
 

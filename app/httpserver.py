@@ -210,7 +210,8 @@ class DrainingServer(uvicorn.Server):
         # On the dying MLX thread, after the engine has failed its requests (their streams get
         # their error event); uvicorn's main loop sees should_exit within a tick and drains.
         log.error("the MLX engine thread died (%s): draining, then exiting with status %d so the service "
-                  "manager restarts Tandem (server.on_engine_death: exit)", exc, EXIT_ENGINE_DIED)
+                  "manager restarts Tandem (server.on_engine_death: exit)", str(exc) or type(exc).__name__,
+                  EXIT_ENGINE_DIED)
         self.exit_code = EXIT_ENGINE_DIED
         self.should_exit = True
 

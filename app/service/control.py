@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -130,11 +131,12 @@ class SystemdUser:
         props = "LoadState,ActiveState,SubState,MainPID,NRestarts,ExecMainStatus,UnitFileState"
         shown = self._ctl("show", units.UNIT_NAME, f"--property={props}", check=False).stdout
         p = dict(line.partition("=")[::2] for line in shown.splitlines())
-        installed = self.unit_path.is_file() and p.get("LoadState") == "loaded"
+        if not (self.unit_path.is_file() and p.get("LoadState") == "loaded"):
+            return UnitState(installed=False, running=False, summary="not installed")
         pid = int(p.get("MainPID") or 0)
         return UnitState(
-            installed=installed, running=p.get("ActiveState") == "active",
-            summary=f"{p.get('ActiveState', 'unknown')} ({p.get('SubState', '?')})" if installed else "not installed",
+            installed=True, running=p.get("ActiveState") == "active",
+            summary=f"{p.get('ActiveState', 'unknown')} ({p.get('SubState', '?')})",
             pid=pid or None, restarts=int(p["NRestarts"]) if p.get("NRestarts", "").isdigit() else None,
             last_exit=int(p["ExecMainStatus"]) if p.get("ExecMainStatus", "").isdigit() else None,
             enabled=p.get("UnitFileState") or None)
@@ -262,7 +264,9 @@ def uninstall(manager: ServiceManager) -> int:
     if manager.log_path.parent.is_dir():
         shutil.rmtree(manager.log_path.parent)
         removed.append(manager.log_path.parent)
-    _prune_empty(manager.unit_path.parent, stop=units.home_dir())
+    home = units.home_dir()
+    for folder in (manager.unit_path.parent / "default.target.wants", manager.log_path.parent):
+        _prune_empty(folder, home=home)
     for path in removed:
         print(f"removed {path}")
     if not removed:
@@ -270,18 +274,22 @@ def uninstall(manager: ServiceManager) -> int:
     return 0
 
 
-def _prune_empty(folder: Path, *, stop: Path) -> None:
-    """Remove ``folder`` and its parents while they are empty (``default.target.wants`` left by
-    ``systemctl disable``, ``~/.config/systemd/user``), never ``stop`` or above it, nor
-    ~/Library/LaunchAgents, which macOS owns."""
-    for candidate in (folder / "default.target.wants", folder, *folder.parents):
-        if candidate == stop or stop not in candidate.parents or candidate.name == "LaunchAgents":
+# Folders the system owns, kept even when empty.
+_KEPT = frozenset({"Library", "LaunchAgents", "Logs"})
+
+
+def _prune_empty(folder: Path, *, home: Path) -> None:
+    """Remove ``folder`` and its parents while they are empty (what install created:
+    ~/.config/systemd/user, ~/.local/state/...), up to ``home``; never the system's own folders."""
+    for candidate in (folder, *folder.parents):
+        if candidate == home or home not in candidate.parents or candidate.name in _KEPT:
             return
         try:
             candidate.rmdir()
-        except OSError:  # not empty, or not there
-            if candidate.exists():
-                return
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty
+            return
 
 
 def start(manager: ServiceManager, *, wait_s: float) -> int:
@@ -319,9 +327,10 @@ def status(manager: ServiceManager, *, as_json: bool) -> int:
         print(json.dumps({"manager": manager.kind, "unit": str(manager.unit_path), "log": str(manager.log_path),
                           "url": url, "state": asdict(state), "health": health.body if health else None}, indent=2))
         return code
+    last_exit = None if state.running else state.last_exit  # a running one's is its current process's
     print(f"service  {manager.kind}: {state.summary}" + "".join(
         f", {label} {value}" for label, value in (("pid", state.pid), ("restarts", state.restarts),
-                                                  ("last exit", state.last_exit), ("at login", state.enabled))
+                                                  ("last exit", last_exit), ("at login", state.enabled))
         if value is not None))
     print(f"unit     {manager.unit_path}{'' if argv else ' (missing)'}")
     print(f"log      {manager.log_path}")
@@ -342,8 +351,10 @@ def logs(manager: ServiceManager, *, lines: int, follow: bool) -> int:
     return 0
 
 
-def follow_file(path: Path, *, lines: int, follow: bool, out: TextIO, poll_s: float = 0.3) -> None:
-    """``tail -n lines [-F] path``: reopens the file when it is replaced or truncated."""
+def follow_file(path: Path, *, lines: int, follow: bool, out: TextIO, poll_s: float = 0.3,
+                stop: threading.Event | None = None) -> None:
+    """``tail -n lines [-F] path``: reopens the file when it is replaced or truncated; ends on
+    Ctrl-C, or when ``stop`` is set."""
     write, flush = out.write, out.flush
     handle = open(path, "rb")  # reopened below when the file is replaced
     try:
@@ -351,7 +362,7 @@ def follow_file(path: Path, *, lines: int, follow: bool, out: TextIO, poll_s: fl
         handle.seek(0, os.SEEK_END)
         write(b"".join(tail).decode("utf-8", "replace"))
         flush()
-        while follow:
+        while follow and not (stop and stop.is_set()):
             chunk = handle.read()
             if chunk:
                 write(chunk.decode("utf-8", "replace"))
