@@ -76,7 +76,11 @@ def run(args: argparse.Namespace, models_file: Path) -> int:
     if args.command == "service":
         return _service(args, models_file)
     if args.command == "pull":
-        return _pull(args, models_file)
+        try:
+            return _pull(args, models_file)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: `tandem pull {args.model}` resumes where this stopped", file=sys.stderr)
+            return 130
     url = server_url(args.url, models_file)
     if args.command == "ps":
         health = st.fetch_health(url)
