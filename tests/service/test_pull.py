@@ -158,3 +158,24 @@ def test_isq_converts_with_mlx_lm_and_add_keeps_the_comments(tmp_path, hub):
 
     entry = load_models_file(models).find("tiny-llama-q4")
     assert entry is not None and entry.local_path == str(out) and entry.role == "chat"
+
+
+def test_add_appends_an_hf_id_entry_once_and_models_sees_it_downloaded(tmp_path, hub):
+    _, url = hub
+    env = pull_env(tmp_path, url, TANDEM_URL=f"http://127.0.0.1:{free_port()}")
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - name: demo   # mine\n    builtin: smollm2-135m-instruct\n")
+    r = run_pull(env, REPO_ID, "--add", "--models-file", str(models))
+    assert r.returncode == 0 and f"added tiny-llama to {models}" in r.stdout, r.stderr
+    assert models.read_text().startswith("models:\n  - name: demo   # mine\n")
+    again = run_pull(env, REPO_ID, "--add", "--models-file", str(models))
+    assert again.returncode == 0 and "already has an entry named tiny-llama: not added" in again.stdout
+    assert models.read_text().count("- name: tiny-llama") == 1
+
+    import json
+
+    listed = subprocess.run([sys.executable, "-m", "app", "models", "--models-file", str(models), "--json"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    rows = {m["name"]: m for m in json.loads(listed.stdout)["models"]}
+    assert rows["tiny-llama"]["source"] == {"hf_id": REPO_ID} and rows["tiny-llama"]["downloaded"] is True
+    assert rows["tiny-llama"]["loaded"] is None  # no server answers
