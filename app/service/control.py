@@ -162,10 +162,16 @@ class Launchd:
     def _loaded(self) -> bool:
         return _run(["launchctl", "print", self.target], check=False).returncode == 0
 
+    def _bootout(self, *, check: bool) -> None:
+        _run(["launchctl", "bootout", self.target], check=check)
+        deadline = time.monotonic() + 60  # the drain; a bootstrap before the job is gone fails
+        while self._loaded() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def activate(self, changed: bool) -> None:
         _run(["launchctl", "enable", self.target])  # undoes an earlier `launchctl disable`
         if self._loaded() and changed:
-            _run(["launchctl", "bootout", self.target], check=False)
+            self._bootout(check=False)
         if self._loaded():
             _run(["launchctl", "kickstart", self.target])  # starts it if it is not running
         else:
@@ -173,7 +179,7 @@ class Launchd:
 
     def deactivate(self) -> None:
         if self._loaded():
-            _run(["launchctl", "bootout", self.target], check=False)
+            self._bootout(check=False)
 
     def forget(self) -> None:
         """launchd forgets a booted-out job with its plist."""
@@ -184,7 +190,7 @@ class Launchd:
     def stop(self) -> None:
         # Booted out: stopped until `tandem service start` or the next login (RunAtLoad).
         if self._loaded():
-            _run(["launchctl", "bootout", self.target])
+            self._bootout(check=True)
 
     def state(self) -> UnitState:
         if not self.unit_path.is_file():
