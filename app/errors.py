@@ -29,6 +29,7 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     │   ├── VisionUnavailableError   503 code=vision_unavailable
     │   └── TooManyConnectionsError  503 code=too_many_connections (rendered by app.httpserver)
     ├── ConfigError                  raised at start-up: bad models.yaml or flags
+    ├── CommandError                 a local command (service, pull, ps, models) cannot do its job
     └── EngineError                  500: a failure inside one generation
 """
 
@@ -165,6 +166,15 @@ class TooManyConnectionsError(ServiceUnavailableError):
 
 class ConfigError(AppError):
     """models.yaml or the command line is wrong; raised before serving."""
+
+
+class CommandError(AppError):
+    """A local command (``tandem service``, ``pull``, ``ps``, ``models``) cannot do its job: no
+    service manager, no network, no server. The CLI prints the message and exits ``exit_code``."""
+
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class EngineError(AppError):

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.http")
 
+# The process's exit status when the MLX thread died (sysexits.h EX_SOFTWARE): a failure, so restarted.
+EXIT_ENGINE_DIED = 70
+
 # Served whatever the connection count: a probe must see a busy server as up, and it is cheap.
 ALWAYS_SERVED = frozenset({"/health"})
 
@@ -189,11 +192,28 @@ class GuardedH11Protocol(H11Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT the engine drains (``app.main.drain``) while uvicorn drains its connections."""
+    """On SIGTERM/SIGINT the engine drains (``app.main.drain``) while uvicorn drains its connections.
+
+    With ``server.on_engine_death: exit`` a dead MLX thread shuts the server down the same way and
+    ``exit_code`` becomes ``EX_SOFTWARE`` (70): the process exits non-zero, so launchd's KeepAlive or
+    systemd's ``Restart=on-failure`` starts a fresh one, which clients reach at the same address.
+    """
 
     def __init__(self, config: uvicorn.Config, state: AppState) -> None:
         super().__init__(config)
         self.state = state
+        self.exit_code = 0
+        if state.config.server.on_engine_death == "exit":
+            state.worker.add_death_hook(self._engine_died)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        # On the dying MLX thread, after the engine has failed its requests (their streams get
+        # their error event); uvicorn's main loop sees should_exit within a tick and drains.
+        log.error("the MLX engine thread died (%s): draining, then exiting with status %d so the service "
+                  "manager restarts Tandem (server.on_engine_death: exit)", str(exc) or type(exc).__name__,
+                  EXIT_ENGINE_DIED)
+        self.exit_code = EXIT_ENGINE_DIED
+        self.should_exit = True
 
     async def shutdown(self, sockets: Any = None) -> None:
         from app.main import drain

@@ -88,6 +88,9 @@ def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, re
         return state
     state.model = caps.vision_proxy.model
     state.proxy, state.reason = build_proxy(config, worker, load=load, chat=chat, registry=registry)
+    captioner = state.proxy.captioner
+    if captioner is not None and hasattr(captioner, "weights_bytes"):  # its own copy: counted in the budget
+        registry.add_external(captioner.name, "vision", lambda: int(captioner.weights_bytes))
     state.available = state.reason is None
     if state.reason:
         log.warning("vision model %s unavailable for %s, serving text only: %s", state.model, chat.name, state.reason)

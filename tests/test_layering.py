@@ -6,7 +6,9 @@ engine and parsers never import the API layer, the pipeline, Litestar or
 pydantic; the pipeline never imports the API layer or Litestar; vision never
 imports the API layer or Litestar, and of the pipeline only its typed request
 (which it rewrites); config reaches into the engine only for the frozen params
-types it builds. Every import counts, ``if TYPE_CHECKING:`` ones included.
+types it builds; service (the CLI's service, pull, ps and models commands) talks to
+the server over HTTP, never through its modules. Every import counts,
+``if TYPE_CHECKING:`` ones included.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "pipeline": (("litestar", "pydantic", "app.api"), ()),
     "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"),
                ("app.engine.params",)),
+    # The service commands are clients of the server (HTTP) and of the service manager.
+    "service": (("litestar", "uvicorn", "app.api", "app.pipeline", "app.parsers", "app.vision", "app.main",
+                 "app.httpserver"), ()),
 }
 
 

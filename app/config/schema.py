@@ -205,6 +205,10 @@ class ServerSettings(_Strict):
     backlog: int = Field(default=2048, ge=16)
     # On SIGTERM/SIGINT: seconds running requests get to finish before they end with an error event.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # When the MLX engine thread dies: "exit" drains (running streams get their error event) and
+    # exits with status 70, so launchd / systemd restart a fresh process; "stay" keeps the process
+    # up, answering 503 until someone restarts it.
+    on_engine_death: Literal["exit", "stay"] = "exit"
     # Which reasoning fields go out: OpenAI-compatible servers disagree on the name.
     reasoning_fields: list[Literal["reasoning_content", "reasoning"]] = [
         "reasoning_content",

@@ -164,6 +164,8 @@ class Registry:
         self._engine_hooks: list[Callable[[str, Any], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
+        # Models loaded outside the registry (a proxy's own VLM): name -> (role, bytes now).
+        self._external: dict[str, tuple[str, Callable[[], int]]] = {}
 
     # ---- what is served -----------------------------------------------------------------
 
@@ -192,6 +194,11 @@ class Registry:
         """The handle of a loaded model, or None (no lease: for /health and tests)."""
         slot = self._slots.get(name)
         return slot.handle if slot is not None and slot.state == "loaded" else None
+
+    def add_external(self, name: str, role: str, weights_bytes: Callable[[], int]) -> None:
+        """Count a model loaded elsewhere (a proxy-mode VLM with its own copy) in the budget
+        and in the snapshot; ``weights_bytes()`` is 0 while it is not loaded."""
+        self._external.setdefault(name, (role, weights_bytes))
 
     def stop_accepting(self) -> list[TextEngine]:
         """Shutdown: no more loads, and every loaded chat engine refuses new requests."""
@@ -335,7 +342,8 @@ class Registry:
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
+        external = sum(size() for _, size in self._external.values())
+        return external + sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
 
     def _need_bytes(self, slot: _Slot) -> int:
         weights = estimate_weights_bytes(local_dir(slot.spec.source))
@@ -440,6 +448,13 @@ class Registry:
                 "requests": {"running": stats.active if stats else 0,
                              "waiting": (stats.waiting + stats.paused if stats else 0) + slot.waiting},
                 "error": slot.error,
+            }
+        for name, (role, size) in self._external.items():
+            weights = size()
+            models[name] = {
+                "role": role, "state": "loaded" if weights else "unloaded", "pinned": False, "idle_s": None,
+                "memory_mb": {"weights": round(weights / MB, 1), "kv_budget": 0.0, "kv_used": 0.0},
+                "requests": {"running": 0, "waiting": 0}, "error": None,
             }
         used = self.used_bytes
         return {

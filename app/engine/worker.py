@@ -34,8 +34,10 @@ class MLXWorker:
         self._current: tuple[Generator, Future] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._steppers: list[Callable[[], bool]] = []
-        self._on_death: list[Callable[[BaseException], None]] = []
+        # (step, its on-death hook): an engine's batch and how it fails its requests.
+        self._steppers: list[tuple[Callable[[], bool], Callable[[BaseException], None]]] = []
+        # Told after every stepper's own hook (the process's exit on engine death).
+        self._death_hooks: list[Callable[[BaseException], None]] = []
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -48,16 +50,19 @@ class MLXWorker:
 
     def add_stepper(self, step: Callable[[], bool], on_death: Callable[[BaseException], None]) -> None:
         """``step()`` advances some work by one slice and returns whether work remains."""
-        self._steppers.append(step)
-        self._on_death.append(on_death)
+        self._steppers.append((step, on_death))
 
     def remove_stepper(self, step: Callable[[], bool]) -> None:
         """Stop calling ``step`` (an unloaded model's engine). MLX thread only."""
-        for i, registered in enumerate(self._steppers):
-            if registered == step:
-                del self._steppers[i]
-                del self._on_death[i]
-                return
+        self._steppers = [(s, hook) for s, hook in self._steppers if s != step]
+
+    def add_death_hook(self, notify: Callable[[BaseException], None]) -> None:
+        """Call ``notify(exc)`` on the MLX thread if its loop dies, after the steppers' own hooks
+        (so their requests have been failed first); at once if it is already dead."""
+        if self.dead is not None:
+            notify(self.dead)
+            return
+        self._death_hooks.append(notify)
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the MLX thread, ahead of the next batch step."""
@@ -127,7 +132,7 @@ class MLXWorker:
             while not self._stop.is_set():
                 self._run_jobs()
                 busy = self._advance()
-                for step in self._steppers:
+                for step, _ in self._steppers:  # rebound, never mutated: safe to iterate
                     busy = step() or busy
                 if not busy and not self._jobs and not self._step_jobs:
                     self._wake.wait(timeout=0.05)
@@ -135,7 +140,7 @@ class MLXWorker:
         except BaseException as exc:  # noqa: BLE001 - recorded, reported, never silent
             log.exception("MLX engine thread died")
             self.dead = exc
-            for notify in self._on_death:
+            for notify in [hook for _, hook in self._steppers] + self._death_hooks:
                 notify(exc)
         finally:
             # Streams belong to the thread that made them; left behind, they abort the

@@ -113,6 +113,8 @@ class MlxVlmCaptioner:
         self._executor = executor
         self._model: Any = None
         self._processor: Any = None
+        # What the loaded weights take (0 when not loaded): the registry counts it in the budget.
+        self.weights_bytes = 0
         # Unload after this long unused (models.yaml idle_unload_secs); reloaded on demand.
         self.idle_unload_s = idle_unload_s
         self.unloaded = False
@@ -222,6 +224,7 @@ class MlxVlmCaptioner:
         import mlx.core as mx
 
         self._model = self._processor = None
+        self.weights_bytes = 0
         self.unloaded = True
         mx.clear_cache()
         logger.info("vision model %s unloaded after %.0f s idle", self.name, self.idle_unload_s)
@@ -238,6 +241,10 @@ class MlxVlmCaptioner:
             ) from exc
         self._check_loaded(model, processor)
         self._model, self._processor = model, processor
+        from mlx.utils import tree_flatten
+
+        flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+        self.weights_bytes = sum(array.nbytes for _, array in flat)
 
     def _check_loaded(self, model: Any, processor: Any) -> None:
         """Refuse, loudly, the setups where mlx-vlm would silently ignore the image."""

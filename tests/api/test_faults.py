@@ -1,9 +1,14 @@
-"""Faults: a dead engine thread gives 503s and an unhealthy /health, never a hang; a model
-that cannot load stops start-up with a message, not a traceback."""
+"""Faults: a dead engine thread gives 503s and an unhealthy /health, never a hang (and, by
+default, a drained exit with status 70 for the service manager to restart); a model that
+cannot load stops start-up with a message, not a traceback."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,13 +16,16 @@ import httpx
 import pytest
 
 from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.conftest import REPO, free_port
 
 HI = [{"role": "user", "content": "Hi"}]
+FAULT_INJECTOR = REPO / "tests" / "fixtures" / "engine_fault"
 
 
 @pytest.fixture()
 def srv(tmp_path, tiny_model_dir):
-    with serving(tmp_path, tiny_yaml(tiny_model_dir)) as served:
+    # `stay`: the process outlives its engine, so what clients see meanwhile can be checked.
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, {"on_engine_death": "stay"})) as served:
         yield served
 
 
@@ -106,3 +114,58 @@ def test_a_sampler_failing_mid_batch_leaves_the_engine_sampling(srv):
     assert asyncio.run(generate(temperature=1.0)) == 2
     assert asyncio.run(generate(temperature=0.0)) == 2
     assert srv.get("/health").json()["status"] == "ok"
+
+
+def _serve_process(models, port: int, log) -> subprocess.Popen:
+    """`python -m app serve` with the fault injector loaded (SIGUSR1 kills its MLX thread)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULT_INJECTOR), str(REPO)])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port),
+         "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log_path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, "server did not start"
+        try:
+            if client.get("/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def test_engine_death_drains_then_exits_70_and_a_restart_serves_the_same_client(tmp_path, tiny_model_dir):
+    """The default `on_engine_death: exit`: the running stream gets its error event, the process
+    exits 70 (so launchd / systemd restart it), and the same process started again (what the
+    service manager does) serves the next request of the same client, unchanged."""
+    models = tmp_path / "models.yaml"
+    models.write_text(tiny_yaml(tiny_model_dir))
+    port, log_path = free_port(), tmp_path / "server.log"
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(log_path, "wb") as log, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            procs.append(_serve_process(models, port, log))
+            _wait_healthy(client, procs[0], log_path)
+            body = {"model": "tiny", "messages": HI, "max_tokens": 1500, "stream": True}
+            with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+                lines = (line for line in stream.iter_lines() if line)
+                assert '"role":"assistant"' in next(lines)
+                os.kill(procs[0].pid, signal.SIGUSR1)
+                tail = list(lines)
+            error = json.loads(tail[-1].removeprefix("data: "))["error"]
+            assert error["code"] == "engine_unavailable" and "engine thread died" in error["message"]
+            assert procs[0].wait(timeout=30) == 70
+            assert "exiting with status 70" in log_path.read_text()
+
+            procs.append(_serve_process(models, port, log))  # what Restart=on-failure / KeepAlive do
+            _wait_healthy(client, procs[1], log_path)
+            r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -108,7 +108,10 @@ def test_unknown_served_model(tmp_path):
         resolve(mf, model="b")
 
 
-def test_native_vision_is_refused_at_startup(tmp_path):
+def test_native_vision_is_accepted_and_image_token_is_gone(tmp_path):
+    """The placeholder comes from the VLM's processor, never from configuration."""
     text = "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    capabilities: {vision_mode: native}\n"
-    with pytest.raises(ConfigError, match="not supported yet"):
-        load_models_file(write(tmp_path, text))
+    assert load_models_file(write(tmp_path, text)).models[0].capabilities.vision_mode == "native"
+    old = text.replace("{vision_mode: native}", "{vision_mode: native, image_token: '<image>'}")
+    with pytest.raises(ConfigError, match="image_token: unknown key"):
+        load_models_file(write(tmp_path, old))

@@ -1,0 +1,317 @@
+"""``tandem pull NAME|HF_ID``: a model's weights into the Hugging Face cache, with one progress bar.
+
+The files are the ones mlx-lm (a chat model) or mlx-vlm (a vision model) would fetch on first use,
+downloaded with ``huggingface_hub`` into its usual cache, so the server later finds them there as if
+it had downloaded them itself. One bar shows bytes, speed and ETA for the whole model; an interrupted
+pull leaves ``.incomplete`` files that the next one resumes with HTTP Range requests. With no
+network, or ``HF_HUB_OFFLINE=1``, it says so in one line (exit 1) instead of a traceback.
+``HF_ENDPOINT`` points it at a mirror (or, in the tests, a fake hub on loopback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.errors import CommandError
+
+# What mlx-lm fetches for a model (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS) and what mlx-vlm fetches
+# (mlx_vlm.utils.get_model_path); tests/service/test_pull.py checks both against the installed packages.
+CHAT_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+                 "*.txt", "*.jsonl", "*.jinja"]
+VISION_PATTERNS = ["*.json", "*.jsonl", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def allow_patterns(role: str) -> list[str]:
+    """The files the server's loader needs for a model of ``role``."""
+    return VISION_PATTERNS if role == "vision" else CHAT_PATTERNS
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file to fetch: where its bytes are, its size, and its etag (the cache's blob name)."""
+
+    name: str
+    url: str
+    size: int
+    etag: str
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    # huggingface_hub 2.x talks httpx2, 1.x httpx: whichever is installed raises on no route / DNS.
+    errors: list[type[BaseException]] = []
+    for module in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError, AttributeError):
+            errors.append(importlib.import_module(module).TransportError)
+    return tuple(errors)
+
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str) -> Iterator[None]:
+    """Translate huggingface_hub's and the network's errors into one line each."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = constants.ENDPOINT
+    offline = (f"cannot reach the Hugging Face hub at {endpoint}{{why}}: are you offline? Run `tandem pull` "
+               "again when online; it resumes where it stopped")
+    try:
+        yield
+    except OfflineModeIsEnabled as exc:
+        raise CommandError(f"offline mode is on (HF_HUB_OFFLINE=1) and {repo_id} is not fully downloaded: "
+                           "unset HF_HUB_OFFLINE to pull it") from exc
+    except GatedRepoError as exc:
+        raise CommandError(f"{repo_id} is gated: accept its terms on {endpoint}/{repo_id}, then log in "
+                           "(`hf auth login`)") from exc
+    except RevisionNotFoundError as exc:
+        raise CommandError(f"{repo_id} has no such revision on {endpoint}", exit_code=2) from exc
+    except RepositoryNotFoundError as exc:
+        raise CommandError(f"{repo_id}: no such model on {endpoint} (or it is private: `hf auth login`)",
+                           exit_code=2) from exc
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        raise CommandError(f"the hub at {endpoint} answered {status} for {repo_id}; try again later") from exc
+    except LocalEntryNotFoundError as exc:  # the hub could not be reached for a file's metadata
+        raise CommandError(offline.format(why="")) from exc
+    except _transport_errors() as exc:
+        raise CommandError(offline.format(why=f" ({exc or type(exc).__name__})")) from exc
+
+
+def cached_snapshot(repo_id: str, role: str, revision: str | None = None) -> Path | None:
+    """The complete cached snapshot of ``repo_id`` (what ``pull`` or the server downloaded), else None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      allow_patterns=allow_patterns(role)))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):  # IncompleteSnapshotError is an OSError
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def download(repo_id: str, *, role: str = "chat", revision: str | None = None, stream: Any = None) -> Path:
+    """Fetch what the loader of ``role`` needs from ``repo_id`` into the Hugging Face cache, with a
+    progress bar on ``stream`` (stderr); returns the snapshot directory."""
+    from huggingface_hub import constants
+
+    stream = stream or sys.stderr
+    if constants.HF_HUB_OFFLINE:
+        if (path := cached_snapshot(repo_id, role, revision)) is not None:
+            print(f"{repo_id} is already downloaded: {path}", file=stream)
+            return path
+    with hub_errors(repo_id):
+        files = list_files(repo_id, role, revision)
+        fetch(repo_id, files, stream=stream)
+        return _record_snapshot(repo_id, role, revision)
+
+
+def list_files(repo_id: str, role: str, revision: str | None) -> list[HubFile]:
+    """The files of ``revision`` the loader of ``role`` needs, with their size and etag."""
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import filter_repo_objects
+
+    info = HfApi().model_info(repo_id, revision=revision)
+    names = [s.rfilename for s in info.siblings or []]
+    wanted = list(filter_repo_objects(names, allow_patterns=allow_patterns(role)))
+    if not any(name.endswith(".safetensors") for name in wanted):
+        raise CommandError(f"{repo_id} has no .safetensors weights for mlx to load (its files: "
+                           f"{', '.join(sorted(names)[:8])}...)", exit_code=2)
+    files = []
+    for name in wanted:  # pinned to the commit the hub just named, so every file is from one revision
+        meta = get_hf_file_metadata(hf_hub_url(repo_id, name, revision=info.sha))
+        files.append(HubFile(name, meta.location, int(meta.size or 0), str(meta.etag)))
+    # Small files first: an interrupted pull then leaves only the weights to resume.
+    return sorted(files, key=lambda f: (f.size, f.name))
+
+
+def fetch(repo_id: str, files: Sequence[HubFile], *, stream: Any) -> None:
+    """Download ``files`` into the cache's blobs under one bar, resuming partial files.
+
+    A file goes to ``blobs/<etag>.incomplete`` (locked, so a second pull waits), is checked against
+    its etag (sha256 for LFS files) and renamed to ``blobs/<etag>``: huggingface_hub then finds it
+    and links it into the snapshot without fetching it again. (huggingface_hub itself downloads to a
+    process-unique temporary file that the next run cannot reuse, so it does not resume.)"""
+    from tqdm import tqdm
+
+    blobs = cache_folder(repo_id) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    todo = [f for f in files if not _complete(blobs / f.etag, f)]
+    total = sum(f.size for f in files)
+    if not todo:
+        print(f"{repo_id}: all {len(files)} files already downloaded ({total / 2**20:.1f} MiB)", file=stream)
+        return
+    partial = sum(_size(blobs / f"{f.etag}.incomplete") for f in todo)
+    done = total - sum(f.size for f in todo) + partial
+    resumed = f", resuming at {done / 2**20:.1f} MiB" if partial else ""
+    print(f"pulling {repo_id} ({len(files)} files, {total / 2**20:.1f} MiB{resumed})", file=stream, flush=True)
+    with tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=repo_id,
+              file=stream, dynamic_ncols=True, mininterval=0.2) as bar:
+        for f in todo:
+            _fetch_file(f, blobs, bar)
+
+
+def cache_folder(repo_id: str) -> Path:
+    """The repo's folder in the Hugging Face cache (its documented layout: models--owner--name)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _complete(blob: Path, f: HubFile) -> bool:
+    return blob.is_file() and blob.stat().st_size == f.size
+
+
+def _fetch_file(f: HubFile, blobs: Path, bar: Any) -> None:
+    """One file, from where its partial download stopped (HTTP Range), into ``blobs/<etag>``."""
+    import fcntl
+
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    blob, partial = blobs / f.etag, blobs / f"{f.etag}.incomplete"
+    with open(partial, "ab") as out:
+        fcntl.flock(out, fcntl.LOCK_EX)  # held until closed: a concurrent pull of this file waits here
+        if _complete(blob, f):  # the other pull finished it meanwhile
+            partial.unlink(missing_ok=True)
+            return
+        offset = os.fstat(out.fileno()).st_size
+        headers = build_hf_headers()
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        with get_session().stream("GET", f.url, headers=headers, follow_redirects=True,
+                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+            hf_raise_for_status(r)
+            if offset and r.status_code != 206:  # the server ignored the Range: start the file over
+                out.truncate(0)
+                bar.update(-offset)
+            for chunk in r.iter_bytes(chunk_size=1 << 20):
+                out.write(chunk)
+                bar.update(len(chunk))
+        out.flush()
+        if not _matches(partial, f):
+            partial.unlink()
+            raise CommandError(f"{f.name} arrived corrupted (its size or checksum differs from the hub's); "
+                               "run `tandem pull` again")
+        partial.replace(blob)
+
+
+def _matches(path: Path, f: HubFile) -> bool:
+    """The file has the hub's size and, where the etag is one, its sha256 (LFS) or git blob id."""
+    import hashlib
+
+    size = path.stat().st_size
+    if size != f.size:
+        return False
+    if len(f.etag) == 64:
+        digest = hashlib.sha256()
+    elif len(f.etag) == 40:
+        digest = hashlib.sha1(b"blob %d\0" % size)
+    else:
+        return True
+    with open(path, "rb") as data:
+        while chunk := data.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest() == f.etag
+
+
+def _record_snapshot(repo_id: str, role: str, revision: str | None) -> Path:
+    """Let huggingface_hub write what marks the snapshot complete (the ref and the tree listing),
+    as when mlx-lm downloads it: every file is cached by now, so nothing is fetched again."""
+    from huggingface_hub import snapshot_download
+    from tqdm import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns(role),
+                                  tqdm_class=Silent))
+
+
+def converted_dir(repo_id: str, bits: int) -> Path:
+    """Where ``--isq`` writes a converted model: ``<tandem cache>/models/<owner>--<name>-q<bits>``."""
+    from app.engine.demo_model import cache_root
+
+    return cache_root() / "models" / f"{repo_id.replace('/', '--').lower()}-q{bits}"
+
+
+def quantize(source: Path, repo_id: str, bits: int, *, group_size: int = 64, stream: Any = None) -> Path:
+    """Convert the snapshot at ``source`` with mlx-lm's convert to ``bits``-bit weights, into
+    ``converted_dir``; a bar follows its stages (load, quantize, write). Done once: an existing
+    conversion is reused, and a partial one (interrupted) is discarded."""
+    import shutil
+    import tempfile
+    import time
+
+    from tqdm import tqdm
+
+    stream = stream or sys.stderr
+    out = converted_dir(repo_id, bits)
+    if (out / "config.json").is_file():
+        print(f"already converted: {out}", file=stream)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        shutil.rmtree(partial, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    started = time.monotonic()
+    try:
+        with tqdm(total=3, desc=f"q{bits}: loading", file=stream, bar_format="{desc} {bar} {elapsed}") as bar, \
+                contextlib.redirect_stdout(_StageLines(bar, bits)):
+            from mlx_lm.convert import convert
+
+            convert(str(source), str(work / "model"), quantize=True, q_bits=bits, q_group_size=group_size)
+            bar.set_description_str(f"q{bits}: written")
+            bar.update(bar.total - bar.n)
+        (work / "model").replace(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"converted to {out} ({size / 2**20:.1f} MiB) in {time.monotonic() - started:.1f}s", file=stream)
+    return out
+
+
+class _StageLines:
+    """Reads mlx-lm convert's ``[INFO] Loading`` / ``[INFO] Quantizing`` lines (its only sign of
+    progress: the work itself is one lazy MLX graph, computed as the weights are written) to move
+    the stage bar; anything else it prints is dropped."""
+
+    STAGES = {"[INFO] Loading": "loading", "[INFO] Quantizing": "quantizing", "[INFO] Quantized": "writing"}
+
+    def __init__(self, bar: Any, bits: int) -> None:
+        self.bar, self.bits = bar, bits
+
+    def write(self, text: str) -> int:
+        for prefix, stage in self.STAGES.items():
+            if text.startswith(prefix):
+                self.bar.set_description_str(f"q{self.bits}: {stage}")
+                if stage != "loading":
+                    self.bar.update(1)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def repo_id_like(value: str) -> bool:
+    """``owner/name``, as the hub spells repo ids."""
+    owner, sep, name = value.partition("/")
+    return bool(sep and owner and name and "/" not in name and not os.path.isabs(value))

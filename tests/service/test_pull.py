@@ -1,0 +1,181 @@
+"""`tandem pull`: progress and resume against a fake hub on loopback, clear refusals offline,
+`--isq` through mlx-lm's convert, `--add` keeping models.yaml's comments. Every run is a real
+`python -m app pull` process with its own Hugging Face cache."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.service import pull
+from tests.conftest import REPO, free_port
+from tests.service.fake_hub import COMMIT, FakeHub
+
+REPO_ID = "tandem-test/tiny-llama"
+
+
+def pull_env(tmp_path: Path, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    return {**env, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "TANDEM_CACHE_DIR": str(tmp_path / "tc"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+def run_pull(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", "pull", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture()
+def hub(tiny_model_dir):
+    fake = FakeHub()
+    fake.add_repo(REPO_ID, tiny_model_dir)
+    server, url = fake.serve()
+    yield fake, url
+    server.shutdown()
+
+
+def blob_of(tmp_path: Path, name: str, hub: FakeHub) -> Path:
+    return tmp_path / "hf" / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "blobs" / hub.repos[REPO_ID][name].etag
+
+
+def test_the_patterns_are_what_mlx_lm_and_mlx_vlm_fetch():
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+    from mlx_vlm.utils import get_model_path
+
+    assert pull.CHAT_PATTERNS == DEFAULT_ALLOW_PATTERNS
+    source = inspect.getsource(get_model_path)
+    assert all(f'"{p}"' in source for p in pull.VISION_PATTERNS)
+
+
+def test_pull_shows_progress_and_fills_the_cache_mlx_lm_reads(tmp_path, hub):
+    fake, url = hub
+    env = pull_env(tmp_path, url)
+    r = run_pull(env, REPO_ID)
+    assert r.returncode == 0, r.stderr
+    weights = fake.repos[REPO_ID]["model.safetensors"]
+    assert f"pulling {REPO_ID} (" in r.stderr
+    # One bar for the whole model: bytes done / total [elapsed<ETA, speed].
+    assert re.search(r"100%\|.*\| (\S+)/\1 \[\d\d:\d\d<00:00, +[\d.]+[kMG]?B/s\]", r.stderr), r.stderr
+    snapshot = Path(r.stdout.strip().rsplit(": ", 1)[-1])
+    assert snapshot == tmp_path / "hf" / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / COMMIT
+    assert hashlib.sha256((snapshot / "model.safetensors").read_bytes()).hexdigest() == weights.sha256
+
+    # What the server does later, offline: mlx-lm finds the snapshot in the cache as it is.
+    check = ("from mlx_lm.utils import hf_repo_to_path; from app.service.pull import cached_snapshot; "
+             f"print(hf_repo_to_path({REPO_ID!r})); print(cached_snapshot({REPO_ID!r}, 'chat'))")
+    found = subprocess.run([sys.executable, "-c", check], cwd=REPO, env={**env, "HF_HUB_OFFLINE": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert found.stdout.split() == [str(snapshot)] * 2, found.stderr
+
+    # A second pull finds everything there and fetches no file again.
+    fetched = len([r for r in fake.requests if r[0] == "GET" and "/resolve/" in r[1]])
+    again = run_pull(env, REPO_ID)
+    assert again.returncode == 0 and "already downloaded" in again.stderr
+    assert len([r for r in fake.requests if r[0] == "GET" and "/resolve/" in r[1]]) == fetched
+
+
+def test_an_interrupted_pull_resumes_with_a_range_request(tmp_path, hub):
+    fake, url = hub
+    fake.rate = 2 * 2**20  # 12 MiB of weights take ~6 s
+    env = pull_env(tmp_path, url)
+    partial = blob_of(tmp_path, "model.safetensors", fake).with_suffix(".incomplete")
+    proc = subprocess.Popen([sys.executable, "-m", "app", "pull", REPO_ID], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (partial.is_file() and partial.stat().st_size > 2 * 2**20):
+            assert proc.poll() is None and time.monotonic() < deadline, "the download did not get going"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # an interruption: nothing gets to clean up
+        proc.wait()
+    done_before = partial.stat().st_size
+
+    fake.rate = None
+    r = run_pull(env, REPO_ID)
+    assert r.returncode == 0, r.stderr
+    assert "resuming at" in r.stderr
+    ranges = [rng for method, path, rng in fake.requests if method == "GET" and path.endswith("model.safetensors")]
+    assert ranges[0] is None and ranges[-1] is not None
+    assert int(ranges[-1].removeprefix("bytes=").rstrip("-")) >= done_before
+    weights = fake.repos[REPO_ID]["model.safetensors"]
+    assert hashlib.sha256(blob_of(tmp_path, "model.safetensors", fake).read_bytes()).hexdigest() == weights.sha256
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "no route", "DNS"])
+def test_offline_is_one_clear_line_and_exit_1(tmp_path, how):
+    endpoint = {"no route": f"http://127.0.0.1:{free_port()}", "DNS": "http://hub.tandem-test.invalid"}.get(
+        how, "https://huggingface.co")
+    env = pull_env(tmp_path, endpoint, **({"HF_HUB_OFFLINE": "1"} if how == "HF_HUB_OFFLINE" else {}))
+    r = run_pull(env, REPO_ID, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("tandem: ")
+    if how == "HF_HUB_OFFLINE":
+        assert "offline mode is on (HF_HUB_OFFLINE=1)" in r.stderr
+    else:
+        assert f"cannot reach the Hugging Face hub at {endpoint}" in r.stderr and "are you offline" in r.stderr
+
+
+def test_unknown_names_and_repos_are_refused_with_exit_2(tmp_path, hub):
+    _, url = hub
+    env = pull_env(tmp_path, url)
+    r = run_pull(env, "no-such-entry")
+    assert r.returncode == 2 and "neither an entry" in r.stderr and "Traceback" not in r.stderr
+    r = run_pull(env, "tandem-test/missing")
+    assert r.returncode == 2 and "no such model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_isq_converts_with_mlx_lm_and_add_keeps_the_comments(tmp_path, hub):
+    _, url = hub
+    env = pull_env(tmp_path, url)
+    models = tmp_path / "models.yaml"
+    shutil.copy(REPO / "models.yaml", models)
+    before = models.read_text()
+    r = run_pull(env, REPO_ID, "--isq", "q4", "--add", "--models-file", str(models))
+    assert r.returncode == 0, r.stderr
+    assert "q4: written" in r.stderr and "converted to" in r.stderr
+    out = tmp_path / "tc" / "models" / "tandem-test--tiny-llama-q4"
+    import json
+
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    after = models.read_text()
+    assert after.startswith(before)  # every line and comment as it was, the entry appended
+    added = after[len(before):]
+    assert "tandem pull --isq q4" in added and "- name: tiny-llama-q4" in added and f"local_path: {out}" in added
+
+    from app.config.loader import load_models_file
+
+    entry = load_models_file(models).find("tiny-llama-q4")
+    assert entry is not None and entry.local_path == str(out) and entry.role == "chat"
+
+
+def test_add_appends_an_hf_id_entry_once_and_models_sees_it_downloaded(tmp_path, hub):
+    _, url = hub
+    env = pull_env(tmp_path, url, TANDEM_URL=f"http://127.0.0.1:{free_port()}")
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - name: demo   # mine\n    builtin: smollm2-135m-instruct\n")
+    r = run_pull(env, REPO_ID, "--add", "--models-file", str(models))
+    assert r.returncode == 0 and f"added tiny-llama to {models}" in r.stdout, r.stderr
+    assert models.read_text().startswith("models:\n  - name: demo   # mine\n")
+    again = run_pull(env, REPO_ID, "--add", "--models-file", str(models))
+    assert again.returncode == 0 and "already has an entry named tiny-llama: not added" in again.stdout
+    assert models.read_text().count("- name: tiny-llama") == 1
+
+    import json
+
+    listed = subprocess.run([sys.executable, "-m", "app", "models", "--models-file", str(models), "--json"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    rows = {m["name"]: m for m in json.loads(listed.stdout)["models"]}
+    assert rows["tiny-llama"]["source"] == {"hf_id": REPO_ID} and rows["tiny-llama"]["downloaded"] is True
+    assert rows["tiny-llama"]["loaded"] is None  # no server answers
