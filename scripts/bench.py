@@ -15,7 +15,11 @@ It measures, in this order (one server at a time, so they never compete):
   4. vision captioning: first image vs the same image again (caption cache),
      on a tiny random Qwen2-VL (the real mlx-vlm path);
   5. priority: the time to first token of a chat while 3 Open WebUI background
-     tasks (title, tags, follow-ups) are decoding, against the same chat alone.
+     tasks (title, tags, follow-ups) are decoding, against the same chat alone;
+  6. models: the time to first token of a model not loaded yet (load and
+     prefill) against a loaded one, and the longest gap between the tokens of
+     a running stream while another model loads, against its usual gap;
+  7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -275,7 +279,31 @@ async def bench_priority(base: str, model: str) -> tuple[float, float]:
     return alone, busy
 
 
-SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority")
+async def bench_models(base: str, loaded: str, cold: str) -> dict[str, float]:
+    """TTFT of a loaded model, then of one that must load first; then the gaps of a
+    stream on the loaded model while a third copy loads."""
+    url = base + "/v1/chat/completions"
+    body = lambda m, n=1: {"model": m, "max_tokens": n, "temperature": 0,  # noqa: E731
+                           "messages": [{"role": "user", "content": "Name three rivers."}]}
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await one_stream(client, url, body(loaded))  # warm up
+        warm = (await one_stream(client, url, body(loaded)))["ttft"]
+        first = (await one_stream(client, url, body(cold)))["ttft"]
+        stream = asyncio.create_task(one_stream(client, url, body(loaded, 400)))
+        await asyncio.sleep(2)  # decoding by now
+        started = time.perf_counter()
+        await one_stream(client, url, body(cold + "-again"))  # a load while the stream runs
+        load_window = (started, time.perf_counter())
+        res = await stream
+    stamps, gaps = [res["start"] + res["ttft"]], res["itl"]
+    for gap in gaps:
+        stamps.append(stamps[-1] + gap)
+    during = [g for t, g in zip(stamps[1:], gaps) if load_window[0] <= t <= load_window[1] + 0.5]
+    return {"ttft_loaded": warm, "ttft_cold": first, "gap_p50": statistics.median(gaps) if gaps else float("nan"),
+            "gap_max_during_load": max(during) if during else float("nan")}
+
+
+SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings")
 
 
 def main() -> None:
@@ -301,11 +329,13 @@ def main() -> None:
     if raw is not None:
         print(f"raw mlx-lm stream_generate decode: {raw:.1f} tok/s")
 
-    def serve(**params) -> tuple[subprocess.Popen, str]:
+    def serve(copies: int = 1, **params) -> tuple[subprocess.Popen, str]:
         cfg = Path(tempfile.mkdtemp()) / "models.yaml"
-        cfg.write_text(json.dumps({"models": [{"name": name, "local_path": args.model_path, "params": {
+        entry = {"local_path": args.model_path, "params": {
             "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
-            "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256, **params}}]}))
+            "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256, **params}}
+        names = [name, f"{name}-cold", f"{name}-cold-again"][:copies]
+        cfg.write_text(json.dumps({"default_model": name, "models": [{"name": n, **entry} for n in names]}))
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         proc = start([sys.executable, "-m", "app", "serve", "--models-file", str(cfg), "--port", str(port),
@@ -392,6 +422,25 @@ def main() -> None:
         print(f"chat TTFT alone {alone:.2f}s, with 3 background tasks decoding {busy:.2f}s")
         ratios.append(f"chat TTFT with 3 background tasks / alone: {busy:.2f}s / {alone:.2f}s = {busy / alone:.3f}"
                       "   (target <= 1.5)")
+
+    if "models" in run:
+        ours, base = serve(copies=3)
+        try:
+            m = asyncio.run(bench_models(base, name, f"{name}-cold"))
+        finally:
+            stop(ours)
+        ratios.append(f"TTFT of a model not loaded yet (load + prefill) / loaded: {m['ttft_cold']:.2f}s / "
+                      f"{m['ttft_loaded']:.2f}s")
+        ratios.append(f"longest inter-token gap of a running stream while another model loads: "
+                      f"{m['gap_max_during_load'] * 1000:.0f} ms (its usual gap {m['gap_p50'] * 1000:.0f} ms)")
+
+    if "embeddings" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_embeddings import bench_embeddings
+
+        e = bench_embeddings(seconds=5.0)
+        ratios.append(f"embeddings/s (all-MiniLM-L6-v2): batch 1 {e['batch_1']['embeddings_per_s']:.1f}, "
+                      f"batch 32 {e['batch_32']['embeddings_per_s']:.1f}")
 
     print("\n== ratios ==")
     for line in ratios:

@@ -40,6 +40,7 @@ class TokenChannel:
             ):
                 last.text += delta.text
                 last.tokens += delta.tokens
+                last.logprobs += delta.logprobs
                 last.finish_reason = delta.finish_reason
                 last.error = delta.error
                 last.prompt_tokens = delta.prompt_tokens or last.prompt_tokens

@@ -31,6 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
 from app.engine.kv_quant import make_quantized_prompt_cache
@@ -45,7 +47,7 @@ from app.engine.mlx_internals import (
 from app.engine.params import EngineParams
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
-from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta
+from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta, TokenLogprob
 from app.engine.worker import MLXWorker
 from app.errors import AppError, EngineDeadError, EngineError, VisionNotSupportedError
 
@@ -338,7 +340,8 @@ class TextEngine:
         req, p = seq.req, self.params
         prompt = list(req.prompt_tokens)
         cache, rest = (None, prompt)
-        if p.prompt_cache != "off":
+        use_cache = p.prompt_cache != "off" or req.share_prefix
+        if use_cache:
             cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
@@ -351,7 +354,8 @@ class TextEngine:
             self.cache_tokens_saved += cached
         segments = [rest]
         prefix = req.cache_prefix_len
-        if p.prompt_cache != "off" and prefix and cached < prefix < len(prompt) and prefix >= p.cache_min_tokens:
+        worth = prefix is not None and (prefix >= p.cache_min_tokens or req.share_prefix)
+        if use_cache and prefix and worth and cached < prefix < len(prompt):
             segments = [prompt[cached:prefix], prompt[prefix:]]
             seq.cache_segments = 1
         seq.cached_tokens = cached
@@ -396,6 +400,7 @@ class TextEngine:
             seq.generated += 1
             self._time_token(seq)
             text = seq.stops.feed(seq.detok.last_segment)
+            logprobs = [_token_logprob(r.token, r.logprobs, seq.req.logprobs)] if seq.req.logprobs is not None else []
             if seq.stops.stopped:
                 if finish is None:
                     caches = self._bg.remove([seq.uid], return_prompt_caches=True)
@@ -404,7 +409,7 @@ class TextEngine:
             elif finish is not None:
                 text += seq.stops.flush()
                 self._store_conversation(seq, r.prompt_cache, r.all_tokens)
-            self._emit(seq, text, finish)
+            self._emit(seq, text, finish, logprobs)
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
             log.exception("request %s failed while decoding", seq.req.request_id)
             if seq.uid in self._running and r.finish_reason is None:
@@ -427,8 +432,8 @@ class TextEngine:
         if len(tokens) >= self.params.cache_min_tokens:
             self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="assistant")
 
-    def _emit(self, seq: _Seq, text: str, finish: str | None) -> None:
-        delta = TokenDelta(text=text, tokens=1, finish_reason=finish)
+    def _emit(self, seq: _Seq, text: str, finish: str | None, logprobs: list[TokenLogprob]) -> None:
+        delta = TokenDelta(text=text, tokens=1, finish_reason=finish, logprobs=logprobs)
         if finish is not None:
             delta.prompt_tokens = len(seq.req.prompt_tokens)
             delta.cached_tokens = seq.cached_tokens
@@ -509,3 +514,15 @@ class TextEngine:
             seq = self._paused.popleft()
             self._release(seq)
             self._finish_with_error(seq, exc)
+
+
+def _token_logprob(token: int, logprobs: Any, top: int) -> TokenLogprob:
+    """The sampled token's log-probability in the distribution the sampler drew from (after
+    logit bias and penalties), and the ``top`` most likely tokens of that distribution."""
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = mx.argpartition(-logprobs, top - 1)[:top]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        alternatives = tuple(zip(ids[order].tolist(), values[order].tolist(), strict=True))  # type: ignore[arg-type]
+    return TokenLogprob(token, float(logprobs[token].item()), alternatives)

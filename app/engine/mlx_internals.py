@@ -27,7 +27,10 @@ mlx-lm
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
 - ``TokenizerWrapper``: ``detokenizer`` (a fresh streaming detokenizer on each
-  access), ``eos_token_ids``, ``has_thinking``.
+  access), ``eos_token_ids``, ``has_thinking``; the streaming detokenizers drop
+  the first token's leading space (``SPMStreamingDetokenizer.trim_space``;
+  ``BPEStreamingDetokenizer`` whenever its ``text`` is empty), which
+  ``new_detokenizer`` undoes: a continuation keeps its space.
 
 mlx-vlm
 - the processor's ``tokenizer.stopping_criteria.reset(eos_token_id)``, which
@@ -117,8 +120,18 @@ def eos_token_ids(tokenizer: Any) -> list[int]:
 
 
 def new_detokenizer(tokenizer: Any) -> Any:
-    """A fresh streaming detokenizer: ``add_token``, ``finalize``, ``last_segment``."""
-    return tokenizer.detokenizer
+    """A fresh streaming detokenizer: ``add_token``, ``finalize``, ``last_segment``.
+
+    It keeps the first token's leading space, as the tokens have it: a text completion
+    of "The capital of France is" goes on with " Paris" (the chat parser trims the
+    edges of an answer itself)."""
+    detok = tokenizer.detokenizer
+    if hasattr(detok, "trim_space"):  # SentencePiece
+        detok.trim_space = False
+    elif type(detok).__name__ == "BPEStreamingDetokenizer":
+        # It trims while its text is empty: start it non-empty, and past that text.
+        detok.text, detok.offset = "\x00", 1
+    return detok
 
 
 def has_thinking(tokenizer: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -41,6 +41,11 @@ class GenerationRequest:
     priority: str = "interactive"
     # Prefix-cache partition: cached prefixes are shared only between requests with the same one.
     cache_namespace: str = ""
+    # Per generated token: its logprob and this many alternatives (None: no logprobs).
+    logprobs: int | None = None
+    # Keep this prompt (all but its last token) in the prefix cache whatever the cache mode,
+    # for sibling generations of the same request (n > 1) to reuse.
+    share_prefix: bool = False
     # Native VLMs only (``app.engine.vlm``): the prompt as mlx-vlm's chat template rendered it,
     # one placeholder per image, and the images (decoded PIL images, already within the model's
     # max_pixels) in the order their placeholders appear. The VLM engine tokenizes
@@ -50,6 +55,15 @@ class GenerationRequest:
     prompt_text: str | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenDelta:
     """What the engine sends back for one sequence: new text, and the end when it comes."""
@@ -57,6 +71,8 @@ class TokenDelta:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
+    # One per generated token in this delta, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # Set on the final delta only.
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -31,6 +31,7 @@ from app.engine.types import Engine, GenerationRecord, GenerationRequest, Sampli
 from app.engine.vlm import render_vlm_prompt
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
+from app.pipeline.logprobs import logprob_infos
 from app.pipeline.prompting import (
     ModelProfile,
     encode,
@@ -96,6 +97,8 @@ class Prepared:
     extras: dict[str, Any] = field(default_factory=dict)
     # Keeps the model loaded from preparation to the end of generation.
     lease: Lease | None = None
+    # Choices generated from the prompt.
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ class Pipeline:
             lease.release()
             raise
         gen = replace(gen, request_id=REQUEST_ID.get(), cache_namespace=self.cache_namespace(req.options.cache_salt))
-        return self._hold(Prepared(model.profile.name, gen, req.prompt), lease)
+        return self._hold(Prepared(model.profile.name, gen, req.prompt, n=req.options.n), lease)
 
     @staticmethod
     def _hold(prepared: Prepared, lease: Lease) -> Prepared:
@@ -219,32 +222,88 @@ class Pipeline:
     # ---- generate ---------------------------------------------------------------------
 
     async def steps(self, p: Prepared) -> AsyncGenerator[Step, None]:
-        """The generation, one ``Step`` per engine delta; closing it cancels the generation."""
+        """The generation, one ``Step`` per engine delta (choices interleaved when n > 1);
+        closing it cancels every choice and lets the model go."""
         assert p.lease is not None, "a prepared request holds its model's lease"
+        try:
+            if p.n == 1:
+                async with aclosing(self._choice(p, p.gen, 0)) as steps:
+                    async for step in steps:
+                        yield step
+            else:
+                async with aclosing(self._choices(p)) as steps:
+                    async for step in steps:
+                        yield step
+        finally:
+            p.lease.release()
+
+    async def _choice(self, p: Prepared, gen: GenerationRequest, index: int) -> AsyncGenerator[Step, None]:
+        """One generation through its own parser."""
+        assert p.lease is not None
         parser = None
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
                                  tools_offered=p.tools_offered)
+        async with aclosing(p.lease.handle.stream(gen)) as deltas:
+            async for delta in deltas:
+                events = parser.feed(delta.text) if parser is not None and delta.text else []
+                usage = None
+                if delta.finish_reason is not None:
+                    if parser is not None:
+                        events += parser.finish()
+                    usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                if not p.emit_reasoning:
+                    events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
+                logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
+                yield Step(events, delta.text, delta.finish_reason, usage, index, logprobs)
+
+    async def _choices(self, p: Prepared) -> AsyncGenerator[Step, None]:
+        """``n`` generations of one prompt: the first computes the prompt's KV and leaves it
+        in the prefix cache (its own namespace); the others start once it has, and reuse it."""
+        queue: asyncio.Queue[Step | BaseException] = asyncio.Queue()
+        prompt_cached = asyncio.Event()
+
+        async def run(index: int) -> None:
+            gen = p.gen
+            if index == 0:
+                gen = replace(gen, share_prefix=True, cache_prefix_len=max(1, len(gen.prompt_tokens) - 1))
+            elif gen.sampling.seed is not None:  # one seed for the request, a different draw per choice
+                gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2**64))
+            try:
+                if index:
+                    await prompt_cached.wait()
+                async with aclosing(self._choice(p, gen, index)) as steps:
+                    async for step in steps:
+                        prompt_cached.set()
+                        await queue.put(step)
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put(exc)
+            finally:
+                prompt_cached.set()  # never leave the others waiting on a choice that failed
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(p.n)]
         try:
-            async with aclosing(p.lease.handle.stream(p.gen)) as deltas:
-                async for delta in deltas:
-                    events = parser.feed(delta.text) if parser is not None and delta.text else []
-                    usage = None
-                    if delta.finish_reason is not None:
-                        if parser is not None:
-                            events += parser.finish()
-                        usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
-                    if not p.emit_reasoning:
-                        events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
-                    yield Step(events, delta.text, delta.finish_reason, usage)
+            finished = 0
+            while finished < p.n:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished += item.finish_reason is not None
+                yield item
         finally:
-            p.lease.release()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def complete(self, p: Prepared) -> Completion:
         """The whole generation, folded from the same steps as a stream."""
         async with aclosing(self.steps(p)) as steps:
             return Completion.fold([s async for s in steps])
 
+    async def complete_choices(self, p: Prepared) -> list[Completion]:
+        """Every choice of the generation (``n``), folded from the same steps as a stream."""
+        async with aclosing(self.steps(p)) as steps:
+            return Completion.fold_choices([s async for s in steps])
 
     # ---- encoders ---------------------------------------------------------------------
 
@@ -332,6 +391,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         stop=req.options.stop,
         cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted) if len(dicts) > 1 else None,
         priority=_priority(req),
+        logprobs=req.options.logprobs,
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -355,6 +415,7 @@ def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list
         priority=_priority(req),
         prompt_text=text,
         images=tuple(images),
+        logprobs=req.options.logprobs,
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -367,7 +428,7 @@ def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, 
     parse_reasoning = profile.reasoning and (wanted or not profile.thinking_switch)
     extras = {"prompt": text} if req.options.extensions else {}
     return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
-                    parse_reasoning and template_opens_reasoning(text), tools_offered, extras)
+                    parse_reasoning and template_opens_reasoning(text), tools_offered, extras, n=req.options.n)
 
 
 def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
@@ -381,6 +442,7 @@ def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
         sampling=sampling_for(profile, req.options),
         stop=req.options.stop,
         priority=req.options.priority,
+        logprobs=req.options.logprobs,
     )
 
 

@@ -161,6 +161,10 @@ class Options:
     priority: Priority = "interactive"
     # vLLM's cache_salt: prefixes with different salts never share KV.
     cache_salt: str | None = None
+    # Choices to generate from the one prompt (its KV computed once and shared).
+    n: int = 1
+    # Per generated token: its logprob and this many most likely alternatives (None: none).
+    logprobs: int | None = None
     # Tandem extension: captions, warnings, parser chunks and the exact prompt in the answer.
     extensions: bool = False
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from app.parsers import Event, ParsedOutput, collect
+from app.pipeline.logprobs import LogprobInfo
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class Step:
     # Set on the last step: "stop" or "length".
     finish_reason: str | None = None
     usage: Usage | None = None
+    # Which choice (n > 1) this step belongs to.
+    index: int = 0
+    # One per generated token of this step, when the request asked for logprobs.
+    logprobs: list[LogprobInfo] = field(default_factory=list)
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     events: list[Event] = field(default_factory=list)
+    index: int = 0
+    logprobs: list[LogprobInfo] = field(default_factory=list)
 
     @classmethod
     def fold(cls, steps: list[Step]) -> Completion:
@@ -59,4 +66,18 @@ class Completion:
         last = steps[-1]
         assert last.finish_reason is not None and last.usage is not None
         events = [ev for s in steps for ev in s.events]
-        return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events)
+        return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events,
+                   last.index, [lp for s in steps for lp in s.logprobs])
+
+    @classmethod
+    def fold_choices(cls, steps: list[Step]) -> list[Completion]:
+        """The steps of ``n`` interleaved generations, folded per choice, in choice order."""
+        by_index: dict[int, list[Step]] = {}
+        for step in steps:
+            by_index.setdefault(step.index, []).append(step)
+        return [cls.fold(by_index[i]) for i in sorted(by_index)]
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """One request's usage over its choices: the prompt counted once, completions summed."""
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens)

@@ -106,3 +106,23 @@ def test_new_vlm_detokenizer_is_private_per_sequence(vlm):
     one.finalize()
     two.add_token(ids[0])
     assert one.text == "a red square" and two.text != one.text
+
+
+def test_a_continuation_keeps_its_leading_space(demo_model_dir):
+    """mlx-lm's BPE detokenizer drops the first token's leading space; new_detokenizer keeps it."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    from app.engine.mlx_internals import new_detokenizer
+
+    tokenizer = load_tokenizer(demo_model_dir)
+    assert isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)
+    ids = tokenizer.encode(" Paris is lovely", add_special_tokens=False)
+    detok = new_detokenizer(tokenizer)
+    pieces = []
+    for token in ids:
+        detok.add_token(token)
+        pieces.append(detok.last_segment)
+    detok.finalize()
+    pieces.append(detok.last_segment)
+    assert "".join(pieces) == " Paris is lovely"

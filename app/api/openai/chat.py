@@ -22,7 +22,8 @@ from app.api.openai.protocol import ChatCompletionRequest
 from app.api.state import AppState
 from app.api.streaming import EventStream, started, to_json, unless_disconnected
 from app.parsers import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallError, ToolCallStart
-from app.pipeline.results import Completion, Step, Usage
+from app.pipeline.logprobs import LogprobInfo
+from app.pipeline.results import Completion, Step, Usage, total_usage
 
 
 def new_id(prefix: str) -> str:
@@ -46,59 +47,79 @@ def finish_reason(finish: str, tool_calls: int) -> str:
     return "tool_calls" if tool_calls and finish == "stop" else finish
 
 
+def logprob_entry(info: LogprobInfo) -> dict[str, Any]:
+    """OpenAI's ``logprobs.content[]`` item."""
+    c = info.chosen
+    return {"token": c.token, "logprob": c.logprob, "bytes": list(c.bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in info.top]}
+
+
+def logprobs_object(infos: list[LogprobInfo]) -> dict[str, Any]:
+    return {"content": [logprob_entry(i) for i in infos], "refusal": None}
+
+
 @dataclass
 class ChunkWriter:
-    """Builds the chunks of one streamed chat completion."""
+    """Builds the chunks of one streamed chat completion, every choice of it."""
 
     model: str
     reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")
+    with_logprobs: bool = False
     id: str = field(default_factory=lambda: new_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
-    tool_calls: int = 0
-    parse_error: str | None = None
+    tool_calls: dict[int, int] = field(default_factory=dict)
+    parse_errors: dict[int, str] = field(default_factory=dict)
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, index: int = 0,
+              logprobs: list[LogprobInfo] | None = None, **extra: Any) -> dict[str, Any]:
+        lp = logprobs_object(logprobs) if logprobs else None
         return {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
             "system_fingerprint": "tandem",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
             **extra,
         }
 
-    def first(self) -> dict[str, Any]:
-        return self.chunk({"role": "assistant", "content": ""})
+    def first(self, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"role": "assistant", "content": ""}, index=index)
 
-    def events(self, events: list[Event]) -> list[dict[str, Any]]:
-        """Chunks for parser events; empty deltas are never sent."""
-        return [self.chunk(delta) for ev in events if (delta := self._delta(ev))]
+    def step(self, step: Step) -> list[dict[str, Any]]:
+        """Chunks for one step's parser events; its logprobs ride on the first (on a chunk of
+        their own when the step's text is still held back). Empty deltas are never sent."""
+        chunks = [self.chunk(delta, index=step.index) for ev in step.events if (delta := self._delta(ev, step.index))]
+        if step.logprobs and self.with_logprobs:
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = logprobs_object(step.logprobs)
+            else:
+                chunks.append(self.chunk({}, index=step.index, logprobs=step.logprobs))
+        return chunks
 
-    def _delta(self, ev: Event) -> dict[str, Any] | None:
+    def _delta(self, ev: Event, index: int) -> dict[str, Any] | None:
         if isinstance(ev, ContentDelta):
             return {"content": ev.text} if ev.text else None
         if isinstance(ev, ReasoningDelta):
             return {name: ev.text for name in self.reasoning_fields} if ev.text else None
         if isinstance(ev, ToolCallStart):
-            self.tool_calls += 1
+            self.tool_calls[index] = self.tool_calls.get(index, 0) + 1
             return {"tool_calls": [{"index": ev.index, **tool_call_dict(ev.id, ev.name, "")}]}
         if isinstance(ev, ToolCallArgsDelta):
             return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]} if ev.text else None
         if isinstance(ev, ToolCallError):
-            self.parse_error = ev.message
+            self.parse_errors[index] = ev.message
         return None  # ToolCallEnd has no OpenAI delta of its own
 
-    def last(self, finish: str) -> dict[str, Any]:
-        if self.parse_error is not None:
-            return self.chunk({}, "error", error={"message": self.parse_error, "type": "tool_call_parse_error"})
-        return self.chunk({}, finish_reason(finish, self.tool_calls))
+    def last(self, finish: str, index: int = 0) -> dict[str, Any]:
+        if index in self.parse_errors:
+            return self.chunk({}, "error", index, error={"message": self.parse_errors[index],
+                                                         "type": "tool_call_parse_error"})
+        return self.chunk({}, finish_reason(finish, self.tool_calls.get(index, 0)), index)
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": "tandem", "choices": [], "usage": usage_dict(u)}
 
 
-def chat_response(model: str, done: Completion, reasoning_fields: tuple[str, ...],
-                  extensions: dict[str, Any]) -> dict[str, Any]:
-    """The non-streaming chat completion."""
+def _choice(done: Completion, reasoning_fields: tuple[str, ...], with_logprobs: bool) -> dict[str, Any]:
     parsed = done.parsed
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
     if parsed.reasoning:
@@ -108,37 +129,49 @@ def chat_response(model: str, done: Completion, reasoning_fields: tuple[str, ...
         message["tool_calls"] = [tool_call_dict(tc.id, tc.name, tc.arguments_json) for tc in parsed.tool_calls]
     elif message["content"] is None:
         message["content"] = ""
+    return {"index": done.index, "message": message,
+            "logprobs": logprobs_object(done.logprobs) if with_logprobs else None,
+            "finish_reason": finish_reason(done.finish_reason, len(parsed.tool_calls))}
+
+
+def chat_response(model: str, choices: list[Completion], reasoning_fields: tuple[str, ...],
+                  extensions: dict[str, Any], with_logprobs: bool = False) -> dict[str, Any]:
+    """The non-streaming chat completion, every choice of it."""
+    parsed = choices[0].parsed
     extensions = {**extensions, "reasoning_chunks": parsed.reasoning_chunks,
                   "tool_call_chunks": parsed.tool_call_chunks}
-    if parsed.errors:
-        extensions["errors"] = [{"message": e, "type": "tool_call_parse_error"} for e in parsed.errors]
+    errors = [e for c in choices for e in c.parsed.errors]
+    if errors:
+        extensions["errors"] = [{"message": e, "type": "tool_call_parse_error"} for e in errors]
     return {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": "tandem",
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": finish_reason(done.finish_reason, len(parsed.tool_calls))}],
-        "usage": usage_dict(done.usage),
+        "choices": [_choice(c, reasoning_fields, with_logprobs) for c in choices],
+        "usage": usage_dict(total_usage([c.usage for c in choices])),
         "extensions": extensions,
     }
 
 
-async def chat_stream(model: str, reasoning_fields: tuple[str, ...], steps: AsyncIterator[Step],
-                      extras: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(writer: ChunkWriter, n: int, steps: AsyncIterator[Step], extras: dict[str, Any],
+                      include_usage: bool) -> AsyncIterator[str]:
     """The chunks of a streamed chat completion, then ``[DONE]``; an error after the
     start travels as one error event and ends the stream."""
-    writer = ChunkWriter(model, reasoning_fields)
-    first = writer.first()
-    if extras:
-        first["extensions"] = extras
-    yield to_json(first)
+    for index in range(n):
+        first = writer.first(index)
+        if extras and index == 0:
+            first["extensions"] = extras
+        yield to_json(first)
+    usages: list[Usage] = []
     try:
         async for step in steps:
-            for chunk in writer.events(step.events):
+            for chunk in writer.step(step):
                 yield to_json(chunk)
             if step.finish_reason is not None:
-                yield to_json(writer.last(step.finish_reason))
-                if include_usage and step.usage is not None:
-                    yield to_json(writer.usage_chunk(step.usage))
+                yield to_json(writer.last(step.finish_reason, step.index))
+                if step.usage is not None:
+                    usages.append(step.usage)
+        if include_usage and usages:
+            yield to_json(writer.usage_chunk(total_usage(usages)))
     except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
         yield to_json(stream_error(exc))
         return
@@ -152,14 +185,15 @@ def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
-async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request) -> Any:
+async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any]) -> Any:
     state: AppState = request.app.state.tandem
-    req = data.to_request()
-    prepared = await state.pipeline.prepare_chat(req)
+    prepared = await state.pipeline.prepare_chat(data.to_request())
     extras = _extras(prepared.extras, data.extensions)
+    with_logprobs = bool(data.logprobs)
     if data.stream:
         steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return EventStream(chat_stream(data.model, state.reasoning_fields, steps, extras, include_usage))
-    done = await unless_disconnected(request, state.pipeline.complete(prepared))
-    return chat_response(data.model, done, state.reasoning_fields, extras)
+        writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs)
+        return EventStream(chat_stream(writer, data.n, steps, extras, include_usage))
+    choices = await unless_disconnected(request, state.pipeline.complete_choices(prepared))
+    return chat_response(data.model, choices, state.reasoning_fields, extras, with_logprobs)

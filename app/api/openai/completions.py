@@ -14,32 +14,56 @@ from app.api.openai.chat import new_id, usage_dict
 from app.api.openai.protocol import CompletionRequest
 from app.api.state import AppState
 from app.api.streaming import EventStream, started, to_json, unless_disconnected
-from app.pipeline.results import Step, Usage
+from app.pipeline.logprobs import LogprobInfo
+from app.pipeline.results import Step, Usage, total_usage
 
 
-def completion_body(cid: str, model: str, text: str, finish: str | None, usage: Usage | None) -> dict[str, Any]:
+def legacy_logprobs(infos: list[LogprobInfo], offset: int) -> dict[str, Any]:
+    """The completions API's logprobs: parallel lists, and the text offset of each token."""
+    offsets = []
+    for info in infos:
+        offsets.append(offset)
+        offset += len(info.chosen.token)
+    return {"tokens": [i.chosen.token for i in infos], "token_logprobs": [i.chosen.logprob for i in infos],
+            "top_logprobs": [{t.token: t.logprob for t in i.top} for i in infos], "text_offset": offsets}
+
+
+def completion_body(cid: str, model: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
     """A text completion, or one chunk of a streamed one."""
-    body: dict[str, Any] = {
-        "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
+    body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                            "choices": choices}
     if usage is not None:
         body["usage"] = usage_dict(usage)
     return body
+
+
+def choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def completion_stream(req: CompletionRequest, steps: AsyncIterator[Step]) -> AsyncIterator[str]:
     """Chunks of a streamed text completion, then ``[DONE]``."""
     cid = new_id("cmpl")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prompt = str(req.prompt) if req.echo else ""
+    offsets = dict.fromkeys(range(req.n), len(prompt))
+    usages: list[Usage] = []
     try:
         if req.echo:
-            yield to_json(completion_body(cid, req.model, str(req.prompt), None, None))
+            for index in range(req.n):
+                yield to_json(completion_body(cid, req.model, [choice(index, prompt, None)], None))
         async for step in steps:
-            if step.text or step.finish_reason:
-                yield to_json(completion_body(cid, req.model, step.text, step.finish_reason, None))
-            if step.usage is not None and include_usage:
-                yield to_json({**completion_body(cid, req.model, "", None, step.usage), "choices": []})
+            lp = None
+            if req.logprobs is not None and step.logprobs:
+                lp = legacy_logprobs(step.logprobs, offsets[step.index])
+                offsets[step.index] += sum(len(i.chosen.token) for i in step.logprobs)
+            if step.text or step.finish_reason or lp:
+                yield to_json(completion_body(cid, req.model, [choice(step.index, step.text, step.finish_reason, lp)],
+                                              None))
+            if step.usage is not None:
+                usages.append(step.usage)
+        if include_usage and usages:
+            yield to_json(completion_body(cid, req.model, [], total_usage(usages)))
     except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
         yield to_json(stream_error(exc))
         return
@@ -47,12 +71,14 @@ async def completion_stream(req: CompletionRequest, steps: AsyncIterator[Step]) 
 
 
 @post("/v1/completions", status_code=200, summary="Create a text completion")
-async def completions(data: JSONBody[CompletionRequest], request: Request) -> Any:
+async def completions(data: JSONBody[CompletionRequest], request: Request[Any, Any, Any]) -> Any:
     state: AppState = request.app.state.tandem
     prepared = await state.pipeline.prepare_text(data.to_request())
     if data.stream:
         steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
         return EventStream(completion_stream(data, steps))
-    done = await unless_disconnected(request, state.pipeline.complete(prepared))
-    text = (str(data.prompt) if data.echo else "") + done.text
-    return completion_body(new_id("cmpl"), data.model, text, done.finish_reason, done.usage)
+    done = await unless_disconnected(request, state.pipeline.complete_choices(prepared))
+    prompt = str(data.prompt) if data.echo else ""
+    choices = [choice(c.index, prompt + c.text, c.finish_reason,
+                      legacy_logprobs(c.logprobs, len(prompt)) if data.logprobs is not None else None) for c in done]
+    return completion_body(new_id("cmpl"), data.model, choices, total_usage([c.usage for c in done]))

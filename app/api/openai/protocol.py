@@ -144,7 +144,8 @@ class _SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    # Choices from one prompt (its KV computed once); usage sums their completion tokens.
+    n: int = Field(default=1, ge=1, le=16)
     # Tandem (and vLLM) extension: "background" work (titles, tags, follow-ups) yields to
     # interactive requests. Open WebUI's "### Task:" prompts are background without it.
     priority: Literal["interactive", "background"] = "interactive"
@@ -174,7 +175,8 @@ class _SamplingFields(_Lenient):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def to_options(self, max_tokens: int | None = None, extensions: bool = False) -> typed.Options:
+    def to_options(self, max_tokens: int | None = None, extensions: bool = False,
+                   logprobs: int | None = None) -> typed.Options:
         """The pipeline's options for this request."""
         sampling = typed.Sampling(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -184,7 +186,7 @@ class _SamplingFields(_Lenient):
         )
         return typed.Options(self.model, sampling, max_tokens if max_tokens is not None else self.max_tokens,
                              stop=self.stop_list(), priority=self.priority, cache_salt=self.cache_salt,
-                             extensions=extensions)
+                             extensions=extensions, n=self.n, logprobs=logprobs)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -199,6 +201,15 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # Tandem extension: return captions, warnings and parser chunks.
     extensions: bool = False
+    # The chosen tokens' log-probabilities, with top_logprobs alternatives each.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def thinking_requested(self) -> bool | None:
         if self.thinking is not None:
@@ -218,8 +229,9 @@ class ChatCompletionRequest(_SamplingFields):
             choice = typed.ToolChoice("named", self.tool_choice.function.get("name"))
         tools = tuple(typed.Tool(t.function.name, t.function.description, t.function.parameters,
                                  bool(t.function.strict)) for t in self.tools or ())
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return typed.ChatRequest(
-            self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions),
+            self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs),
             tuple(m.to_message(i) for i, m in enumerate(self.messages)),
             tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
             thinking=self.thinking_requested(),
@@ -229,6 +241,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] = Field(min_length=1)
     echo: bool = False
+    # The legacy completions form: how many alternatives per token (0: the chosen token's only).
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
     @field_validator("prompt")
     @classmethod
@@ -242,4 +256,4 @@ class CompletionRequest(_SamplingFields):
     def to_request(self) -> typed.TextRequest:
         """This body as the pipeline's typed request."""
         assert isinstance(self.prompt, str)
-        return typed.TextRequest(self.to_options(), self.prompt, echo=self.echo)
+        return typed.TextRequest(self.to_options(logprobs=self.logprobs), self.prompt, echo=self.echo)
