@@ -378,11 +378,14 @@ class TextEngine:
         seq.uid = uid
         self._running[uid] = seq
 
+    def cache_key(self, namespace: str = "") -> str:
+        """The prefix cache's partition for a namespace: prefixes are shared only within one
+        (a cache_salt, an API key), so cached_tokens and time to first token never tell a
+        client what another one sent."""
+        return f"{self.loaded.name}\x00{namespace}"
+
     def _cache_key(self, seq: _Seq) -> str:
-        """The prefix cache's partition for ``seq``: prefixes are shared only within one
-        namespace (a cache_salt, an API key), so cached_tokens and time to first token
-        never tell a client what another one sent."""
-        return f"{self.loaded.name}\x00{seq.req.cache_namespace}"
+        return self.cache_key(seq.req.cache_namespace)
 
     def _cache_prefix(self, seq: _Seq) -> None:
         assert seq.uid is not None
