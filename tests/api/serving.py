@@ -79,3 +79,42 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+@contextlib.contextmanager
+def server_process(tmp: Path, models: dict, *, stop: str = "kill") -> Iterator[tuple[Any, str]]:
+    """A real ``python -m app serve`` process on ``models`` (a models.yaml as a dict), for
+    what only a separate process shows (RSS, signals). Yields the process and its base
+    URL once /health answers; ``stop``: "kill" (SIGKILL) or "term" (SIGTERM, expecting exit 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    (tmp / "models.yaml").write_text(yaml.safe_dump(models))
+    port = free_port()
+    log = tmp / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--models-file", str(tmp / "models.yaml"), "--port", str(port),
+         "--log-level", "warning"],
+        cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield proc, base
+    finally:
+        if stop == "term" and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        elif proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

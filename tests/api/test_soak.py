@@ -14,16 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-import yaml
 
-from tests.conftest import REPO, free_port
+from tests.api.serving import server_process
 
 pytestmark = pytest.mark.slow
 
@@ -35,28 +32,8 @@ MODELS = {"models": [{"name": "demo", "builtin": "smollm2-135m-instruct", "param
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_model_dir):
-    tmp = tmp_path_factory.mktemp("soak")
-    (tmp / "models.yaml").write_text(yaml.safe_dump(MODELS))
-    port = free_port()
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--models-file", str(tmp / "models.yaml"), "--port", str(port),
-         "--log-level", "warning"],
-        cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield proc, base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    with server_process(tmp_path_factory.mktemp("soak"), MODELS, stop="term") as served:
+        yield served
 
 
 def rss_mb(pid: int) -> float:

@@ -17,9 +17,8 @@ import time
 
 import httpx
 import pytest
-import yaml
 
-from tests.conftest import REPO, free_port
+from tests.api.serving import server_process
 from tests.vision.test_image_soak import MB, PeakRss
 
 pytestmark = pytest.mark.slow
@@ -37,28 +36,9 @@ async def post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
 
 
 def test_huge_tool_descriptions_are_refused_before_they_cost_memory(tmp_path, tiny_model_dir):
-    import os
-    import signal
-    import subprocess
-    import sys
-
     models = {"server": {"shutdown_grace_s": 1},
               "models": [{"name": "tiny", "local_path": str(tiny_model_dir), "params": {"mem": 16, "max_tokens": 2}}]}
-    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--models-file", str(tmp_path / "models.yaml"),
-                             "--port", str(port), "--log-level", "warning"], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with server_process(tmp_path, models) as (proc, base):
         assert httpx.post(base + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}).status_code == 200
         bodies = [tool_request(i) for i in range(4)]
@@ -71,9 +51,6 @@ def test_huge_tool_descriptions_are_refused_before_they_cost_memory(tmp_path, ti
             took = time.monotonic() - started
             time.sleep(3)
             after = rss.now()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     figures = {"body_mb": size, "before_mb": before // MB, "peak_mb": rss.peak // MB, "after_mb": after // MB,
                "took_s": round(took, 2)}
     print("\n4 x 5 MB tool descriptions:", figures)

@@ -31,10 +31,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 from typing_extensions import Self
 
-from tests.conftest import REPO, free_port
+from tests.api.serving import server_process
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.hostile_servers import TrickleServer
 from tests.vision.sample_images import data_url, png16_rgba, striped_bytes
@@ -63,28 +62,8 @@ def serving(tmp: Path, vlm: Path, server: dict) -> Iterator[tuple[subprocess.Pop
              "params": {"temperature": 0.0}},
         ],
     }
-    (tmp / "models.yaml").write_text(yaml.safe_dump(models))
-    port = free_port()
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--models-file", str(tmp / "models.yaml"),
-         "--port", str(port), "--log-level", "warning"],
-        cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with server_process(tmp, models) as served:
+        yield served
 
 
 def chat(url: str) -> dict:
