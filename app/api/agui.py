@@ -141,6 +141,7 @@ class AguiRenderer:
         self.open: str | None = None  # "text" | "reasoning"
         self.message_id = ""
         self.tool_ids: dict[int, str] = {}
+        self.open_calls: set[int] = set()
         self.error: str | None = None
 
     def _close(self) -> list[BaseEvent]:
@@ -175,17 +176,30 @@ class AguiRenderer:
             elif isinstance(ev, ToolCallStart):
                 out += self._close()
                 self.tool_ids[ev.index] = ev.id
+                self.open_calls.add(ev.index)
                 out.append(ToolCallStartEvent(tool_call_id=ev.id, tool_call_name=ev.name))
             elif isinstance(ev, ToolCallArgsDelta) and ev.text:
                 out.append(ToolCallArgsEvent(tool_call_id=self.tool_ids[ev.index], delta=ev.text))
             elif isinstance(ev, ToolCallEnd):
-                out.append(ToolCallEndEvent(tool_call_id=self.tool_ids[ev.index]))
+                out += self._end_call(ev.index)
             elif isinstance(ev, ToolCallError):
+                # A call found broken after its start still gets its end, so the
+                # client's event order stays legal; the run then ends in RUN_ERROR.
                 self.error = ev.message
+                out += self._end_call(ev.index)
         return out
 
+    def _end_call(self, index: int | None) -> list[BaseEvent]:
+        if index is None or index not in self.open_calls:
+            return []
+        self.open_calls.discard(index)
+        return [ToolCallEndEvent(tool_call_id=self.tool_ids[index])]
+
     def finish(self) -> list[BaseEvent]:
-        return self._close()
+        out = self._close()
+        for index in sorted(self.open_calls):
+            out += self._end_call(index)
+        return out
 
 
 def encode(event: BaseEvent) -> Event:
