@@ -9,7 +9,7 @@ shows as U+FFFD, the bytes stay exact), as OpenAI's ``bytes`` field intends.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,21 @@ class LogprobInfo:
     top: tuple[TokenInfo, ...] = ()
 
 
-@functools.lru_cache(maxsize=65536)
+# Per tokenizer, held weakly: an unloaded model's tokenizer is not kept alive here.
+_PIECES: weakref.WeakKeyDictionary[Any, dict[int, bytes]] = weakref.WeakKeyDictionary()
+
+
 def _piece_bytes(tokenizer: Any, token: int) -> bytes:
+    try:
+        pieces = _PIECES.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        return _read_piece(tokenizer, token)
+    if token not in pieces:
+        pieces[token] = _read_piece(tokenizer, token)
+    return pieces[token]
+
+
+def _read_piece(tokenizer: Any, token: int) -> bytes:
     piece = tokenizer.convert_ids_to_tokens(token)
     if not isinstance(piece, str):
         return b""
