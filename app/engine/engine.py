@@ -245,13 +245,16 @@ class TextEngine:
         if p.prompt_cache != "off" and prefix and cached < prefix < len(prompt) and prefix >= p.cache_min_tokens:
             segments = [prompt[cached:prefix], prompt[prefix:]]
             seq.cache_segments = 1
+        processors = build_logits_processors(req.sampling)
+        if req.constraint is not None:  # last, so it masks the penalised logits
+            processors.append(req.constraint.processor(len(prompt)))
         (uid,) = self._bg.insert_segments(
             [segments],
             max_tokens=[req.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:cached]],
             samplers=[build_sampler(req.sampling)],
-            logits_processors=[build_logits_processors(req.sampling)],
+            logits_processors=[processors],
         )
         seq.uid, seq.cached_tokens = uid, cached
         seq.detok = self.tokenizer.detokenizer

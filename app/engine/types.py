@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,14 @@ class SamplingParams:
     seed: int | None = None
 
 
+class LogitsConstraint(Protocol):
+    """A compiled constraint (``app.engine.grammar.Grammar``): one logits processor per sequence."""
+
+    def processor(self, prompt_len: int) -> Callable[[Any, Any], Any]:
+        """A fresh processor for a sequence whose first ``prompt_len`` context tokens are prompt."""
+        ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: token ids in, text out."""
@@ -31,6 +41,8 @@ class GenerationRequest:
     # Length of a prompt prefix (system prompt, first message) worth caching on its own.
     cache_prefix_len: int | None = None
     request_id: str = ""
+    # Constrained decoding (``app.engine.grammar``); None adds no processor and costs nothing.
+    constraint: LogitsConstraint | None = None
 
 
 @dataclass
