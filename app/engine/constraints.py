@@ -11,6 +11,7 @@ to a ``CallSyntax``):
 
     Mistral   [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]...
     Qwen      <tool_call>\\n{"name": "get_weather", "arguments": {...}}\\n</tool_call>\\n<tool_call>...
+    Llama     <function=get_weather>{"city": "Paris"}</function>   or   {"name": ..., "parameters": {...}}
     generic   {"name": "get_weather", "arguments": {...}}   or, parallel, a list of them
 
 A marker that is one special token of the tokenizer (``[TOOL_CALLS]``,
@@ -62,8 +63,9 @@ class Tool:
 class CallSyntax:
     """How a model family writes a tool call, as marker strings.
 
-    ``args`` set: ``{begin}name{args}{arguments}{end}`` (Mistral). Unset: ``{begin}``
-    a JSON object ``{"name": ..., "arguments": {...}}`` ``{end}`` (Qwen, generic).
+    ``args`` set: ``{begin}name{args}{arguments}{end}`` (Mistral, Llama's ``<function=``).
+    Unset: ``{begin}`` a JSON object ``{"name": ..., "arguments": {...}}`` ``{end}``
+    (Qwen, generic; Llama 3.1's own template says ``parameters``: ``arguments_key``).
     Parallel calls are ``separator``-joined; with no ``begin`` marker and no
     ``args`` they are a JSON list of call objects instead.
     """
@@ -72,11 +74,14 @@ class CallSyntax:
     args: str | None = None
     end: str = ""
     separator: str = ""
+    arguments_key: str = "arguments"
 
 
 MISTRAL_CALLS = CallSyntax(begin="[TOOL_CALLS]", args="[ARGS]")
 QWEN_CALLS = CallSyntax(begin="<tool_call>\n", end="\n</tool_call>", separator="\n")
+LLAMA_CALLS = CallSyntax(begin="<function=", args=">", end="</function>")
 JSON_CALLS = CallSyntax()
+LLAMA_JSON_CALLS = CallSyntax(arguments_key="parameters")
 
 
 @dataclass(frozen=True)
@@ -158,13 +163,13 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
     return params
 
 
-def call_object_schema(tools: Sequence[Tool]) -> dict[str, Any]:
+def call_object_schema(tools: Sequence[Tool], key: str = "arguments") -> dict[str, Any]:
     """``{"name": <one of tools>, "arguments": <that tool's parameters>}``."""
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": arguments_schema(t)},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": t.name}, key: arguments_schema(t)},
+            "required": ["name", key],
             "additionalProperties": False,
         }
         for t in tools
@@ -181,10 +186,10 @@ def _tool_calls(g: _Lark, spec: ToolCalls) -> str:
         ]
         body = " | ".join(names)
     elif not syntax.begin and spec.parallel:
-        one = call_object_schema(spec.tools)
+        one = call_object_schema(spec.tools, syntax.arguments_key)
         body = json_item({"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]}, strict)
     else:
-        body = json_item(call_object_schema(spec.tools), strict)
+        body = json_item(call_object_schema(spec.tools, syntax.arguments_key), strict)
     parts = [p for p in (g.text(syntax.begin), f"({body})", g.text(syntax.end)) if p]
     call = g.rule("call", " ".join(parts))
     if not spec.parallel or (not syntax.begin and syntax.args is None):
