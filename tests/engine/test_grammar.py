@@ -165,6 +165,7 @@ def test_batched_streams_each_follow_their_schema(engine):
         assert last.finish_reason == "stop"
         jsonschema.validate(json.loads(text), schema)
     assert plain_last.completion_tokens == 8  # the unconstrained neighbour ran free
+    assert not compiler.live  # finished sequences' processors are gone, none counts as in flight
 
 
 class PadsWithWhitespace:
