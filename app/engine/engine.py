@@ -361,6 +361,8 @@ class TextEngine:
         seq.cached_tokens = cached
         seq.sampler = build_sampler(req.sampling)
         seq.processors = build_logits_processors(req.sampling)
+        if req.constraint is not None:  # last, so it masks the penalised logits; kept across a pause
+            seq.processors.append(req.constraint.processor(len(prompt)))
         seq.detok = new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
         self._start(seq, segments, cache, prompt[:cached], req.max_tokens)

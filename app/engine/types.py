@@ -25,6 +25,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
+class LogitsConstraint(Protocol):
+    """A compiled constraint (``app.engine.grammar.Grammar``): one logits processor per sequence."""
+
+    def processor(self, prompt_len: int) -> Callable[[Any, Any], Any]:
+        """A fresh processor for a sequence whose first ``prompt_len`` context tokens are prompt."""
+        ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: token ids in, text out."""
@@ -53,6 +61,8 @@ class GenerationRequest:
     # tokens) and ignores ``prompt_tokens``; text engines refuse requests with images.
     images: tuple[Any, ...] = ()
     prompt_text: str | None = None
+    # Constrained decoding (``app.engine.grammar``); None adds no processor and costs nothing.
+    constraint: LogitsConstraint | None = None
 
 
 @dataclass(frozen=True)

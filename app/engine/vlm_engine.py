@@ -301,6 +301,8 @@ class VlmEngine:
             ids = inputs["input_ids"][0].tolist()
             kwargs = vlm_input_embeddings(self.loaded.model, inputs)
             processors = build_logits_processors(req.sampling)
+            if req.constraint is not None:  # masks before the sampling processor draws
+                processors.append(req.constraint.processor(len(ids)))
             if req.sampling.temperature > 0:
                 processors.append(sampling_processor(build_sampler(req.sampling)))
             (uid,) = self._bg.insert([ids], max_tokens=[seq.max_tokens], prompt_kwargs=[kwargs],
