@@ -139,6 +139,14 @@ def has_thinking(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "has_thinking", False))
 
 
+def think_markers(tokenizer: Any) -> tuple[str, str] | None:
+    """mlx-lm's think markers for the model (``<think>``, ``</think>``), when it knows them."""
+    if not has_thinking(tokenizer):
+        return None
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return (start, end) if isinstance(start, str) and isinstance(end, str) else None
+
+
 def reset_vlm_stopping(processor: Any, model: Any) -> None:
     """Reset mlx-vlm's stopping criteria before a generation, as ``mlx_vlm.generate`` does."""
     tokenizer = getattr(processor, "tokenizer", processor)

@@ -26,11 +26,13 @@ import anyio
 
 from app.config.schema import ModelCapabilities, ModelParams, ServerSettings
 from app.engine.encoder import Embeddings, Ranking
+from app.engine.grammar import Grammar
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
 from app.engine.vlm import render_vlm_prompt
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
+from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.prompting import (
     ModelProfile,
@@ -157,6 +159,9 @@ class Pipeline:
         model, lease = await self.served(req.options.model)
         try:
             check_prompt_chars(model.profile, sum(map(len, req.texts())), req.messages_param)
+            if any(m.images() for m in req.messages):  # a bad schema is refused before image work
+                await anyio.to_thread.run_sync(check_constraint, model.profile, req,
+                                               offered_tools(req.tools, req.tool_choice))
             if model.vision.mode == "native":
                 prepared, extras = await self._prepare_native(model, req), dict[str, Any]()
             else:
@@ -392,6 +397,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted) if len(dicts) > 1 else None,
         priority=_priority(req),
         logprobs=req.options.logprobs,
+        constraint=_constraint(profile, req, tools, text, wanted),
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -416,6 +422,7 @@ def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list
         prompt_text=text,
         images=tuple(images),
         logprobs=req.options.logprobs,
+        constraint=_constraint(profile, req, tools, text, wanted),
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -423,12 +430,26 @@ def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list
 def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, text: str, wanted: bool,
                tools_offered: bool) -> Prepared:
     """How the model's output is read: its family's parser, reasoning, tool calls."""
-    # A template with no thinking switch renders the same prompt either way, and the model
-    # may reason anyway: its reasoning is still read, so markers never reach the content.
-    parse_reasoning = profile.reasoning and (wanted or not profile.thinking_switch)
+    parse_reasoning = _reads_reasoning(profile, wanted)
     extras = {"prompt": text} if req.options.extensions else {}
     return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
                     parse_reasoning and template_opens_reasoning(text), tools_offered, extras, n=req.options.n)
+
+
+def _reads_reasoning(profile: ModelProfile, wanted: bool) -> bool:
+    """Whether the output's reasoning block is read. A template with no thinking switch renders
+    the same prompt either way and the model may reason anyway: its reasoning is still read,
+    so markers never reach the content."""
+    return profile.reasoning and (wanted or not profile.thinking_switch)
+
+
+def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...], text: str,
+                wanted: bool) -> Grammar | None:
+    """The compiled output constraint (response_format, forced tool calls), reasoning first."""
+    spec = constraint_spec(profile, req, tools)
+    if spec is None:
+        return None
+    return compile_constraint(profile, spec, reasoning_for(profile, text, _reads_reasoning(profile, wanted)))
 
 
 def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:

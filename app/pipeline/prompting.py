@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config.schema import ModelCapabilities, ModelParams
-from app.engine.mlx_internals import has_thinking
+from app.engine import constraints
+from app.engine.mlx_internals import has_thinking, think_markers
 from app.errors import ConfigError, InvalidRequestError
-from app.parsers import PARSERS, detect_parser, is_reasoning_model
+from app.parsers import PARSERS, REASONING_MARKERS, detect_parser, is_reasoning_model
 from app.pipeline.request import Message, Tool, ToolChoice
 
 _PROBE = "\u2063probe\u2063"
@@ -44,6 +45,13 @@ class ModelProfile:
     vocab_size: int | None = None
     # Tokens the KV budget holds: prompt + completion never go beyond it.
     kv_budget_tokens: int | None = None
+    # How the model writes a tool call when told about tools (forced calls are held to it).
+    call_syntax: constraints.CallSyntax = constraints.JSON_CALLS
+    # Its reasoning block's markers (a constrained request may reason inside them first).
+    reasoning_markers: tuple[str, str] = ("<think>", "</think>")
+    # Whether the opener is one token: a model trained to reason chooses it deliberately,
+    # where a multi-token opener is reached by drifting through "<" (see constraining).
+    reasoning_opener_is_token: bool = False
 
 
 def make_profile(name: str, tokenizer: Any, params: ModelParams, max_model_len: int, caps: ModelCapabilities, *,
@@ -64,13 +72,51 @@ def make_profile(name: str, tokenizer: Any, params: ModelParams, max_model_len: 
         reasoning = declared != "none"
     parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
     default_system = _default_system_prompt(tokenizer)
+    takes_tools = "tools" in template
+    markers = _reasoning_markers(parser, template, think_markers(tokenizer))
     return ModelProfile(
-        name, tokenizer, params, max_model_len, parser, reasoning, "tools" in template,
+        name, tokenizer, params, max_model_len, parser, reasoning, takes_tools,
         thinking_switch=_has_thinking_switch(tokenizer),
         default_system_prompt=default_system,
         system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
         vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
+        call_syntax=_call_syntax(parser, template, takes_tools),
+        reasoning_markers=markers,
+        reasoning_opener_is_token=_is_one_token(tokenizer, markers[0]),
     )
+
+
+# A family's call syntax when its template renders tools (Llama 3.1's own template asks
+# for JSON with "parameters"; some Llama fine-tunes use <function=name>).
+_FAMILY_SYNTAX = {
+    "mistral": constraints.MISTRAL_CALLS, "qwen": constraints.QWEN_CALLS, "llama": constraints.LLAMA_JSON_CALLS,
+}
+
+
+def _call_syntax(parser: str, template: str, template_takes_tools: bool) -> constraints.CallSyntax:
+    """How this model writes a tool call when it is told about tools."""
+    if not template_takes_tools:
+        return constraints.JSON_CALLS  # what the compact tool note asks for
+    if parser == "llama" and "<function=" in template:
+        return constraints.LLAMA_CALLS
+    return _FAMILY_SYNTAX.get(parser, constraints.JSON_CALLS)
+
+
+def _reasoning_markers(parser: str, template: str, tokenizer_markers: tuple[str, str] | None) -> tuple[str, str]:
+    """The reasoning block's markers for this model: the template's, mlx-lm's, else the family's."""
+    for opener, closer in REASONING_MARKERS:
+        if opener in template:
+            return opener, closer
+    if tokenizer_markers is not None:
+        return tokenizer_markers
+    return ("[THINK]", "[/THINK]") if parser == "mistral" else ("<think>", "</think>")
+
+
+def _is_one_token(tokenizer: Any, text: str) -> bool:
+    try:
+        return len(tokenizer.encode(text, add_special_tokens=False)) == 1
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: assume not
+        return False
 
 
 def _render_probe(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> str | None:

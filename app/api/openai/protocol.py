@@ -116,6 +116,34 @@ class NamedToolChoice(_Lenient):
     function: dict[str, str]
 
 
+class JsonSchemaFormat(_Lenient):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a pydantic BaseModel attribute, so it is read by alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+    def to_output(self) -> typed.OutputFormat:
+        """The pipeline's output format."""
+        js = self.json_schema
+        if self.type != "json_schema" or js is None:
+            return typed.OutputFormat(self.type)
+        return typed.OutputFormat("json_schema", js.schema_, js.name, bool(js.strict))
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -195,6 +223,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # Thinking switches: Tandem's own, vLLM/Qwen's template kwargs, OpenAI's effort.
     thinking: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
@@ -234,6 +263,7 @@ class ChatCompletionRequest(_SamplingFields):
             self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs),
             tuple(m.to_message(i) for i, m in enumerate(self.messages)),
             tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
+            output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),
             thinking=self.thinking_requested(),
         )
 

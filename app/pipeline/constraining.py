@@ -1,0 +1,112 @@
+"""A request's output constraint: ``response_format`` and ``tool_choice`` as a grammar.
+
+    ChatRequest.output / tool_choice / tools          (every wire format maps onto these)
+        constraint_spec()   -> JsonSchema | JsonObject | ToolCalls | None
+        reasoning_for()     -> Reasoning | None      (the model may think first, freely)
+        compile_constraint() -> Grammar              (app.engine.grammar; a 400 if it cannot be)
+
+What each request asks for:
+
+    tool_choice required / named (Anthropic any / tool)    one or more calls, in the model's
+                                                           own call syntax; one if not parallel
+    tool_choice auto, tools offered, a response_format     a call, or an answer in the format
+    tool_choice auto/none, a response_format               an answer in the format
+    otherwise                                              nothing: free text, no cost
+
+The call syntax is the one the model was told to use: the family's own markers
+when its chat template renders the tools, else the bare JSON object the tool
+note asks for (``prompting.tool_note``), which every parser family reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.engine import constraints as c
+from app.engine.grammar import Grammar, compiler_for
+from app.parsers import template_opens_reasoning
+from app.pipeline.prompting import ModelProfile
+from app.pipeline.request import ChatRequest, OutputFormat, Tool
+
+# Keys whose values are data, not schemas: never rewritten.
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "x-guidance"})
+# Keys whose values map names to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that lists
+    ``properties`` and says nothing of others. JSON Schema allows any extra key there; a
+    small model then invents keys until max_tokens. xgrammar's strict mode and llama.cpp's
+    converter read a schema the same way; a schema that wants extra keys says so."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYS else closed_objects(value)
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                           "unevaluatedProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _answer(output: OutputFormat) -> c.JsonSchema | c.JsonObject | None:
+    if output.kind == "json_schema" and output.schema is not None:
+        return c.JsonSchema(closed_objects(output.schema), strict=output.strict)
+    if output.kind in ("json_schema", "json_object"):
+        return c.JsonObject()
+    return None
+
+
+def _tool(t: Tool) -> c.Tool:
+    return c.Tool(t.name, closed_objects(t.parameters), strict=t.strict)
+
+
+def constraint_spec(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool, ...]) -> c.Constraint | None:
+    """What the output must be, or None for free text. ``offered``: the tools the model
+    is shown (``prompting.offered_tools``: just the named one for a named choice)."""
+    answer = _answer(req.output)
+    mode = req.tool_choice.mode
+    if offered and mode in ("required", "named"):
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls)
+    if offered and answer is not None:
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls,
+                           answer=answer)
+    return answer
+
+
+def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool) -> c.Reasoning | None:
+    """The free reasoning block allowed before the constrained output: when the model's
+    reasoning is read at all (thinking on, or a template with no switch), and the prompt
+    opened the block or the model opens it with its one reasoning token."""
+    if not parse_reasoning:
+        return None
+    opener, closer = profile.reasoning_markers
+    started = template_opens_reasoning(prompt_text)
+    if not started and not profile.reasoning_opener_is_token:
+        # A text opener ("<think>" in several tokens) would let a model that does not
+        # reason wander into a block through "<" and spend its tokens there.
+        return None
+    return c.Reasoning(opener, closer, started=started)
+
+
+def compile_constraint(profile: ModelProfile, spec: c.Constraint | None, reasoning: c.Reasoning | None
+                       ) -> Grammar | None:
+    """The compiled grammar (cached per tokenizer); ``InvalidRequestError`` when the schema
+    or a tool's parameters cannot be compiled. Runs off the event loop: the first one for a
+    tokenizer builds llguidance's view of its vocabulary (about half a second)."""
+    if spec is None:
+        return None
+    return compiler_for(profile.tokenizer).compile(spec, reasoning)
+
+
+def check_constraint(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool, ...]) -> None:
+    """Compile the request's constraint alone, to refuse a bad schema before slow work
+    (captioning images) rather than after it."""
+    compile_constraint(profile, constraint_spec(profile, req, offered), None)
+
