@@ -236,7 +236,7 @@ class Pipeline:
                         usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
                     if not p.emit_reasoning:
                         events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
-                    yield Step(events, delta.text, delta.finish_reason, usage)
+                    yield Step(events, delta.text, delta.finish_reason, usage, delta.stop_sequence)
         finally:
             p.lease.release()
 

@@ -39,6 +39,8 @@ class Step:
     # Set on the last step: "stop" or "length".
     finish_reason: str | None = None
     usage: Usage | None = None
+    # Set on the last step when one of the request's stop strings ended the generation.
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     events: list[Event] = field(default_factory=list)
+    # The stop string that ended the generation, if one did.
+    stop_sequence: str | None = None
 
     @classmethod
     def fold(cls, steps: list[Step]) -> Completion:
@@ -59,4 +63,5 @@ class Completion:
         last = steps[-1]
         assert last.finish_reason is not None and last.usage is not None
         events = [ev for s in steps for ev in s.events]
-        return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events)
+        return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events,
+                   last.stop_sequence)
