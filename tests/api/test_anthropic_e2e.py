@@ -377,3 +377,26 @@ def test_mistral_call_ids_round_trip(ministral):
     with pytest.raises(anthropic.BadRequestError) as err:
         ministral.messages.create(**{**kw, "messages": history})
     assert "length 9" in err.value.message
+
+
+def test_an_error_mid_stream_is_one_error_event(tmp_path, tiny_model_dir):
+    """Once a stream has started, a failure is one ``error`` event, then the end; after it,
+    requests get an HTTP error in Anthropic's shape."""
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, {"on_engine_death": "stay"})) as served:
+        body = {"model": "tiny", "max_tokens": 1500, "messages": MESSAGES, "stream": True}
+        with httpx.stream("POST", served.base_url + "/v1/messages", json=body, timeout=30) as r:
+            chunks = r.iter_raw()
+            head = next(chunks)
+            assert head.startswith(b"event: message_start\n")
+
+            def broken_step() -> bool:  # a fault on the MLX thread, as tests/api/test_faults.py injects it
+                raise RuntimeError("injected fault")
+
+            served.state.worker.add_stepper(broken_step, lambda exc: None)
+            frames = parse_frames(head + b"".join(chunks), named=True)
+        assert [f.name for f in frames][-1] == "error" and "message_stop" not in [f.name for f in frames]
+        error = frames[-1].json()["error"]
+        assert error["type"] == "overloaded_error" and "injected fault" in error["message"]
+        r = served.post("/v1/messages", {**body, "stream": False})
+        assert_anthropic_error(r, 503, "overloaded_error")
+        assert int(r.headers["retry-after"]) > 0
