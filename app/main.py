@@ -17,6 +17,7 @@ from litestar.openapi import OpenAPIConfig
 
 from app.api import request_id
 from app.api.agui import agui
+from app.api.anthropic.messages import anthropic_router
 from app.api.errors import exception_handlers
 from app.api.guards import api_key_guard, api_keys, request_guard
 from app.api.meta import get_model, health, health_head, list_models
@@ -134,6 +135,7 @@ def create_app(state: AppState) -> Litestar:
             Router("/", route_handlers=[chat_completions, completions, embeddings, rerank, agui, list_models,
                                         get_model, metrics],
                    guards=guards),
+            anthropic_router(guards),  # Anthropic's error shape on its routes
             health,
             health_head,
         ],

@@ -68,3 +68,17 @@ def test_type_checking_and_local_imports_count(tmp_path):
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.api.state import AppState\n"
                       "def f():\n    import litestar\n")
     assert {"app.api.state", "litestar"} <= imports(module)
+
+
+# Each wire format is one adapter over the pipeline: none reaches into another's module.
+FORMATS = ("app.api.openai", "app.api.anthropic", "app.api.agui")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wire_formats_do_not_import_each_other(fmt):
+    module = APP.parent / fmt.replace(".", "/")
+    files = sorted(module.rglob("*.py")) if module.is_dir() else [module.with_suffix(".py")]
+    assert files and all(f.exists() for f in files)
+    for path in files:
+        others = [name for name in imports(path) for other in FORMATS if other != fmt and _under(name, other)]
+        assert not others, f"{path.relative_to(APP.parent)} imports {others}"

@@ -46,6 +46,7 @@ class TokenChannel:
                 last.prompt_tokens = delta.prompt_tokens or last.prompt_tokens
                 last.cached_tokens = delta.cached_tokens or last.cached_tokens
                 last.completion_tokens = delta.completion_tokens or last.completion_tokens
+                last.stop_sequence = delta.stop_sequence
                 return
             wake = not self._items
             self._items.append(delta)

@@ -440,6 +440,7 @@ class TextEngine:
     def _emit(self, seq: _Seq, text: str, finish: str | None, logprobs: list[TokenLogprob]) -> None:
         delta = TokenDelta(text=text, tokens=1, finish_reason=finish, logprobs=logprobs)
         if finish is not None:
+            delta.stop_sequence = seq.stops.matched if seq.stops is not None else None
             delta.prompt_tokens = len(seq.req.prompt_tokens)
             delta.cached_tokens = seq.cached_tokens
             delta.completion_tokens = seq.generated

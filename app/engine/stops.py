@@ -16,17 +16,22 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
-        self.stopped = False
+        # The stop string that ended the text (Anthropic's ``stop_sequence`` names it).
+        self.matched: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, text: str) -> str:
-        """Returns text that can be emitted now. Sets ``stopped`` on a match."""
+        """Returns text that can be emitted now. Sets ``matched`` on a match."""
         if not self._stops:
             return text
         if self.stopped:
             return ""
         before, marker, self._held = split_marker(self._held + text, self._stops)
         if marker is not None:
-            self.stopped, self._held = True, ""
+            self.matched, self._held = marker, ""
         return before
 
     def flush(self) -> str:

@@ -87,6 +87,8 @@ class TokenDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # The stop string that ended the generation (finish_reason "stop"), if one did.
+    stop_sequence: str | None = None
     error: BaseException | None = None
 
 

@@ -355,6 +355,7 @@ class VlmEngine:
     def _emit(self, seq: _Seq, text: str, finish: str | None) -> None:
         delta = TokenDelta(text=text, tokens=1, finish_reason=finish)
         if finish is not None:
+            delta.stop_sequence = seq.stops.matched if seq.stops is not None else None
             delta.prompt_tokens = seq.prompt_len
             delta.completion_tokens = seq.generated
             self._release(seq)

@@ -187,6 +187,20 @@ class Pipeline:
         gen = replace(gen, request_id=REQUEST_ID.get(), cache_namespace=self.cache_namespace(req.options.cache_salt))
         return self._hold(Prepared(model.profile.name, gen, req.prompt, n=req.options.n), lease)
 
+    async def count_chat(self, req: ChatRequest) -> int:
+        """The prompt tokens ``req`` would use, prepared exactly as ``prepare_chat`` prepares it
+        (images seen, template rendered, tokenized), then dropped without generating. A native
+        VLM's image tokens are left out: its engine expands the placeholders."""
+        prepared = await self.prepare_chat(req)
+        assert prepared.lease is not None
+        try:
+            if prepared.gen.prompt_tokens:
+                return len(prepared.gen.prompt_tokens)
+            profile = self._served(prepared.model, prepared.lease.handle).profile
+            return len(await anyio.to_thread.run_sync(encode, profile, prepared.prompt_text))
+        finally:
+            prepared.lease.release()
+
     @staticmethod
     def _hold(prepared: Prepared, lease: Lease) -> Prepared:
         """The lease goes with the prepared request: released when its generation ends,
@@ -260,7 +274,7 @@ class Pipeline:
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
-                yield Step(events, delta.text, delta.finish_reason, usage, index, logprobs)
+                yield Step(events, delta.text, delta.finish_reason, usage, index, logprobs, delta.stop_sequence)
 
     async def _choices(self, p: Prepared) -> AsyncGenerator[Step, None]:
         """``n`` generations of one prompt: the first computes the prompt's KV and leaves it

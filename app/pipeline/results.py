@@ -44,6 +44,8 @@ class Step:
     index: int = 0
     # One per generated token of this step, when the request asked for logprobs.
     logprobs: list[LogprobInfo] = field(default_factory=list)
+    # Set on the last step when one of the request's stop strings ended the generation.
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Completion:
     events: list[Event] = field(default_factory=list)
     index: int = 0
     logprobs: list[LogprobInfo] = field(default_factory=list)
+    # The stop string that ended the generation, if one did.
+    stop_sequence: str | None = None
 
     @classmethod
     def fold(cls, steps: list[Step]) -> Completion:
@@ -67,7 +71,7 @@ class Completion:
         assert last.finish_reason is not None and last.usage is not None
         events = [ev for s in steps for ev in s.events]
         return cls(collect(events), "".join(s.text for s in steps), last.finish_reason, last.usage, events,
-                   last.index, [lp for s in steps for lp in s.logprobs])
+                   last.index, [lp for s in steps for lp in s.logprobs], last.stop_sequence)
 
     @classmethod
     def fold_choices(cls, steps: list[Step]) -> list[Completion]:

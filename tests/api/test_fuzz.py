@@ -46,9 +46,9 @@ def test_no_input_gives_a_server_error(fuzzed_server, mode):
     api = schemathesis.openapi.from_url(fuzzed_server.base_url + "/docs/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
     labels = {op.label for op in operations}
-    # Every route a client can call, AG-UI included.
+    # Every route a client can call, AG-UI and Anthropic's Messages included.
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/agui", "GET /v1/models",
-            "GET /health", "GET /metrics"} <= labels, labels
+            "POST /v1/messages", "POST /v1/messages/count_tokens", "GET /health", "GET /metrics"} <= labels, labels
     statuses: Counter[tuple[str, int]] = Counter()
     for operation in operations:
 

@@ -63,13 +63,17 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_stop_string_cuts_before_it(engine):
-    full, _ = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12)))
+    full, unstopped = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12)))
+    assert unstopped.stop_sequence is None
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     if not stop.strip():
         pytest.skip("random model produced whitespace")
-    text, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12, stop=(stop,))))
+    never = "\u2063never\u2063"
+    text, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12, stop=(never, stop))))
     assert last.finish_reason == "stop"
     assert text == full[: full.find(stop)]
+    # The final delta names the stop string that matched (Anthropic's stop_sequence).
+    assert last.stop_sequence == stop
 
 
 def test_prefix_cache_reuse_gives_same_tokens(tiny_model_dir):

@@ -1,0 +1,323 @@
+"""Anthropic Messages wire models for requests (pydantic), and their mapping onto the typed request.
+
+    system (a string or text blocks), role "system" messages -> system messages (the pipeline
+                                                                gathers them into one, first)
+    user: text, image (base64 or url source)                 -> a user message's parts
+    user: tool_result blocks                                 -> role "tool" messages, before the
+                                                                rest of the user's turn
+    assistant: text, tool_use, thinking                      -> content, tool_calls, reasoning
+    consecutive user (or assistant) turns                    -> one turn, as Anthropic combines them
+    tools[] with input_schema                                -> Tool; Anthropic's server tools (web
+                                                                search, code execution, tool search)
+                                                                run on Anthropic's side: left out
+    tool_choice auto / any / tool / none                     -> ToolChoice auto / required / named / none
+    disable_parallel_tool_use                                -> parallel_tool_calls=False
+    thinking enabled / adaptive, between_tools / disabled    -> thinking True / None (the model's
+             / absent                                           default) / False / False (Anthropic's
+                                                                default: no thinking unless asked)
+    output_config.format, output_format (json_schema)        -> OutputFormat json_schema
+    max_tokens (required), stop_sequences, temperature,      -> Options; max_tokens is clamped to the
+    top_p, top_k                                                context by the pipeline, never refused
+
+Tool-call ids: the pipeline's parser makes them (``call_`` + 24 alphanumerics, or the
+9 alphanumerics Mistral's templates demand); they go out as ``toolu_`` + the parser's
+id without ``call_`` (``anthropic_tool_id``), and ids coming back lose ``toolu_``
+(``pipeline_tool_id``), so a Mistral call id reaches its template as it was made.
+
+Fields Tandem does not use are accepted and ignored: ``cache_control`` anywhere,
+``metadata``, ``context_management``, ``output_config.effort``, ``service_tier``,
+tools' ``defer_loading`` (deferred tools are offered like any other) and ``$schema``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from app.errors import InvalidRequestError
+from app.pipeline import request as typed
+
+TOOL_ID_PREFIX = "toolu_"
+
+
+def anthropic_tool_id(pipeline_id: str) -> str:
+    """A call id the pipeline's parser made, in Anthropic's style."""
+    return TOOL_ID_PREFIX + pipeline_id.removeprefix("call_")
+
+
+def pipeline_tool_id(anthropic_id: str) -> str:
+    """A client's call id as the chat template gets it: ``anthropic_tool_id`` undone, so a
+    Mistral call id is again the 9 alphanumerics its template checks."""
+    return anthropic_id.removeprefix(TOOL_ID_PREFIX)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def _as_blocks(v: Any) -> Any:
+    """A string where blocks may stand is one text block: one shape to validate, and errors
+    that point at the block (``messages.0.content.1``), not at each member of a union."""
+    return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(_Lenient):
+    type: Literal["base64"]
+    media_type: str = Field(min_length=1)
+    data: str
+
+
+class URLSource(_Lenient):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(_Lenient):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def part(self, where: str) -> typed.ImagePart:
+        """The image as the vision path takes it: a URL (``data:`` for base64 sources)."""
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
+        return typed.ImagePart(url, f"{where}.source")
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
+    is_error: bool = False
+
+    _blocks = field_validator("content", mode="before")(_as_blocks)
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    # Anthropic's signature, or Tandem's: either way not checked, the text is the reasoning.
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(_Lenient):
+    # Claude Code sends role "system" messages too, after the user's turn.
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentBlock]
+
+    _blocks = field_validator("content", mode="before")(_as_blocks)
+
+    def to_messages(self, i: int) -> list[typed.Message]:
+        """This turn as the pipeline's messages: tool results first, then the turn itself."""
+        where = f"messages[{i}]"
+        parts: list[typed.Part] = []
+        results: list[typed.Message] = []
+        calls: list[typed.ToolCall] = []
+        reasoning: list[str] = []
+        for j, block in enumerate(self.content):
+            at = f"{where}.content[{j}]"
+            _check_role(self.role, block, at)
+            if isinstance(block, TextBlock):
+                parts.append(typed.TextPart(block.text))
+            elif isinstance(block, ImageBlock):
+                parts.append(block.part(at))
+            elif isinstance(block, ToolUseBlock):
+                arguments = json.dumps(block.input, ensure_ascii=False)
+                calls.append(typed.ToolCall(pipeline_tool_id(block.id), block.name, arguments))
+            elif isinstance(block, ToolResultBlock):
+                results.append(_tool_message(block, at))
+            elif isinstance(block, ThinkingBlock):
+                reasoning.append(block.thinking)
+            # A redacted thinking block holds nothing a local model can read.
+        if results and not (parts or calls):
+            return results
+        turn = typed.Message(self.role, tuple(parts), tool_calls=tuple(calls),
+                             reasoning="\n".join(reasoning) or None, param=where)
+        return [*results, turn]
+
+
+_ALLOWED: dict[str, tuple[type[BaseModel], ...]] = {
+    "user": (TextBlock, ImageBlock, ToolResultBlock),
+    "assistant": (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock),
+    "system": (TextBlock,),
+}
+
+
+def _check_role(role: str, block: BaseModel, where: str) -> None:
+    if not isinstance(block, _ALLOWED[role]):
+        kind = getattr(block, "type", type(block).__name__)
+        raise InvalidRequestError(f"{where}: a {role!r} message cannot hold a {kind!r} block", param=where)
+
+
+def _tool_message(block: ToolResultBlock, where: str) -> typed.Message:
+    parts: list[typed.Part] = []
+    for k, p in enumerate(block.content):
+        parts.append(typed.TextPart(p.text) if isinstance(p, TextBlock) else p.part(f"{where}.content[{k}]"))
+    return typed.Message("tool", tuple(parts), tool_call_id=pipeline_tool_id(block.tool_use_id), param=where)
+
+
+def merge_turns(messages: list[typed.Message]) -> tuple[typed.Message, ...]:
+    """Consecutive user (or assistant) turns as one, as Anthropic combines them; system
+    messages in between do not separate them (the pipeline moves those to the front), and
+    templates that demand alternating turns (Mistral's) then get them."""
+    out: list[typed.Message] = []
+    last = -1  # where in out the last non-system message is
+    for m in messages:
+        prev = out[last] if last >= 0 else None
+        if prev is not None and m.role == prev.role and m.role in ("user", "assistant"):
+            reasoning = "\n".join(r for r in (prev.reasoning, m.reasoning) if r) or None
+            out[last] = replace(prev, content=prev.content + m.content, tool_calls=prev.tool_calls + m.tool_calls,
+                                reasoning=reasoning)
+            continue
+        out.append(m)
+        if m.role != "system":
+            last = len(out) - 1
+    return tuple(out)
+
+
+class CustomTool(_Lenient):
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None
+
+
+class ServerTool(_Lenient):
+    """A tool Anthropic runs (web search, code execution, tool search) or one only its models
+    know the schema of (bash, text editor): Tandem has none of them to offer."""
+
+    type: str
+    name: str = ""
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "custom" if kind in (None, "custom") else "server"
+
+
+AnyTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool, Tag("server")],
+                    Discriminator(_tool_kind)]
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(default=None, min_length=1)
+    disable_parallel_tool_use: bool = False
+
+    def to_choice(self) -> typed.ToolChoice:
+        if self.type == "tool":
+            if self.name is None:
+                raise InvalidRequestError("tool_choice.name: required when tool_choice.type is 'tool'",
+                                          param="tool_choice.name")
+            return typed.ToolChoice("named", self.name)
+        if self.type == "any":
+            return typed.ToolChoice("required")
+        return typed.ToolChoice(self.type)
+
+
+class ThinkingConfig(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    # Accepted, not enforced: the model reasons as long as it reasons, within max_tokens.
+    budget_tokens: int | None = Field(default=None, ge=0)
+    # "omitted": thinking blocks carry a signature and no text.
+    display: Literal["summarized", "omitted"] | None = None
+
+    def switch(self) -> bool | None:
+        return {"enabled": True, "disabled": False}.get(self.type)
+
+
+class JsonOutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Lenient):
+    effort: str | None = None
+    format: JsonOutputFormat | None = None
+
+
+class _MessagesBody(_Lenient):
+    """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
+
+    model: str = Field(min_length=1)
+    messages: list[InputMessage] = Field(min_length=1)
+    system: list[TextBlock] | None = None
+    tools: list[AnyTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    # The structured-outputs beta's name for output_config.format.
+    output_format: JsonOutputFormat | None = None
+
+    _blocks = field_validator("system", mode="before")(_as_blocks)
+
+    def thinking_shown(self) -> bool:
+        """Whether thinking blocks carry their text (``display: omitted`` keeps only signatures)."""
+        return self.thinking is None or self.thinking.display != "omitted"
+
+    def _chat_request(self, options: typed.Options) -> typed.ChatRequest:
+        system: list[typed.Message] = []
+        if self.system and any(b.text for b in self.system):
+            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in self.system), param="system"))
+        turns = [m for i, msg in enumerate(self.messages) for m in msg.to_messages(i)]
+        tools = tuple(typed.Tool(t.name, t.description, t.input_schema, bool(t.strict))
+                      for t in self.tools or () if isinstance(t, CustomTool))
+        choice = self.tool_choice.to_choice() if self.tool_choice else typed.ToolChoice()
+        fmt = self.output_format or (self.output_config.format if self.output_config else None)
+        output = typed.OutputFormat("json_schema", fmt.schema_) if fmt else typed.OutputFormat()
+        return typed.ChatRequest(
+            options, merge_turns([*system, *turns]), tools=tools, tool_choice=choice,
+            parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),
+            output=output, thinking=self.thinking.switch() if self.thinking else False,
+        )
+
+
+class CountTokensRequest(_MessagesBody):
+    """``POST /v1/messages/count_tokens``: the prompt alone."""
+
+    def to_request(self) -> typed.ChatRequest:
+        """This body as the pipeline's typed request."""
+        return self._chat_request(typed.Options(self.model))
+
+
+class MessagesRequest(_MessagesBody):
+    """``POST /v1/messages``."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+
+    def to_request(self) -> typed.ChatRequest:
+        """This body as the pipeline's typed request."""
+        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        return self._chat_request(typed.Options(self.model, sampling, self.max_tokens,
+                                                stop=tuple(self.stop_sequences or ())))
