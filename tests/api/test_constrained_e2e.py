@@ -180,3 +180,36 @@ def test_a_forced_call_is_written_in_mistral_syntax_and_parsed(thinker) -> None:
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Lyon")
     assert not message.content
+
+
+# ---- the same through Anthropic's Messages API -----------------------------------------
+
+
+@pytest.fixture()
+def claude(demo_server):
+    import anthropic
+
+    with anthropic.Anthropic(base_url=demo_server.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def test_anthropic_any_tool_choice_forces_one_valid_tool_use(claude) -> None:
+    msg = claude.messages.create(model="demo", max_tokens=48, messages=USER, tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                 extra_body={"temperature": 0.0})
+    assert msg.stop_reason == "tool_use"
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    schema = next(t["input_schema"] for t in ANTHROPIC_TOOLS if t["name"] == use.name)
+    jsonschema.validate(use.input, schema)
+
+
+def test_anthropic_output_format_is_followed(claude) -> None:
+    msg = claude.messages.create(model="demo", max_tokens=48, messages=USER,
+                                 extra_body={"temperature": 0.0,
+                                             "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}})
+    (text,) = [b.text for b in msg.content if b.type == "text"]
+    jsonschema.validate(json.loads(text), WEATHER)
