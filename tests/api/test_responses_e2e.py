@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -31,7 +33,7 @@ from openai.types.responses import (
     ResponseTextDoneEvent,
 )
 
-from tests.api.serving import assert_openai_error
+from tests.api.serving import assert_openai_error, serving, tiny_yaml
 from tests.api.sse_frames import parse_frames, read_stream
 from tests.vision.sample_images import data_url, image_bytes
 
@@ -291,6 +293,43 @@ def test_codex_shaped_request_is_served(demo_server, demo_state):
     assert r.status_code == 200, r.text
     prompt = r.json()["extensions"]["prompt"]
     assert "Sandbox: none." in prompt and "mcp__files__read" in prompt and "hello" in prompt
+
+
+CODEX_REQUEST = Path(__file__).resolve().parent.parent / "fixtures" / "codex" / "responses_request.json"
+
+
+def test_recorded_codex_request_streams(tmp_path, tiny_model_dir):
+    """The very request Codex CLI 0.169 sends for ``codex exec "say hi"`` (about 5,000 tokens: its
+    instructions, 8 function tools, a namespace of 5, web_search) is served, on the tiny model with
+    room for it (its rope has no trained length to outgrow)."""
+    model_dir = tmp_path / "tiny-long"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    body = {**json.loads(CODEX_REQUEST.read_text()), "model": "tiny"}
+    with serving(tmp_path, tiny_yaml(model_dir, params={"mem": 64, "max_tokens": 4})) as served:
+        frames = parse_frames(read_stream(served.base_url, "/v1/responses", body), named=True)
+        final = frames[-1].json()["response"]
+        assert frames[-1].name in ("response.completed", "response.incomplete"), frames[-1]
+        assert final["usage"]["input_tokens"] > 4000 and final["store"] is False
+        assert len(served.state.responses) == 0
+
+
+def test_each_api_key_sees_only_its_own_responses(tmp_path, tiny_model_dir):
+    keys = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, server={"api_keys": keys})) as served:
+        def as_(name: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=served.base_url + "/v1", api_key=keys[name], max_retries=0)
+
+        r = as_("alice").responses.create(model="tiny", input="Hi")
+        assert as_("alice").responses.retrieve(r.id).id == r.id
+        with pytest.raises(openai.NotFoundError):
+            as_("bob").responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            as_("bob").responses.create(model="tiny", input="Hi", previous_response_id=r.id)
+        for method in ("GET", "DELETE"):
+            assert httpx.request(method, f"{served.base_url}/v1/responses/{r.id}").status_code == 401
+        assert served.post("/v1/responses", {"model": "tiny", "input": "Hi"}).status_code == 401
 
 
 BAD = [

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from app.api.openai.response_store import ResponseStore
@@ -9,6 +12,8 @@ from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
 from app.errors import NotFoundError
 from app.pipeline import request as typed
 from app.request_context import CLIENT
+
+CODEX_REQUEST = Path(__file__).resolve().parent.parent / "fixtures" / "codex" / "responses_request.json"
 
 
 def request(**body) -> typed.ChatRequest:
@@ -141,3 +146,18 @@ def test_store_keeps_each_api_key_apart():
         assert store.get("r").items == [{"role": "user"}]
     finally:
         CLIENT.reset(token)
+
+
+def test_a_recorded_codex_request_maps():
+    """Codex CLI 0.169's first request of ``codex exec "say hi"`` (default config), as it sent it."""
+    body = json.loads(CODEX_REQUEST.read_text())
+    data = ResponsesRequest.model_validate(body)
+    assert data.stores is False and data.encrypted_reasoning and data.stream
+    req = data.to_request([])
+    assert [m.role for m in req.messages] == ["system", "system", "user", "user"]  # developer turns are system
+    assert req.messages[-1].text() == "say hi"
+    names = [t.name for t in req.tools]
+    assert "exec_command" in names and "multi_agent_v1__spawn_agent" in names  # a namespace, flattened
+    assert len(names) == 12  # 7 functions + 5 in the namespace; web_search is not served here
+    assert data.namespaces()["multi_agent_v1__spawn_agent"] == ("multi_agent_v1", "spawn_agent")
+    assert req.thinking is None  # reasoning: {"summary": "auto"} names no effort: the model's default
