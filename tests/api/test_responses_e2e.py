@@ -332,6 +332,26 @@ def test_each_api_key_sees_only_its_own_responses(tmp_path, tiny_model_dir):
         assert served.post("/v1/responses", {"model": "tiny", "input": "Hi"}).status_code == 401
 
 
+def test_a_failure_mid_stream_ends_it_with_one_error_event(tmp_path, tiny_model_dir):
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, {"on_engine_death": "stay"})) as served:
+        body = {"model": "tiny", "input": "Hi", "max_output_tokens": 1500, "stream": True}
+        with httpx.stream("POST", served.base_url + "/v1/responses", json=body, timeout=30) as stream:
+            chunks = stream.iter_raw()
+            raw = next(chunks)
+            assert raw.startswith(b"event: response.created\n")
+
+            def broken_step() -> bool:  # a bug on the MLX thread ends its loop (tests/api/test_faults.py)
+                raise RuntimeError("injected fault")
+
+            served.state.worker.add_stepper(broken_step, lambda exc: None)
+            raw += b"".join(chunks)
+        frames = parse_frames(raw, named=True)
+        error = frames[-1].json()
+        assert frames[-1].name == "error" and error["code"] == "engine_unavailable"
+        assert "injected fault" in error["message"] and error["sequence_number"] == len(frames) - 1
+        assert not any(f.name in ("response.completed", "response.incomplete") for f in frames)
+
+
 BAD = [
     ("no model", {"input": "Hi"}, "model"),
     ("empty input", {"model": "demo", "input": []}, "input"),
