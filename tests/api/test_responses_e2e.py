@@ -368,6 +368,8 @@ BAD = [
     ("schema missing", {"model": "demo", "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
      "text.format"),
     ("background", {"model": "demo", "input": "Hi", "background": True}, None),
+    ("conversation", {"model": "demo", "input": "Hi", "conversation": "conv_1"}, None),
+    ("prompt template", {"model": "demo", "input": "Hi", "prompt": {"id": "pmpt_1"}}, None),
     ("unknown model", {"model": "nope", "input": "Hi"}, "model"),
 ]
 

@@ -107,8 +107,15 @@ class ResponseWriter:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]
 
+    def feed(self, step: Step) -> list[Event]:
+        """The stream events of one pipeline step; the last one also ends the response."""
+        out = self.step(step)
+        if step.finish_reason is not None and step.usage is not None:
+            out += self.finish(step.finish_reason, step.usage)
+        return out
+
     def step(self, step: Step) -> list[Event]:
-        """The stream events of one pipeline step."""
+        """The item events of one pipeline step."""
         self.steps += 1
         out: list[Event] = []
         for ev in step.events:
@@ -232,12 +239,9 @@ async def response_events(request: Request, writer: ResponseWriter, steps: Async
         yield ev
     try:
         async for step in steps:
-            for ev in writer.step(step):
+            for ev in writer.feed(step):
                 yield ev
-            if step.finish_reason is not None and step.usage is not None:
-                for ev in writer.finish(step.finish_reason, step.usage):
-                    yield ev
-                on_done(writer)
+        on_done(writer)
     except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
         yield writer.error(as_app_error(request, exc))  # logs an unexpected error with its traceback
 
@@ -265,9 +269,7 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
         steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
         return EventStream(response_events(request, writer, steps, keep))
     for step in await unless_disconnected(request, _all(state.pipeline.steps(prepared))):
-        writer.step(step)
-        if step.finish_reason is not None and step.usage is not None:
-            writer.finish(step.finish_reason, step.usage)
+        writer.feed(step)  # the same events as a stream, only the final response kept
     keep(writer)
     return writer.response
 

@@ -238,6 +238,7 @@ class ResponsesRequest(_Lenient):
     stream: bool = False
     background: bool | None = None
     conversation: Any = None
+    prompt: Any = None
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
     extensions: bool = False
@@ -258,6 +259,8 @@ class ResponsesRequest(_Lenient):
             raise ValueError("background responses are not supported: this server answers while you wait")
         if self.conversation is not None:
             raise ValueError("conversation is not supported: chain requests with previous_response_id")
+        if self.prompt is not None:
+            raise ValueError("prompt templates live on OpenAI's servers: send instructions and input instead")
         return self
 
     @property
