@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.api.metrics import Metrics
+from app.api.openai.response_store import ResponseStore
 from app.config.loader import ResolvedConfig
 from app.engine.registry import Registry
 from app.engine.types import Engine
@@ -24,6 +25,12 @@ class AppState:
     default_model: str
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
+    # The Responses API's stored responses (server.responses_store_*).
+    responses: ResponseStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        server = self.config.server
+        self.responses = ResponseStore(server.responses_store_entries, server.responses_store_mb * 2**20)
 
     @property
     def reasoning_fields(self) -> tuple[str, ...]:

@@ -230,6 +230,11 @@ class ServerSettings(_Strict):
     memory_limit_mb: int | None = Field(default=None, ge=64)
     # Cached captions, keyed by image hash, prompt and model.
     caption_cache_entries: int = Field(default=512, ge=0)
+    # Responses API (/v1/responses): responses kept for previous_response_id and GET, in memory,
+    # least recently used out first; a restart forgets them, and `store: false` keeps nothing.
+    responses_store_entries: int = Field(default=1024, ge=0)
+    # ... and the JSON size they may take together, in MB.
+    responses_store_mb: int = Field(default=64, ge=0)
 
 
 class ModelsFile(_Strict):

@@ -1,0 +1,285 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the typed pipeline.
+
+The parser's events become output items, one open at a time, each streamed as
+
+    response.created, response.in_progress
+    reasoning:      output_item.added, content_part.added, reasoning_text.delta*, reasoning_text.done,
+                    content_part.done, output_item.done
+    message:        output_item.added, content_part.added, output_text.delta*, output_text.done,
+                    content_part.done, output_item.done
+    function_call:  output_item.added, function_call_arguments.delta*, function_call_arguments.done,
+                    output_item.done
+    response.completed | response.incomplete (max_output_tokens)     or one ``error`` event
+
+with ``sequence_number`` counting from 0. Non-streaming runs the very same
+``ResponseWriter`` over the same steps and returns its final response, so the
+two cannot disagree. A tool call the parser cannot read is closed ``incomplete``
+and left out of the output (its raw text follows as message text).
+``response_store`` keeps stored responses for ``previous_response_id`` and GET.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import Request, delete, get, post
+from litestar.params import FromPath, JSONBody
+
+from app.api.errors import as_app_error
+from app.api.openai.response_store import ResponseStore
+from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
+from app.api.state import AppState
+from app.api.streaming import Event, EventStream, started, to_json, unless_disconnected
+from app.errors import AppError
+from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
+from app.pipeline.results import Step, Usage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage object."""
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": u.total_tokens}
+
+
+def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[str, Any]:
+    """The response object before any output: what the request asked for, echoed."""
+    body: dict[str, Any] = {
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "error": None, "incomplete_details": None, "instructions": data.instructions,
+        "max_output_tokens": data.max_output_tokens, "model": data.model, "output": [],
+        "parallel_tool_calls": data.parallel_tool_calls is not False,
+        "previous_response_id": data.previous_response_id,
+        "reasoning": data.reasoning.model_dump(exclude_none=True) if data.reasoning else None,
+        "store": data.stores, "temperature": data.temperature, "top_p": data.top_p,
+        "text": data.text.model_dump(by_alias=True, exclude_none=True) if data.text and data.text.format
+        else {"format": {"type": "text"}},
+        "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
+        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in data.tools],
+        "truncation": "disabled", "usage": None, "metadata": getattr(data, "metadata", None) or {},
+    }
+    if extras:
+        body["extensions"] = extras
+    return body
+
+
+@dataclass
+class _Open:
+    """The output item being written."""
+
+    kind: str  # "message" | "reasoning" | "function_call"
+    index: int
+    item: dict[str, Any]
+    text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ResponseWriter:
+    """Parser events -> the Responses API's stream events, and the final response object."""
+
+    response: dict[str, Any]
+    # The model's name of each namespaced function -> (namespace, name).
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    encrypt_reasoning: bool = False
+    output: list[dict[str, Any]] = field(default_factory=list)
+    seq: int = 0
+    next_index: int = 0
+    open: _Open | None = None
+    # Generated tokens up to the end of the reasoning shown (each step is one token).
+    steps: int = 0
+    reasoning_tokens: int = 0
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return Event(to_json(payload), kind)
+
+    def start(self) -> list[Event]:
+        return [self._event("response.created", response=self.response),
+                self._event("response.in_progress", response=self.response)]
+
+    def feed(self, step: Step) -> list[Event]:
+        """The stream events of one pipeline step; the last one also ends the response."""
+        out = self.step(step)
+        if step.finish_reason is not None and step.usage is not None:
+            out += self.finish(step.finish_reason, step.usage)
+        return out
+
+    def step(self, step: Step) -> list[Event]:
+        """The item events of one pipeline step."""
+        self.steps += 1
+        out: list[Event] = []
+        for ev in step.events:
+            if isinstance(ev, ReasoningDelta) and ev.text:
+                self.reasoning_tokens = self.steps
+                out += self._ensure("reasoning")
+                out.append(self._delta("response.reasoning_text.delta", ev.text))
+            elif isinstance(ev, ContentDelta) and ev.text:
+                out += self._ensure("message")
+                out.append(self._delta("response.output_text.delta", ev.text, logprobs=[]))
+            elif isinstance(ev, ToolCallStart):
+                out += self._close("completed")
+                out += self._open_call(ev)
+            elif isinstance(ev, ToolCallArgsDelta) and ev.text and self._is_call():
+                out.append(self._delta("response.function_call_arguments.delta", ev.text))
+            elif isinstance(ev, ToolCallEnd) and self._is_call():
+                out += self._close("completed")
+            elif isinstance(ev, ToolCallError) and ev.index is not None and self._is_call():
+                out += self._close("incomplete", keep=False)
+        return out
+
+    def finish(self, finish_reason: str, usage: Usage) -> list[Event]:
+        """Close what is open and end the response: completed, or incomplete at the token limit."""
+        truncated = finish_reason == "length"
+        out = self._close("incomplete" if truncated else "completed")
+        self.response.update(status="incomplete" if truncated else "completed", output=self.output,
+                             usage=usage_dict(usage, self.reasoning_tokens), completed_at=int(time.time()),
+                             incomplete_details={"reason": "max_output_tokens"} if truncated else None)
+        kind = "response.incomplete" if truncated else "response.completed"
+        return [*out, self._event(kind, response=self.response)]
+
+    def error(self, err: AppError) -> Event:
+        """The one event that ends a stream that failed after it started."""
+        return self._event("error", code=err.code or err.openai_type, message=err.message, param=err.param)
+
+    # ---- items ----------------------------------------------------------------------
+
+    def _is_call(self) -> bool:
+        return self.open is not None and self.open.kind == "function_call"
+
+    def _delta(self, kind: str, text: str, **extra: Any) -> Event:
+        assert self.open is not None
+        self.open.text.append(text)
+        where: dict[str, Any] = {"item_id": self.open.item["id"], "output_index": self.open.index}
+        if self.open.kind != "function_call":
+            where["content_index"] = 0
+        return self._event(kind, **where, delta=text, **extra)
+
+    def _added(self, kind: str, item: dict[str, Any]) -> list[Event]:
+        self.open = _Open(kind, self.next_index, item)
+        self.next_index += 1
+        return [self._event("response.output_item.added", output_index=self.open.index, item=item)]
+
+    def _ensure(self, kind: str) -> list[Event]:
+        if self.open is not None and self.open.kind == kind:
+            return []
+        out = self._close("completed")
+        if kind == "message":
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+        else:
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        out += self._added(kind, item)
+        out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.next_index - 1,
+                               content_index=0, part=part))
+        return out
+
+    def _open_call(self, ev: ToolCallStart) -> list[Event]:
+        namespace, name = self.namespaces.get(ev.name, (None, ev.name))
+        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": ev.id, "name": name,
+                                "arguments": "", "status": "in_progress"}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return self._added("function_call", item)
+
+    def _close(self, status: str, keep: bool = True) -> list[Event]:
+        """Finish the open item; ``keep`` False leaves it out of the output (a broken call)."""
+        if self.open is None:
+            return []
+        o, self.open = self.open, None
+        text = "".join(o.text)
+        where = {"item_id": o.item["id"], "output_index": o.index}
+        out: list[Event] = []
+        item = {**o.item, "status": status}
+        if o.kind == "function_call":
+            item["arguments"] = text
+            if keep:
+                out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                       arguments=text))
+        else:
+            if o.kind == "message":
+                part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+                out.append(self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
+            else:
+                part = {"type": "reasoning_text", "text": text}
+                out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=text))
+                if self.encrypt_reasoning:
+                    item["encrypted_content"] = encode_reasoning(text)
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+            item["content"] = [part]
+        out.append(self._event("response.output_item.done", output_index=o.index, item=item))
+        if keep:
+            self.output.append(item)
+        return out
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+
+async def _all(steps: AsyncIterator[Step]) -> list[Step]:
+    async with aclosing(steps) as s:  # type: ignore[type-var]  # an async generator underneath
+        return [step async for step in s]
+
+
+async def response_events(request: Request, writer: ResponseWriter, steps: AsyncIterator[Step],
+                          on_done: Callable[[ResponseWriter], None]) -> AsyncIterator[Event]:
+    """The streamed response; a failure after the start ends it with one ``error`` event."""
+    for ev in writer.start():
+        yield ev
+    try:
+        async for step in steps:
+            for ev in writer.feed(step):
+                yield ev
+        on_done(writer)
+    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
+        yield writer.error(as_app_error(request, exc))  # logs an unexpected error with its traceback
+
+
+def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
+    """Captions and warnings when the request had images; everything (the prompt too) when asked."""
+    return extras if asked else {k: extras[k] for k in ("captions", "warnings") if k in extras}
+
+
+@post("/v1/responses", status_code=200, summary="Create a model response (OpenAI's Responses API)")
+async def create_response(data: JSONBody[ResponsesRequest], request: Request) -> Any:
+    state: AppState = request.app.state.tandem
+    store: ResponseStore = state.responses
+    history = store.get(data.previous_response_id, "previous_response_id").items if data.previous_response_id else []
+    prepared = await state.pipeline.prepare_chat(data.to_request(history))
+    writer = ResponseWriter(response_skeleton(data, _extras(prepared.extras, data.extensions)),
+                            data.namespaces(), data.encrypted_reasoning)
+    conversation = [*history, *(i.model_dump(by_alias=True, exclude_none=True) for i in data.input)]
+
+    def keep(w: ResponseWriter) -> None:
+        if data.stores:
+            store.put(w.response, [*conversation, *w.output])
+
+    if data.stream:
+        steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
+        return EventStream(response_events(request, writer, steps, keep))
+    for step in await unless_disconnected(request, _all(state.pipeline.steps(prepared))):
+        writer.feed(step)  # the same events as a stream, only the final response kept
+    keep(writer)
+    return writer.response
+
+
+@get("/v1/responses/{response_id:str}", summary="Retrieve a stored response")
+async def get_response(response_id: FromPath[str], request: Request) -> dict[str, Any]:
+    return request.app.state.tandem.responses.get(response_id).response
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200, summary="Delete a stored response")
+async def delete_response(response_id: FromPath[str], request: Request) -> dict[str, Any]:
+    request.app.state.tandem.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}

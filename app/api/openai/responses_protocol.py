@@ -1,0 +1,408 @@
+"""OpenAI's Responses API request (pydantic, validated at the edge) and its typed request.
+
+``input`` is a string or a list of items; each becomes a typed message:
+
+    message (user)                    user turn: input_text -> text, input_image -> the vision path
+    message (system, developer)       system turn (``instructions`` is one too, first)
+    reasoning, message (assistant),   one assistant turn, folded together as the model wrote them:
+      function_call                     reasoning, text, tool calls
+    function_call_output              tool turn answering ``call_id``
+
+Tools: ``function`` tools, and the function tools inside a ``namespace`` tool (the
+model sees them as ``<namespace>__<name>``, and calls come back split into
+``namespace`` and ``name``). Every other tool type (``web_search``, ``custom``,
+``file_search``, ``mcp``, ...) is a tool OpenAI's servers run; this server
+cannot, and ignores them, so a client's usual tool list (Codex sends
+``web_search``) never fails a request. Unknown fields are accepted and ignored
+(``include``, ``prompt_cache_key``, ``metadata``, ``user``, ...).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+
+from app.errors import InvalidRequestError
+from app.pipeline import request as typed
+
+# Tandem's reasoning "encryption": the text, base64'd, behind this marker. Anything else
+# (an OpenAI-encrypted blob from another provider) carries no reasoning we can read.
+REASONING_MARK = "tandem.reasoning.v1:"
+
+
+def encode_reasoning(text: str) -> str:
+    """The ``encrypted_content`` of a reasoning item: opaque to clients, read back here."""
+    return REASONING_MARK + base64.b64encode(text.encode()).decode()
+
+
+def decode_reasoning(blob: str | None) -> str | None:
+    if not blob or not blob.startswith(REASONING_MARK):
+        return None
+    try:
+        return base64.b64decode(blob[len(REASONING_MARK):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a function inside a namespace tool."""
+    if not namespace:
+        return name
+    return f"{namespace}{name}" if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- input ----------------------------------------------------------------------------
+
+
+class TextContent(_Lenient):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ImageContent(_Lenient):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class FileContent(_Lenient):
+    type: Literal["input_file"]
+
+
+class RefusalContent(_Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
+Content = Annotated[TextContent | ImageContent | FileContent | RefusalContent, Field(discriminator="type")]
+
+
+def _text_list(v: Any, kind: str = "input_text") -> Any:
+    """A bare string as one text part."""
+    return [{"type": kind, "text": v}] if isinstance(v, str) else v
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[Content]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_content(cls, v: Any) -> Any:
+        if isinstance(v, dict) and isinstance(v.get("content"), str):
+            kind = "output_text" if v.get("role") == "assistant" else "input_text"
+            return {**v, "content": _text_list(v["content"], kind)}
+        return v
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    # A JSON string as OpenAI sends it; an object is accepted and serialized.
+    arguments: str = "{}"
+    namespace: str | None = None
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_to_json(cls, v: Any) -> Any:
+        if isinstance(v, (dict, list)):
+            return json.dumps(v, ensure_ascii=False)
+        return "{}" if v is None else v
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: list[Content]
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _string_output(cls, v: Any) -> Any:
+        return _text_list(v)
+
+
+class ReasoningText(_Lenient):
+    text: str
+
+
+class ReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        """The reasoning as written: its content, else our own encrypted copy, else its summary."""
+        if self.content:
+            return "\n".join(p.text for p in self.content)
+        decoded = decode_reasoning(self.encrypted_content)
+        return decoded if decoded is not None else "\n".join(p.text for p in self.summary)
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
+
+# ---- tools and options ----------------------------------------------------------------
+
+
+class FunctionTool(_Lenient):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_tool(self, namespace: str | None = None) -> typed.Tool:
+        parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return typed.Tool(flat_name(namespace, self.name), self.description, parameters, bool(self.strict))
+
+
+class OtherTool(_Lenient):
+    """A tool OpenAI's servers run (web_search, custom, mcp, ...): accepted, not served."""
+
+    type: str
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in ("function", "namespace") else "other"
+
+
+class NamespaceTool(_Lenient):
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    tools: list[Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+                          Discriminator(lambda v: "function" if _tool_kind(v) == "function" else "other")]] = []
+
+
+ToolDef = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[OtherTool, Tag("other")],
+    Discriminator(_tool_kind),
+]
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema format needs a schema")
+        return self
+
+
+class TextConfig(_Lenient):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Lenient):
+    # "none" turns thinking off; any other effort turns it on; absent takes the model's default.
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str = Field(min_length=1)
+    input: list[InputItem] = []
+    instructions: str | None = None
+    tools: list[ToolDef] = []
+    # "none" | "auto" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool | None = True
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    # Tandem extensions, as on chat completions.
+    priority: Literal["interactive", "background"] = "interactive"
+    extensions: bool = False
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "message", "role": "user", "content": v}]
+        if isinstance(v, list):  # an "easy" message has a role and no type
+            return [{**i, "type": "message"} if isinstance(i, dict) and "type" not in i and "role" in i else i
+                    for i in v]
+        return v
+
+    @model_validator(mode="after")
+    def _served_here(self) -> ResponsesRequest:
+        if self.background:
+            raise ValueError("background responses are not supported: this server answers while you wait")
+        if self.conversation is not None:
+            raise ValueError("conversation is not supported: chain requests with previous_response_id")
+        if self.prompt is not None:
+            raise ValueError("prompt templates live on OpenAI's servers: send instructions and input instead")
+        return self
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        """Reasoning items carry ``encrypted_content`` (Codex asks, with ``store: false``)."""
+        return "reasoning.encrypted_content" in (self.include or ())
+
+    def thinking_requested(self) -> bool | None:
+        """``reasoning.effort`` "none" is off, any other effort on; absent is the model's default."""
+        if self.reasoning is None or self.reasoning.effort is None:
+            return None
+        return self.reasoning.effort != "none"
+
+    def namespaces(self) -> dict[str, tuple[str, str]]:
+        """The model's name of each namespaced function -> (namespace, name)."""
+        return {flat_name(t.name, f.name): (t.name, f.name) for t in self.tools if isinstance(t, NamespaceTool)
+                for f in t.tools if isinstance(f, FunctionTool)}
+
+    def served_tools(self) -> tuple[typed.Tool, ...]:
+        """The function tools, namespaced ones flattened; the rest are not served here."""
+        out: list[typed.Tool] = []
+        for t in self.tools:
+            if isinstance(t, FunctionTool):
+                out.append(t.to_tool())
+            elif isinstance(t, NamespaceTool):
+                out += [f.to_tool(t.name) for f in t.tools if isinstance(f, FunctionTool)]
+        return tuple(out)
+
+    def output_format(self) -> typed.OutputFormat:
+        f = self.text.format if self.text is not None else None
+        if f is None or f.type == "text":
+            return typed.OutputFormat()
+        return typed.OutputFormat(f.type, f.json_schema, f.name, bool(f.strict))
+
+    def to_request(self, history: list[dict[str, Any]]) -> typed.ChatRequest:
+        """This body, after the stored conversation ``history``, as the pipeline's typed request."""
+        items = [("previous_response_id", i) for i in INPUT_ITEMS.validate_python(history)]
+        items += [(f"input[{n}]", i) for n, i in enumerate(self.input)]
+        messages = to_messages(items)
+        if not messages:
+            raise InvalidRequestError("input: give at least one input item (or a previous_response_id)",
+                                      param="input")
+        if self.instructions:
+            messages.insert(0, typed.Message.of("system", self.instructions, param="instructions"))
+        choice, tools = tool_choice(self.tool_choice, self.served_tools())
+        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p)
+        options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
+                                priority=self.priority, extensions=self.extensions)
+        return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
+                                 parallel_tool_calls=self.parallel_tool_calls is not False,
+                                 output=self.output_format(), thinking=self.thinking_requested(),
+                                 messages_param="input")
+
+
+def tool_choice(v: str | dict[str, Any] | None, tools: tuple[typed.Tool, ...]
+                ) -> tuple[typed.ToolChoice, tuple[typed.Tool, ...]]:
+    """The typed tool choice, and the tools it leaves offered (``allowed_tools`` narrows them)."""
+    if v is None:
+        return typed.ToolChoice(), tools
+    if isinstance(v, str):
+        if v not in ("none", "auto", "required"):
+            raise InvalidRequestError(f"tool_choice {v!r} is not one of none, auto, required", param="tool_choice")
+        return typed.ToolChoice(v), tools  # type: ignore[arg-type]  # checked just above
+    kind = v.get("type")
+    if kind == "function" and isinstance(v.get("name"), str):
+        return typed.ToolChoice("named", _named(v)), tools
+    if kind == "allowed_tools" and v.get("mode") in ("auto", "required") and isinstance(v.get("tools"), list):
+        names = {_named(t) for t in v["tools"] if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        return typed.ToolChoice(v["mode"]), tuple(t for t in tools if t.name in names)
+    raise InvalidRequestError(f"tool_choice of type {kind!r} cannot be served here: only function tools run "
+                              "on this server", param="tool_choice")
+
+
+def _named(choice: dict[str, Any]) -> str:
+    """The model's name of the function a tool choice names (``namespace`` optional)."""
+    namespace = choice.get("namespace")
+    return flat_name(namespace if isinstance(namespace, str) else None, choice["name"])
+
+
+class _Turn:
+    """An assistant turn being folded from its items."""
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+        self.parts: list[typed.Part] = []
+        self.calls: list[typed.ToolCall] = []
+        self.reasoning: list[str] = []
+
+    def message(self) -> typed.Message:
+        reasoning = "\n".join(r for r in self.reasoning if r) or None
+        return typed.Message("assistant", tuple(self.parts), tool_calls=tuple(self.calls), reasoning=reasoning,
+                             param=self.param)
+
+
+def to_messages(items: list[tuple[str, Any]]) -> list[typed.Message]:
+    """Input items (each with where it sits, for errors) as typed messages."""
+    out: list[typed.Message] = []
+    turn: _Turn | None = None
+    for where, item in items:
+        if isinstance(item, (ReasoningItem, FunctionCallItem)) or (
+                isinstance(item, MessageItem) and item.role == "assistant"):
+            turn = turn or _Turn(where)
+            if isinstance(item, ReasoningItem):
+                turn.reasoning.append(item.text())
+            elif isinstance(item, FunctionCallItem):
+                turn.calls.append(typed.ToolCall(item.call_id, flat_name(item.namespace, item.name), item.arguments))
+            else:
+                turn.parts += _parts(item.content, where)
+            continue
+        if turn is not None:
+            out.append(turn.message())
+            turn = None
+        if isinstance(item, FunctionCallOutputItem):
+            out.append(typed.Message("tool", tuple(_parts(item.output, f"{where}.output")),
+                                     tool_call_id=item.call_id, param=where))
+        else:
+            role: typed.Role = "user" if item.role == "user" else "system"
+            out.append(typed.Message(role, tuple(_parts(item.content, f"{where}.content")), param=where))
+    if turn is not None:
+        out.append(turn.message())
+    return out
+
+
+def _parts(content: list[Any], where: str) -> list[typed.Part]:
+    parts: list[typed.Part] = []
+    for j, p in enumerate(content):
+        at = f"{where}[{j}]"
+        if isinstance(p, TextContent):
+            parts.append(typed.TextPart(p.text))
+        elif isinstance(p, RefusalContent):
+            parts.append(typed.TextPart(p.refusal))
+        elif isinstance(p, ImageContent) and p.image_url:
+            detail = p.detail if p.detail in ("auto", "low", "high") else None  # "original" and newer: the default
+            parts.append(typed.ImagePart(p.image_url, f"{at}.image_url", detail))
+        elif isinstance(p, ImageContent):
+            raise InvalidRequestError(f"{at}: an input_image needs image_url (a data: URL); file_id needs the "
+                                      "Files API, which this server does not have", param=at)
+        else:
+            raise InvalidRequestError(f"{at}: input_file parts are not supported; send the text as input_text",
+                                      param=at)
+    return parts
