@@ -24,6 +24,7 @@ from typing import Any
 
 from app.engine import constraints as c
 from app.engine.grammar import Grammar, compiler_for
+from app.errors import InvalidRequestError
 from app.parsers import template_opens_reasoning
 from app.pipeline.prompting import ModelProfile
 from app.pipeline.request import ChatRequest, OutputFormat, Tool
@@ -95,18 +96,23 @@ def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool
     return c.Reasoning(opener, closer, started=started)
 
 
-def compile_constraint(profile: ModelProfile, spec: c.Constraint | None, reasoning: c.Reasoning | None
-                       ) -> Grammar | None:
+def compile_constraint(profile: ModelProfile, spec: c.Constraint | None, reasoning: c.Reasoning | None,
+                       param: str = "response_format") -> Grammar | None:
     """The compiled grammar (cached per tokenizer); ``InvalidRequestError`` when the schema
     or a tool's parameters cannot be compiled. Runs off the event loop: the first one for a
     tokenizer builds llguidance's view of its vocabulary (about half a second)."""
     if spec is None:
         return None
-    return compiler_for(profile.tokenizer).compile(spec, reasoning)
+    try:
+        return compiler_for(profile.tokenizer).compile(spec, reasoning)
+    except InvalidRequestError as exc:
+        if exc.param == "response_format" and param != exc.param:  # the client's own name for it
+            raise InvalidRequestError(exc.message, param=param) from exc
+        raise
 
 
 def check_constraint(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool, ...]) -> None:
     """Compile the request's constraint alone, to refuse a bad schema before slow work
     (captioning images) rather than after it."""
-    compile_constraint(profile, constraint_spec(profile, req, offered), None)
+    compile_constraint(profile, constraint_spec(profile, req, offered), None, req.output.param)
 

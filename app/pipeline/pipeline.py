@@ -463,7 +463,8 @@ def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...]
     spec = constraint_spec(profile, req, tools)
     if spec is None:
         return None
-    return compile_constraint(profile, spec, reasoning_for(profile, text, _reads_reasoning(profile, wanted)))
+    reasoning = reasoning_for(profile, text, _reads_reasoning(profile, wanted))
+    return compile_constraint(profile, spec, reasoning, req.output.param)
 
 
 def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:

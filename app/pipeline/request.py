@@ -128,6 +128,8 @@ class OutputFormat:
     schema: dict[str, Any] | None = None
     name: str | None = None
     strict: bool = False
+    # Where the format sits in the client's request, for errors.
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)

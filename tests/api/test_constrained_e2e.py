@@ -213,3 +213,18 @@ def test_anthropic_output_format_is_followed(claude) -> None:
                                              "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}})
     (text,) = [b.text for b in msg.content if b.type == "text"]
     jsonschema.validate(json.loads(text), WEATHER)
+
+
+def test_a_bad_schema_is_named_where_each_api_has_it(demo_server) -> None:
+    import httpx
+
+    bad = {"type": "object", "properties": {"a": {"type": "strng"}}}
+    base = demo_server.base_url
+    r = httpx.post(f"{base}/v1/responses", json={
+        "model": "demo", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": bad}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+    r = httpx.post(f"{base}/v1/messages", json={
+        "model": "demo", "max_tokens": 8, "messages": USER,
+        "output_config": {"format": {"type": "json_schema", "schema": bad}}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "invalid JSON schema" in r.json()["error"]["message"]

@@ -78,8 +78,6 @@ def test_agent_answers_in_its_output_type(demo_server):
     assert result.final_output == Weather(city="Paris", sunny=True)
 
 
-@pytest.mark.xfail(strict=False, reason="without examples the 135M model writes free text: it needs "
-                   "grammar-constrained decoding of text.format json_schema, which the pipeline does not apply yet")
 def test_agent_output_type_without_examples(demo_server):
     agent = Agent(name="json", instructions="Answer in JSON.", model=model(demo_server.base_url),
                   output_type=Weather, model_settings=ModelSettings(temperature=0, max_tokens=24))

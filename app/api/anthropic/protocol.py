@@ -290,7 +290,8 @@ class _MessagesBody(_Lenient):
                       for t in self.tools or () if isinstance(t, CustomTool))
         choice = self.tool_choice.to_choice() if self.tool_choice else typed.ToolChoice()
         fmt = self.output_format or (self.output_config.format if self.output_config else None)
-        output = typed.OutputFormat("json_schema", fmt.schema_) if fmt else typed.OutputFormat()
+        where = "output_format" if self.output_format else "output_config.format"
+        output = typed.OutputFormat("json_schema", fmt.schema_, param=where) if fmt else typed.OutputFormat()
         return typed.ChatRequest(
             options, merge_turns([*system, *turns]), tools=tools, tool_choice=choice,
             parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),

@@ -297,7 +297,7 @@ class ResponsesRequest(_Lenient):
         f = self.text.format if self.text is not None else None
         if f is None or f.type == "text":
             return typed.OutputFormat()
-        return typed.OutputFormat(f.type, f.json_schema, f.name, bool(f.strict))
+        return typed.OutputFormat(f.type, f.json_schema, f.name, bool(f.strict), param="text.format")
 
     def to_request(self, history: list[dict[str, Any]]) -> typed.ChatRequest:
         """This body, after the stored conversation ``history``, as the pipeline's typed request."""
