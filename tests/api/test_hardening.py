@@ -44,7 +44,7 @@ def chat(srv, body: dict, key: str = ALICE, **kw) -> httpx.Response:
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                                           None])
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/agui"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/agui"])
 def test_non_json_bodies_get_415(srv, path, content_type):
     headers = auth()
     if content_type:
@@ -158,7 +158,7 @@ def test_api_key_from_the_environment_or_a_file(tmp_path, monkeypatch):
 NESTED = b"[" * 10_000 + b"]" * 10_000
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/agui"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/agui"])
 def test_deeply_nested_json_is_a_400_without_a_traceback(srv, path, caplog):
     with caplog.at_level(logging.INFO):
         r = httpx.post(srv.base_url + path, content=NESTED, timeout=30,

@@ -44,6 +44,7 @@ GUARDED = [
     ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1}),
     ("POST", "/v1/agui", {"threadId": "t", "runId": "r", "state": {}, "tools": [], "context": [],
                           "messages": [{"id": "1", "role": "user", "content": "Hi"}], "forwardedProps": {"max_tokens": 1}}),
+    ("POST", "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 1}),
     ("GET", "/metrics", None),
 ]
 BAD_AUTH = {

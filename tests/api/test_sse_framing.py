@@ -27,14 +27,23 @@ ROUTES = {
     "completions-echo": ("/v1/completions", {"model": "demo", "prompt": HOSTILE, "echo": True, "max_tokens": 2,
                                              "stream": True}),
     "agui": ("/v1/agui", agui_body(4)),
+    "responses": ("/v1/responses", {"model": "demo", "input": Q, "max_output_tokens": 16, "stream": True}),
+    "messages": ("/v1/messages", {"model": "demo", "messages": [{"role": "user", "content": Q}], "max_tokens": 4,
+                                  "stream": True}),
 }
+# Formats whose events are named (``event:`` lines) and end with their own last event, not [DONE].
+NAMED = {"/v1/responses": ("response.created", ("response.completed", "response.incomplete")),
+         "/v1/messages": ("message_start", ("message_stop",))}
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_every_stream_is_framed_with_bare_newlines(demo_server, route):
     path, body = ROUTES[route]
-    frames = parse_frames(read_stream(demo_server.base_url, path, body))
-    if path == "/v1/agui":
+    frames = parse_frames(read_stream(demo_server.base_url, path, body), named=path in NAMED)
+    if path in NAMED:
+        first, last = NAMED[path]
+        assert frames[0].name == first and frames[-1].name in last and len(frames) >= 4
+    elif path == "/v1/agui":
         types = [f.json()["type"] for f in frames]
         assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED" and "TEXT_MESSAGE_CONTENT" in types
     else:
@@ -49,6 +58,9 @@ ERROR_ROUTES = {
                                       "max_tokens": 1500, "stream": True}),
     "completions": ("/v1/completions", {"model": "tiny", "prompt": Q, "max_tokens": 1500, "stream": True}),
     "agui": ("/v1/agui", agui_body(1500, model="tiny")),
+    "responses": ("/v1/responses", {"model": "tiny", "input": Q, "max_output_tokens": 1500, "stream": True}),
+    "messages": ("/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": Q}],
+                                  "max_tokens": 1500, "stream": True}),
 }
 
 
@@ -64,9 +76,11 @@ def test_an_error_after_the_start_is_framed_the_same(tmp_path, tiny_model_dir, r
 
         srv.state.worker.add_stepper(broken_step, lambda exc: None)
         raw += chunks
-    frames = parse_frames(b"".join(raw))
+    frames = parse_frames(b"".join(raw), named=path in NAMED)
     last = frames[-1].json()
-    if path == "/v1/agui":
+    if path in NAMED:
+        assert frames[-1].name == "error" and "injected fault" in str(last), last
+    elif path == "/v1/agui":
         assert last["type"] == "RUN_ERROR" and last["code"] == "engine_unavailable", last
     else:
         assert last["error"]["code"] == "engine_unavailable" and "injected fault" in last["error"]["message"], last
