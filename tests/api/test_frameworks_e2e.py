@@ -1,9 +1,10 @@
 """Agent frameworks' structured output against Tandem's chat completions, unmodified.
 
 Each framework asks in its own way: pydantic-ai with a forced ``final_result``
-tool (its default) or ``response_format`` (``NativeOutput``), instructor with a
-named tool or a JSON schema, openai-agents with a strict ``json_schema`` and,
-for tools, ``tool_choice: required``. The demo model is far too small to follow
+tool (its default) or ``response_format`` (``NativeOutput``), instructor and
+LangChain's ``with_structured_output`` with a named tool or a JSON schema,
+openai-agents with a strict ``json_schema`` and, for tools, ``tool_choice:
+required``. The demo model is far too small to follow
 a schema on its own; what parses here does because decoding was constrained.
 """
 
@@ -66,6 +67,19 @@ def test_instructor(base_url: str, mode: instructor.Mode) -> None:
     weather = client.chat.completions.create(
         model="demo", response_model=Weather, max_retries=0, max_tokens=48, temperature=0.0,
         messages=[{"role": "user", "content": PROMPT}])
+    assert isinstance(weather, Weather)
+
+
+# ---- LangChain -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(base_url: str, method: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="demo", base_url=base_url, api_key="unused", temperature=0.0, max_tokens=48,
+                     max_retries=0)
+    weather = llm.with_structured_output(Weather, method=method).invoke(PROMPT)
     assert isinstance(weather, Weather)
 
 
