@@ -19,7 +19,9 @@ It measures, in this order (one server at a time, so they never compete):
   6. models: the time to first token of a model not loaded yet (load and
      prefill) against a loaded one, and the longest gap between the tokens of
      a running stream while another model loads, against its usual gap;
-  7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process).
+  7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process);
+  8. constrained: decode tokens/s with a JSON schema held by the grammar over
+     free decoding, at 1 and 8 streams, and the schema compile time (cold, cached).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -104,9 +107,10 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"ttft": ttft, "tokens": len(stamps), "itl": itl, "end": time.perf_counter(), "start": t0}
 
 
-async def concurrent(base: str, model: str, n: int, max_tokens: int, prompt: str = "Tell me a long story.") -> dict:
+async def concurrent(base: str, model: str, n: int, max_tokens: int, prompt: str = "Tell me a long story.",
+                     **extra: Any) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.8, "top_p": 1.0}
+            "temperature": 0.8, "top_p": 1.0, **extra}
     async with httpx.AsyncClient(timeout=3600) as client:
         url = base + "/v1/chat/completions"
         results = await asyncio.gather(*(one_stream(client, url, body) for _ in range(n)))
@@ -128,8 +132,9 @@ def raw_decode(model_path: str, tokens: int) -> float:
     for _ in stream_generate(model, tok, prompt, max_tokens=4, sampler=sampler):
         pass  # warm up
     last = None
-    for last in stream_generate(model, tok, prompt, max_tokens=tokens, sampler=sampler):
-        pass
+    for response in stream_generate(model, tok, prompt, max_tokens=tokens, sampler=sampler):
+        last = response
+    assert last is not None
     return last.generation_tps
 
 
@@ -159,7 +164,7 @@ def bench_ttft(base: str, model: str, sys_tokens: int) -> tuple[float, float, in
                       "messages": [{"role": "system", "content": sysmsg}, {"role": "user", "content": q}]}
     url = base + "/v1/chat/completions"
     t0 = time.perf_counter()
-    r = httpx.post(url, json=body("What is rule one?"), timeout=3600).json()
+    httpx.post(url, json=body("What is rule one?"), timeout=3600).raise_for_status()
     cold = time.perf_counter() - t0
     t0 = time.perf_counter()
     r2 = httpx.post(url, json=body("What is rule two?"), timeout=3600).json()
@@ -216,7 +221,8 @@ def bench_vision() -> tuple[float, float]:
     buf = io.BytesIO()
     Image.new("RGB", (64, 48), (200, 30, 90)).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
 
     async def timed():
         t0 = time.perf_counter()
@@ -303,7 +309,40 @@ async def bench_models(base: str, loaded: str, cold: str) -> dict[str, float]:
             "gap_max_during_load": max(during) if during else float("nan")}
 
 
-SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings")
+# A story in JSON: a long free string after a short bounded one, as structured answers go.
+# (Not minLength: a counted repetition of thousands makes every mask slow, which measures the schema.)
+STORY_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
+    "type": "object", "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string"}},
+    "required": ["title", "story"]}}}
+# pydantic-ai's output schema for a small model: enums in $defs, booleans, bounded strings, a range.
+COMPILE_SCHEMA = {
+    "$defs": {"Sky": {"enum": ["clear", "cloudy", "rain"], "type": "string"}},
+    "properties": {"city": {"maxLength": 40, "type": "string"}, "sky": {"$ref": "#/$defs/Sky"},
+                   "warm": {"type": "boolean"}, "celsius": {"maximum": 60, "minimum": -60, "type": "number"},
+                   "notes": {"items": {"maxLength": 80, "type": "string"}, "maxItems": 5, "type": "array"}},
+    "required": ["city", "sky", "warm", "celsius"], "title": "Weather", "type": "object",
+}
+
+
+def bench_compile(model_path: str) -> dict[str, float]:
+    """Schema compile times on the model's tokenizer: its one-time setup, a cold compile, a cached one."""
+    from mlx_lm.utils import load_tokenizer
+
+    from app.engine.constraints import JsonSchema
+    from app.engine.grammar import compiler_for
+
+    tokenizer = load_tokenizer(Path(model_path))
+    t0 = time.perf_counter()
+    compiler = compiler_for(tokenizer)
+    t1 = time.perf_counter()
+    compiler.compile(JsonSchema(COMPILE_SCHEMA))
+    t2 = time.perf_counter()
+    compiler.compile(JsonSchema(COMPILE_SCHEMA))
+    t3 = time.perf_counter()
+    return {"setup_s": t1 - t0, "cold_ms": (t2 - t1) * 1000, "cached_ms": (t3 - t2) * 1000}
+
+
+SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained")
 
 
 def main() -> None:
@@ -433,6 +472,29 @@ def main() -> None:
                       f"{m['ttft_loaded']:.2f}s")
         ratios.append(f"longest inter-token gap of a running stream while another model loads: "
                       f"{m['gap_max_during_load'] * 1000:.0f} ms (its usual gap {m['gap_p50'] * 1000:.0f} ms)")
+
+    if "constrained" in run:
+        c = bench_compile(args.model_path)
+        ratios.append(f"schema compile (pydantic-ai-like output): cold {c['cold_ms']:.1f} ms, cached "
+                      f"{c['cached_ms']:.2f} ms, tokenizer setup once per model {c['setup_s']:.2f} s")
+        ours, base = serve()
+        try:
+            for n in (1, 8):
+                asyncio.run(concurrent(base, name, n, 4))  # warm up this batch shape
+                tokens = prof["decode_tokens"]
+                # Alternated, three times, medians: a busy machine drifts between runs.
+                frees, helds = [], []
+                for _ in range(3):
+                    # Per stream, between tokens: prefill and queueing left out of both.
+                    frees.append(asyncio.run(concurrent(base, name, n, tokens))["decode_tok_s"])
+                    helds.append(asyncio.run(concurrent(base, name, n, tokens,
+                                                        response_format=STORY_FORMAT))["decode_tok_s"])
+                f, h = statistics.median(frees), statistics.median(helds)
+                print(f"{n} stream(s): free {f:.2f} tok/s, constrained {h:.2f} tok/s per stream")
+                ratios.append(f"decode tok/s constrained / free at {n} stream(s): {h:.2f} / {f:.2f} = {h / f:.3f}"
+                              "   (target >= 0.9)")
+        finally:
+            stop(ours)
 
     if "embeddings" in run:
         sys.path.insert(0, str(REPO / "scripts"))

@@ -59,11 +59,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import mlx.core as mx
-import numpy as np
+import mlx.core as mx  # noqa: E402 - after the sys.path insert
+import numpy as np  # noqa: E402 - after the sys.path insert
 
-from app.engine.constraints import JSON_WHITESPACE, JsonSchema
-from app.engine.grammar import GrammarCompiler, GrammarProcessor
+from app.engine.constraints import JSON_WHITESPACE, JsonSchema  # noqa: E402 - after the sys.path insert
+from app.engine.grammar import GrammarCompiler, GrammarProcessor  # noqa: E402 - after the sys.path insert
 
 # A pydantic-ai output type: enums in $defs, booleans, bounded strings, a list.
 PYDANTIC_OUTPUT = {
