@@ -76,6 +76,8 @@ class Family:
     bare_json: bool = True
     # Makes tool call ids; a family whose chat template checks ids brings its own.
     call_id: Callable[[], str] = new_call_id
+    # A conversation's call id (any client's) as the family's template accepts it.
+    fit_call_id: Callable[[str], str] = str
 
     def __call__(
         self,

@@ -18,6 +18,7 @@ the two shapes mlx-lm's ``tool_parsers/mistral.py`` reads whole.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import string
 
@@ -32,8 +33,23 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
+def fit_mistral_call_id(call_id: str) -> str:
+    """A conversation's call id as a Mistral template accepts it: as it is when it is 9
+    letters or digits, else 9 derived from it (the same for the call and its result), so
+    ids another server or model made (``call_...``, ``toolu_...``) do not fail the request."""
+    if len(call_id) == 9 and all(ch in _ALNUM for ch in call_id):
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ALNUM))
+        out.append(_ALNUM[r])
+    return "".join(out)
+
+
 FAMILY = Family(
     "mistral",
     call_formats=(NameThenArgs("[TOOL_CALLS]", "[ARGS]", id_marker="[CALL_ID]"),),
     call_id=mistral_call_id,
+    fit_call_id=fit_mistral_call_id,
 )

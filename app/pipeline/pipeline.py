@@ -31,7 +31,7 @@ from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
 from app.engine.vlm import render_vlm_prompt
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
-from app.parsers import ReasoningDelta, make_parser, template_opens_reasoning
+from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.prompting import (
@@ -400,7 +400,8 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     (the vision proxy's rewrite, images turned into text)."""
     msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
-    dicts = [template_message(m) for m in msgs]
+    fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
+    dicts = [template_message(m, fit_id) for m in msgs]
     text = render(profile, dicts, template_tools, wanted)
     tokens = encode(profile, text)
     gen = GenerationRequest(

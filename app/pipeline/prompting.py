@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config.schema import ModelCapabilities, ModelParams
@@ -171,15 +172,16 @@ def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[
     return [Message.of("system", text), *rest]
 
 
-def template_message(m: Message) -> dict[str, Any]:
-    """A typed message as chat templates take it."""
+def template_message(m: Message, fit_id: Callable[[str], str] = str) -> dict[str, Any]:
+    """A typed message as chat templates take it; ``fit_id`` rewrites call ids the model
+    family's template would refuse (``Family.fit_call_id``)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
-        out["tool_calls"] = [tc.as_dict(arguments_as_object=True) for tc in m.tool_calls]
+        out["tool_calls"] = [replace(tc, id=fit_id(tc.id)).as_dict(arguments_as_object=True) for tc in m.tool_calls]
     if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
+        out["tool_call_id"] = fit_id(m.tool_call_id)
     return out
 
 

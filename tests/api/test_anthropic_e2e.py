@@ -372,11 +372,14 @@ def test_mistral_call_ids_round_trip(ministral):
         {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18 C"}]}]}]
     again = ministral.messages.create(**{**kw, "messages": history})
     assert [(b.type, b.text) for b in again.content] == [("text", AFTER_TOOL)] and again.stop_reason == "end_turn"
-    # The template refuses an id that is not Mistral's: the mapping is what made the round trip work.
-    history[-1]["content"][0]["tool_use_id"] = "toolu_0123456789"
-    with pytest.raises(anthropic.BadRequestError) as err:
-        ministral.messages.create(**{**kw, "messages": history})
-    assert "length 9" in err.value.message
+    # Ids made elsewhere (real Claude's, 24 characters) are fitted to 9, the same for the
+    # call and its result, where the template would refuse them.
+    foreign = "toolu_01A09q90qw90lq917835lq9"
+    history[1] = {"role": "assistant", "content": [
+        {"type": "tool_use", "id": foreign, "name": "get_weather", "input": {"city": "Paris"}}]}
+    history[-1]["content"][0]["tool_use_id"] = foreign
+    again = ministral.messages.create(**{**kw, "messages": history})
+    assert [(b.type, b.text) for b in again.content] == [("text", AFTER_TOOL)]
 
 
 def test_an_error_mid_stream_is_one_error_event(tmp_path, tiny_model_dir):

@@ -100,3 +100,14 @@ def test_nothing_after_finish() -> None:
     parser.feed("hi")
     parser.finish()
     assert parser.feed("more") == [] and parser.finish() == []
+
+
+def test_foreign_call_ids_fit_mistral_templates() -> None:
+    from app.parsers.mistral import fit_mistral_call_id
+
+    assert fit_mistral_call_id("aB3dE6gH9") == "aB3dE6gH9"  # already Mistral's: kept
+    for foreign in ("call_abcdefghijklmnopqrstuvwx", "toolu_01A09q90qw90lq917835lq9", "x", ""):
+        fitted = fit_mistral_call_id(foreign)
+        assert len(fitted) == 9 and fitted.isalnum() and fitted.isascii()
+        assert fitted == fit_mistral_call_id(foreign)  # a call and its result stay paired
+    assert fit_mistral_call_id("call_a") != fit_mistral_call_id("call_b")
