@@ -101,6 +101,10 @@ def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, re
     return state
 
 
+# How long the shutdown waits for the MLX thread to end the requests still running.
+ABORT_WAIT_S = 2.0
+
+
 async def drain(state: AppState) -> None:
     """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
@@ -113,8 +117,16 @@ async def drain(state: AppState) -> None:
         await asyncio.sleep(0.05)
     if in_flight() and state.worker.alive:
         log.warning("shutdown: ending %d requests still running after %gs", in_flight(), grace)
+        exc = EngineDeadError("the server is shutting down", retry_after=10)
         for engine in engines:
-            await asyncio.wrap_future(engine.abort_all(EngineDeadError("the server is shutting down", retry_after=10)))
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                # The MLX thread is inside one long step (a long prefill chunk on a slow
+                # machine): the clients hear the end now, not when the step is done.
+                log.warning("shutdown: the MLX thread is busy in a long step; ending %s's streams without it",
+                            engine.name)
+                engine.end_streams(exc)
 
 
 def create_app(state: AppState) -> Litestar:

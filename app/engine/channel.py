@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections import deque
 
 from app.engine.types import TokenDelta
@@ -69,3 +70,23 @@ class TokenChannel:
                     return items
                 self._ready.clear()
             await self._ready.wait()
+
+
+class OpenStreams:
+    """One engine's open channels, so they can all be ended at once from the event loop
+    when the MLX thread cannot do it (a shutdown waiting behind a long prefill step)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._maxsize = maxsize
+        self._channels: weakref.WeakSet[TokenChannel] = weakref.WeakSet()
+
+    def open(self) -> TokenChannel:
+        """A channel for a new stream, on the running event loop."""
+        channel = TokenChannel(asyncio.get_running_loop(), self._maxsize)
+        self._channels.add(channel)
+        return channel
+
+    def end_all(self, exc: BaseException) -> None:
+        """Every open stream ends with ``exc`` now; what the engine thread puts later is dropped."""
+        for channel in list(self._channels):
+            channel.put(TokenDelta(error=exc))

@@ -21,7 +21,6 @@ request waits.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from app.engine.admission import Admission, Waiting, busy_error
-from app.engine.channel import TokenChannel
+from app.engine.channel import OpenStreams, TokenChannel
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mlx_internals import (
@@ -103,6 +102,7 @@ class TextEngine:
         self.cache_tokens_saved = 0
         self.background_pauses = 0
         self._listeners: list[Listener] = []
+        self._streams = OpenStreams(params.channel_max_pending)
         self._lock = threading.Lock()
         self._inbox: deque[_Seq] = deque()
         self._cancelled: deque[_Seq] = deque()
@@ -147,8 +147,7 @@ class TextEngine:
 
     async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Deltas for one request, ending with the one that carries finish_reason."""
-        channel = TokenChannel(asyncio.get_running_loop(), self.params.channel_max_pending)
-        seq = _Seq(req, channel, len(req.prompt_tokens) + req.max_tokens)
+        seq = _Seq(req, self._streams.open(), len(req.prompt_tokens) + req.max_tokens)
         self._submit(seq)
         try:
             while True:
@@ -504,6 +503,11 @@ class TextEngine:
         """End every queued and running request with ``exc`` (a shutdown past its grace
         period); returns the worker's Future for it."""
         return self.worker.submit(lambda: self._abort_all(exc))
+
+    def end_streams(self, exc: BaseException) -> None:
+        """Event loop: end every open stream with ``exc`` now, without the MLX thread (when
+        ``abort_all`` waits behind a long step at shutdown)."""
+        self._streams.end_all(exc)
 
     def _abort_all(self, exc: BaseException) -> None:
         self._take_inbox()

@@ -166,3 +166,6 @@ class Engine(Protocol):
 
     def abort_all(self, exc: BaseException) -> Future[None]:
         """End every queued and running request with ``exc``."""
+
+    def end_streams(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` from the event loop, without the MLX thread."""

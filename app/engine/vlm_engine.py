@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.engine.admission import Admission, Waiting, busy_error
-from app.engine.channel import TokenChannel
+from app.engine.channel import OpenStreams, TokenChannel
 from app.engine.mlx_internals import (
     new_vlm_batch_generator,
     new_vlm_detokenizer,
@@ -99,6 +99,7 @@ class VlmEngine:
             params.queue_timeout_s, starvation_s=params.starvation_s,
         )
         self._listeners: list[Listener] = []
+        self._streams = OpenStreams(params.channel_max_pending)
         self._lock = threading.Lock()
         self._inbox: deque[_Seq] = deque()
         self._cancelled: deque[_Seq] = deque()
@@ -164,7 +165,7 @@ class VlmEngine:
             prompt_len = len(req.prompt_tokens)
         else:
             prompt_len = await asyncio.wrap_future(self.worker.submit(lambda: self._count_tokens(req)))
-        seq = _Seq(req, TokenChannel(asyncio.get_running_loop(), self.params.channel_max_pending), prompt_len,
+        seq = _Seq(req, self._streams.open(), prompt_len,
                    self._completion_budget(prompt_len, req.max_tokens))
         self._submit(seq)
         try:
@@ -417,6 +418,10 @@ class VlmEngine:
         """End every queued and running request with ``exc`` (a shutdown past its grace
         period); returns the worker's Future for it."""
         return self.worker.submit(lambda: self._abort_all(exc))
+
+    def end_streams(self, exc: BaseException) -> None:
+        """Event loop: end every open stream with ``exc`` now, without the MLX thread."""
+        self._streams.end_all(exc)
 
     def _abort_all(self, exc: BaseException) -> None:
         self._take_inbox()

@@ -97,3 +97,34 @@ def test_sigterm_ends_a_stream_past_the_grace_period_with_an_error_event(server_
     assert all("choices" in e for e in events[:-1])
     assert proc.wait(timeout=30) == 0
     assert time.monotonic() - started < 15  # not the 1900 tokens, not uvicorn's own timeout
+
+
+def test_a_long_engine_step_does_not_hold_the_shutdown(tmp_path, tiny_model_dir):
+    """A prefill chunk on a slow machine can take a minute; the MLX thread cannot be
+    interrupted inside it. Past the grace period the streams end with their error event
+    anyway, and the server stops, instead of waiting for the step."""
+    import threading
+
+    from tests.api.serving import serving, tiny_yaml as yaml_for
+    from tests.api.sse_frames import stream_chunks
+
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1900, "stream": True}
+    release = threading.Event()
+    with serving(tmp_path, yaml_for(tiny_model_dir, {"shutdown_grace_s": 0.5})) as srv:
+        chunks = stream_chunks(srv.base_url, "/v1/completions", body, timeout=60)
+        raw = [next(chunks)]  # the stream runs
+
+        def long_step() -> bool:  # the MLX thread is stuck in one step until released
+            release.wait(60)
+            return False
+
+        srv.state.worker.add_stepper(long_step, lambda exc: None)
+        time.sleep(0.5)  # the thread is inside it
+        srv.server.should_exit = True
+        started = time.monotonic()
+        raw += chunks
+        ended = time.monotonic() - started
+        release.set()
+    last = json.loads(b"".join(raw).decode().strip().split("\n\n")[-1].removeprefix("data: "))
+    assert "shutting down" in last["error"]["message"], last
+    assert ended < 10, f"the stream waited {ended:.1f}s for the step"
