@@ -63,6 +63,15 @@ def test_a_conversation_with_tools_maps_turn_by_turn():
     assert (req.options.sampling.temperature, req.options.sampling.top_k) == (0.5, 40)
 
 
+def test_a_failed_tool_result_says_so():
+    req = request(messages=[
+        {"role": "user", "content": "Run it."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a1b2c3d4e", "name": "sh", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a1b2c3d4e", "is_error": True,
+                                      "content": "command not found"}]}])
+    assert req.messages[-1].role == "tool" and req.messages[-1].text() == "Error:\ncommand not found"
+
+
 def test_consecutive_turns_combine_across_system_messages():
     """Anthropic combines consecutive same-role turns; Claude Code's system message after the
     user's turn must not leave two user turns in a row once the pipeline moves it first."""

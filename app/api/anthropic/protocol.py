@@ -175,7 +175,8 @@ def _check_role(role: str, block: BaseModel, where: str) -> None:
 
 
 def _tool_message(block: ToolResultBlock, where: str) -> typed.Message:
-    parts: list[typed.Part] = []
+    # A failed tool's output says so: the template has no field for it, the model must read it.
+    parts: list[typed.Part] = [typed.TextPart("Error:")] if block.is_error else []
     for k, p in enumerate(block.content):
         parts.append(typed.TextPart(p.text) if isinstance(p, TextBlock) else p.part(f"{where}.content[{k}]"))
     return typed.Message("tool", tuple(parts), tool_call_id=pipeline_tool_id(block.tool_use_id), param=where)
