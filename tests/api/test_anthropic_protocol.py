@@ -120,7 +120,7 @@ def test_server_tools_are_left_out_and_unused_fields_accepted():
         context_management={"edits": []}, metadata={"user_id": "u"},
     )
     assert [t.name for t in req.tools] == ["get_weather"]
-    assert req.output == typed.OutputFormat("json_schema", {"type": "object"})
+    assert req.output == typed.OutputFormat("json_schema", {"type": "object"}, param="output_config.format")
 
 
 def test_images_take_the_vision_path_as_urls():

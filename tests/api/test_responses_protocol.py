@@ -87,7 +87,7 @@ def test_text_format_and_options():
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     req = request(input="Hi", max_output_tokens=7, temperature=0.5, top_p=0.9,
                   text={"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}})
-    assert req.output == typed.OutputFormat("json_schema", schema, "out", True)
+    assert req.output == typed.OutputFormat("json_schema", schema, "out", True, param="text.format")
     assert (req.options.max_tokens, req.options.max_tokens_param) == (7, "max_output_tokens")
     assert (req.options.sampling.temperature, req.options.sampling.top_p) == (0.5, 0.9)
     assert request(input="Hi", text={"format": {"type": "json_object"}}).output.kind == "json_object"
