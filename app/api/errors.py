@@ -57,7 +57,8 @@ def _loc_to_param(loc: Any) -> str | None:
     parts = [p for p in (loc if isinstance(loc, (list, tuple)) else [loc]) if p not in ("body", "data")]
     out = ""
     for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        index = isinstance(p, int) or (isinstance(p, str) and p.isdigit())
+        out += f"[{p}]" if index else (f".{p}" if out else str(p))
     return out or None
 
 
@@ -74,7 +75,8 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
     msgs = []
     for err in extra[:5]:
         if isinstance(err, dict):
-            where = err.get("key") or _loc_to_param(err.get("loc"))
+            loc = err.get("key") or err.get("loc")
+            where = _loc_to_param(loc.split(".") if isinstance(loc, str) else loc)
             msgs.append(f"{where}: {err.get('message') or err.get('msg')}" if where else str(err.get("message")))
     return InvalidRequestError("; ".join(msgs) or detail, param=param)
 
