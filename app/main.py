@@ -53,7 +53,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
         raise
     engine = TextEngine(worker, loaded, engine_params(primary.params))
     profile = make_profile(primary.name, loaded.tokenizer, primary.params, loaded.max_model_len, primary.capabilities,
-                           vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_budget_tokens)
+                           vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_max_sequence_tokens)
     log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name, profile.parser,
              profile.reasoning, profile.thinking_switch, profile.system_prompt)
     vision = build_vision(config, worker, load=load_vision)

@@ -1,8 +1,9 @@
 """The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
 
 Async handlers call ``stream(request)``; the request is admitted against the
-KV budget (``admission``), given a prefix from the prompt cache when one
-matches exactly, inserted into the BatchGenerator, and its tokens come back
+KV budget (``admission``: what MLX will really allocate for it), given a prefix
+from the prompt cache when one matches exactly, inserted into the BatchGenerator,
+and its tokens come back
 detokenized through a bounded ``TokenChannel``. A client that goes away
 cancels its sequence and frees its KV. An exception in one sequence fails
 that request only; a failure of the whole batch step fails the requests in
@@ -31,13 +32,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.admission import Admission, Waiting, busy_error
+from app.engine.admission import Admission, Waiting, busy_error, sequence_width
 from app.engine.channel import TokenChannel
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mlx_internals import (
     BatchGenerator,
     LRUPromptCache,
+    batch_kv_nbytes,
     new_batch_generator,
     new_detokenizer,
     trim_prompt_cache,
@@ -97,6 +99,7 @@ class TextEngine:
             starvation_s=params.starvation_s,
         )
         self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
+        self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.background_pauses = 0
@@ -146,7 +149,7 @@ class TextEngine:
     async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Deltas for one request, ending with the one that carries finish_reason."""
         channel = TokenChannel(asyncio.get_running_loop(), self.params.channel_max_pending)
-        seq = _Seq(req, channel, len(req.prompt_tokens) + req.max_tokens)
+        seq = _Seq(req, channel, self._width(req))
         self._submit(seq)
         try:
             while True:
@@ -171,6 +174,13 @@ class TextEngine:
             self._inbox.append(seq)
         self.worker.wake()
 
+    def _width(self, req: GenerationRequest) -> int:
+        """The sequence's width in a batch cache (``admission.sequence_width``); its prompt is
+        prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``)."""
+        p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        split = p.prompt_cache != "off" and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n
+        return sequence_width(n, req.max_tokens, segments=1 + split, chunk=p.prefill_chunk_size)
+
     def stop_accepting(self) -> None:
         self._accepting = False
 
@@ -190,11 +200,18 @@ class TextEngine:
             prompt_cache_bytes=self.prompt_cache.nbytes,
             prompt_cache_hits=self.cache_hits,
             prompt_cache_tokens_saved=self.cache_tokens_saved,
+            kv_cache_bytes=self._kv_bytes,
+            kv_max_sequence_tokens=self.admission.max_sequence_tokens,
         )
 
     # ---- the MLX thread -------------------------------------------------------------
 
     def _step(self) -> bool:
+        busy = self._run_step()
+        self._settle()
+        return busy
+
+    def _run_step(self) -> bool:
         self._take_inbox()
         self._take_cancellations()
         self._expire_waiting()
@@ -222,6 +239,17 @@ class TextEngine:
             if seq is not None:
                 self._on_token(seq, r)
         return True
+
+    def _settle(self) -> None:
+        """After a step: the prefix cache within what the reservations leave of the budget
+        (prefixes cached mid-prefill come on top of them), and the bytes MLX's caches hold,
+        measured for /health and /metrics."""
+        bpt = self.bytes_per_token
+        room = (self.admission.budget_tokens - self.admission.reserved) * bpt
+        if self.prompt_cache.nbytes > room:
+            self.prompt_cache.trim_to(n_bytes=max(0, room))
+        paused = sum(c.nbytes for s in self._paused if s.paused for c in s.paused[0])
+        self._kv_bytes = batch_kv_nbytes(self._bg) + paused + self.prompt_cache.nbytes
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -301,21 +329,21 @@ class TextEngine:
     def _admit(self, *, background: bool = True) -> None:
         bpt = self.bytes_per_token
 
+        def cache_tokens() -> int:  # rounded up: the figure must never be below what is held
+            return -(-self.prompt_cache.nbytes // bpt)
+
         def evict(tokens: int) -> int:
             self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * bpt))
-            return int(self.prompt_cache.nbytes // bpt)
+            return cache_tokens()
 
-        with self._lock:
-            admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict, background=background)
-            waiting = len(self.admission.waiting)
-        if waiting and time.monotonic() - self._last_wait_log > 5:
-            self._last_wait_log = time.monotonic()
-            log.info(
-                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
-                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
-                self.admission.running, self.prompt_cache.nbytes // 2**20,
-            )
-        for seq in admitted:
+        # One at a time: each takes its prefix from the cache before the next may evict it.
+        while True:
+            with self._lock:
+                admitted = self.admission.admit(cache_tokens(), evict, background=background, limit=1)
+                waiting = len(self.admission.waiting)
+            if not admitted:
+                break
+            seq = admitted[0]
             try:
                 self._insert(seq)
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
@@ -323,6 +351,13 @@ class TextEngine:
                 with self._lock:
                     self.admission.release(seq.reserved)
                 self._finish_with_error(seq, EngineError(f"could not start generation: {exc}"))
+        if waiting and time.monotonic() - self._last_wait_log > 5:
+            self._last_wait_log = time.monotonic()
+            log.info(
+                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
+                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
+                self.admission.running, self.prompt_cache.nbytes // 2**20,
+            )
 
     def _insert(self, seq: _Seq) -> None:
         req, p = seq.req, self.params

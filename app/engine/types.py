@@ -92,6 +92,11 @@ class EngineStats:
     # Background sequences paused for interactive work: now, and pauses so far.
     paused: int = 0
     background_pauses: int = 0
+    # Bytes MLX's KV caches hold now (batch rows, paused sequences, the memory tier), measured
+    # after each step; kv_reserved_tokens bounds it from above.
+    kv_cache_bytes: int = 0
+    # The longest prompt + max_tokens one request can have within the KV budget.
+    kv_max_sequence_tokens: int = 0
 
 
 class Engine(Protocol):
