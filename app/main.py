@@ -101,7 +101,8 @@ def _api_key_guard(key: str) -> Callable[[ASGIConnection, BaseRouteHandler], Non
 async def drain(state: AppState) -> None:
     """Graceful shutdown of the engine: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
-    when streaming). The HTTP server drains its connections meanwhile."""
+    when streaming), and finish the prefix cache's queued disk writes. The HTTP server
+    drains its connections meanwhile."""
     state.engine.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
@@ -111,6 +112,9 @@ async def drain(state: AppState) -> None:
         log.warning("shutdown: ending %d requests still running after %gs", state.engine.in_flight, grace)
         aborted = state.engine.abort_all(EngineDeadError("the server is shutting down", retry_after=10))
         await asyncio.wrap_future(aborted)
+    # Prefixes queued for the prompt cache's disk tier are written before the process ends.
+    if not await asyncio.to_thread(state.engine.close, max(grace, 10.0)):
+        log.warning("shutdown: prompt cache writes still queued after %gs were dropped", max(grace, 10.0))
 
 
 def create_app(state: AppState) -> Litestar:

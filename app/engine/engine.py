@@ -1,9 +1,9 @@
 """The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
 
 Async handlers call ``stream(request)``; the request is admitted against the
-KV budget (``admission``: what MLX will really allocate for it), given a prefix
-from the prompt cache when one matches exactly, inserted into the BatchGenerator,
-and its tokens come back
+KV budget (``admission``: what MLX will really allocate for it), given the KV of
+its longest cached prefix from the prefix cache (``prefix_cache``: memory, then
+disk), inserted into the BatchGenerator, and its tokens come back
 detokenized through a bounded ``TokenChannel``. A client that goes away
 cancels its sequence and frees its KV. An exception in one sequence fails
 that request only; a failure of the whole batch step fails the requests in
@@ -34,17 +34,18 @@ from typing import Any
 
 from app.engine.admission import Admission, Waiting, busy_error, sequence_width
 from app.engine.channel import TokenChannel
+from app.engine.disk_cache import disk_root, open_disk_tier
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mlx_internals import (
     BatchGenerator,
-    LRUPromptCache,
     batch_kv_nbytes,
     new_batch_generator,
     new_detokenizer,
     trim_prompt_cache,
 )
 from app.engine.params import EngineParams
+from app.engine.prefix_cache import PrefixCache
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta
@@ -98,7 +99,11 @@ class TextEngine:
             params.queue_timeout_s,
             starvation_s=params.starvation_s,
         )
-        self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
+        disk = None
+        if params.prompt_cache_disk_bytes:
+            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
+                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20)
+        self.prompt_cache = PrefixCache(params.prompt_cache_entries, params.prompt_cache_bytes, disk)
         self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
@@ -114,9 +119,9 @@ class TextEngine:
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
-            "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB; EngineParams %s",
+            "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB, on disk %s; EngineParams %s",
             loaded.name, self.bytes_per_token, self.admission.budget_tokens, params.prompt_cache_bytes // 2**20,
-            params.to_log_string(),
+            f"{params.prompt_cache_disk_mb} MB in {disk.dir}" if disk else "off", params.to_log_string(),
         )
 
     def _new_batch(self) -> BatchGenerator:
@@ -184,6 +189,10 @@ class TextEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish the prefix cache's queued disk writes (shutdown, unload); whether in time."""
+        return self.prompt_cache.close(timeout)
+
     @property
     def in_flight(self) -> int:
         return len(self._inbox) + len(self.admission.waiting) + len(self._running) + len(self._paused)
@@ -202,11 +211,13 @@ class TextEngine:
             prompt_cache_tokens_saved=self.cache_tokens_saved,
             kv_cache_bytes=self._kv_bytes,
             kv_max_sequence_tokens=self.admission.max_sequence_tokens,
+            prompt_cache_tiers=self.prompt_cache.stats(),
         )
 
     # ---- the MLX thread -------------------------------------------------------------
 
     def _step(self) -> bool:
+        self.prompt_cache.collect()
         busy = self._run_step()
         self._settle()
         return busy
@@ -241,9 +252,9 @@ class TextEngine:
         return True
 
     def _settle(self) -> None:
-        """After a step: the prefix cache within what the reservations leave of the budget
-        (prefixes cached mid-prefill come on top of them), and the bytes MLX's caches hold,
-        measured for /health and /metrics."""
+        """After a step: the memory tier within what the reservations leave of the budget
+        (prefixes cached mid-prefill, or loaded from disk, come on top of them), and the
+        bytes MLX's caches hold, measured for /health and /metrics."""
         bpt = self.bytes_per_token
         room = (self.admission.budget_tokens - self.admission.reserved) * bpt
         if self.prompt_cache.nbytes > room:
@@ -364,7 +375,7 @@ class TextEngine:
         prompt = list(req.prompt_tokens)
         cache, rest = (None, prompt)
         if p.prompt_cache != "off":
-            cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(seq), prompt)
+            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]

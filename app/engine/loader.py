@@ -147,6 +147,9 @@ class LoadedModel:
     path: str
     # The KV cache's bits per element when quantized (LoadParams.kv_cache_bits).
     kv_cache_bits: int | None = None
+    # A digest of what this model's KV depends on (disk_cache.kv_identity): the prefix
+    # cache's files are kept per identity, so they never feed another model.
+    kv_identity: str = ""
 
 
 def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
@@ -170,4 +173,10 @@ def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
-    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits)
+    from app.engine.kv_snapshot import kv_identity
+
+    identity = kv_identity(model, source, {
+        "activation_dtype": str(activation_dtype(model)), "dtype": params.dtype, "quantization": params.quantization,
+        "quantization_group_size": params.quantization_group_size, "kv_cache_bits": params.kv_cache_bits,
+        "kv_group_size": KV_GROUP_SIZE})
+    return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits, identity)

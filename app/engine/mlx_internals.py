@@ -25,8 +25,11 @@ mlx-lm
 - ``models.cache``: ``LRUPromptCache(max_size=, max_bytes=)`` with
   ``fetch_nearest_cache(model, tokens) -> (cache, rest)``, ``insert_cache(model,
   tokens, cache, cache_type=)``, ``trim_to(n_bytes=)``, ``nbytes``;
+  LRUPromptCache's ``__len__`` and ``trim_to(n_sequences=, n_bytes=)``, which
+  evicts in its own LRU order (``prefix_cache`` enforces the limits with it);
   ``trim_prompt_cache``; ``make_prompt_cache``; ``KVCache`` and
-  ``QuantizedKVCache`` fields (``keys``, ``values``, ``offset``, ``step``);
+  ``QuantizedKVCache`` fields (``keys``, ``values``, ``offset``, ``step``), which
+  ``kv_snapshot`` reads and sets to save and restore a cache;
   ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.

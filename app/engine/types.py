@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -78,6 +78,26 @@ class GenerationRecord:
 
 
 @dataclass
+class CacheTierStats:
+    """One prefix-cache tier's figures (``memory``, ``disk``), for /health and /metrics."""
+
+    hits: int = 0
+    # Prompt tokens served from this tier (prefill they saved).
+    tokens: int = 0
+    bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+    budget_bytes: int = 0
+    # Disk tier only: writes done, dropped (queue full, or larger than the budget), failed;
+    # files found damaged and ignored; writes queued now.
+    writes: int = 0
+    write_drops: int = 0
+    write_errors: int = 0
+    damaged: int = 0
+    pending: int = 0
+
+
+@dataclass
 class EngineStats:
     """A snapshot for /health and /metrics."""
 
@@ -97,6 +117,8 @@ class EngineStats:
     kv_cache_bytes: int = 0
     # The longest prompt + max_tokens one request can have within the KV budget.
     kv_max_sequence_tokens: int = 0
+    # Per prefix-cache tier: "memory", and "disk" when it is on.
+    prompt_cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -134,3 +156,6 @@ class Engine(Protocol):
 
     def abort_all(self, exc: BaseException) -> Future[None]:
         """End every queued and running request with ``exc``."""
+
+    def close(self, timeout: float) -> bool:
+        """Finish background work already queued (prefix-cache disk writes): shutdown, unload."""

@@ -10,12 +10,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from app.engine.admission import KV_STEP
-from app.engine.kv_quant import BatchQuantizedKVCache
+from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
 from app.engine.mlx_internals import (
     KVCache,
+    LRUPromptCache,
     QuantizedKVCache,
     batch_kv_nbytes,
     new_batch_generator,
+    trim_prompt_cache,
 )
 
 
@@ -57,3 +59,44 @@ def test_contract_batch_generator_reports_the_bytes_of_its_caches(tiny_model_dir
     held = batch_kv_nbytes(bg)
     caches = list(bg._generation_batch.prompt_cache) + list(bg._prompt_batch.prompt_cache)
     assert held == sum(c.nbytes for c in caches) > 0
+
+
+def test_contract_lru_prompt_cache_len_trim_and_nearest():
+    lru = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+    lru.insert_cache("m", [1, 2, 3, 4], [kv(4)], cache_type="system")
+    lru.insert_cache("m", [7, 8, 9], [kv(3)], cache_type="assistant")
+    lru.insert_cache("n", [1, 2], [kv(2)], cache_type="assistant")
+    assert len(lru) == 3 and lru.nbytes == sum(kv(n).nbytes for n in (4, 3, 2))
+    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 3, 4, 5])  # shorter entry: the rest to prefill
+    assert rest == [5] and cache[0].offset == 4
+    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 9])  # a longer entry, trimmed to the common prefix
+    assert rest == [9] and cache[0].offset == 2
+    cache[0].offset = 0  # a copy: the entry is untouched
+    assert lru.fetch_nearest_cache("m", [1, 2, 3, 4])[0][0].offset == 4
+    lru.trim_to(n_sequences=2, n_bytes=1 << 62)
+    assert len(lru) == 2
+    lru.trim_to(n_bytes=0)
+    assert len(lru) == 0 and lru.nbytes == 0
+
+
+def test_contract_a_plain_cache_rebuilt_from_its_fields_batches_like_the_original():
+    """kv_snapshot saves keys / values / offset and sets them on a fresh cache."""
+    c = kv(70, 0.5)
+    fresh = KVCache()
+    fresh.keys, fresh.values, fresh.offset = c.keys[..., :70, :], c.values[..., :70, :], 70
+    a, b = KVCache.merge([c, kv(5)]), KVCache.merge([fresh, kv(5)])
+    assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
+    assert trim_prompt_cache([fresh], 1) == 1 and fresh.offset == 69
+
+
+def test_contract_a_quantized_cache_rebuilt_from_its_fields_batches_like_the_original():
+    c = SeqQuantizedKVCache(group_size=64, bits=8)
+    x = mx.random.normal((1, 2, 70, 64))
+    c.update_and_fetch(x, -x)
+    fresh = SeqQuantizedKVCache(group_size=64, bits=8)
+    fresh.keys = tuple(q[..., :70, :] for q in c.keys)
+    fresh.values = tuple(q[..., :70, :] for q in c.values)
+    fresh.offset = 70
+    a, b = SeqQuantizedKVCache.merge([c, c]), SeqQuantizedKVCache.merge([fresh, fresh])
+    for u, v in zip(a.keys + a.values, b.keys + b.values):
+        assert mx.array_equal(u, v)
