@@ -16,6 +16,9 @@ scrape time by a collector. Each app has its own registry.
     tandem_background_pauses_total                 background sequences paused for interactive work
     tandem_kv_budget_tokens, tandem_kv_reserved_tokens, tandem_prompt_cache_bytes
     tandem_prompt_cache_hits_total, tandem_prompt_cache_tokens_saved_total
+    tandem_kv_cache_bytes                         bytes MLX's KV caches hold (rows, paused, memory tier)
+    tandem_prompt_cache_tier_{hits,tokens,evictions}_total{tier}, tandem_prompt_cache_tier_{bytes,entries}{tier}
+    tandem_prompt_cache_disk_writes_total{outcome}, tandem_prompt_cache_disk_damaged_total
     tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
 """
 
@@ -104,6 +107,8 @@ class _StateCollector(Collector):
             ("tandem_kv_budget_tokens", stats.kv_budget_tokens, "KV-cache budget in tokens (mem)."),
             ("tandem_kv_reserved_tokens", stats.kv_reserved_tokens, "KV tokens reserved by running sequences."),
             ("tandem_prompt_cache_bytes", stats.prompt_cache_bytes, "Bytes held by the prefix cache."),
+            ("tandem_kv_cache_bytes", stats.kv_cache_bytes,
+             "Bytes MLX's KV caches hold: batch rows, paused sequences, the prefix cache's memory tier."),
         ):
             yield GaugeMetricFamily(name, help_, value=value)
         yield CounterMetricFamily("tandem_background_pauses", "Background sequences paused for interactive work.",
@@ -112,6 +117,7 @@ class _StateCollector(Collector):
                                   value=stats.prompt_cache_hits)
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=stats.prompt_cache_tokens_saved)
+        yield from _tier_metrics(stats)
         proxy = state.vision.proxy
         if proxy is not None:
             cache = proxy.cache.stats()
@@ -121,6 +127,31 @@ class _StateCollector(Collector):
                                       value=cache["misses"])
             yield GaugeMetricFamily("tandem_caption_cache_entries", "Captions held by the cache.",
                                     value=cache["entries"])
+
+
+def _tier_metrics(stats: Any) -> Iterator[Metric]:
+    """The prefix cache per tier (memory, disk), and the disk tier's writes."""
+    tiers = stats.prompt_cache_tiers
+    for name, help_, kind in (
+        ("hits", "Requests whose cached prefix came from this tier.", CounterMetricFamily),
+        ("tokens", "Prompt tokens served from this tier.", CounterMetricFamily),
+        ("evictions", "Entries evicted from this tier to stay within its budget.", CounterMetricFamily),
+        ("bytes", "Bytes this tier holds.", GaugeMetricFamily),
+        ("entries", "Prefixes this tier holds.", GaugeMetricFamily),
+    ):
+        family = kind(f"tandem_prompt_cache_tier_{name}", help_, labels=["tier"])
+        for tier, t in tiers.items():
+            family.add_metric([tier], getattr(t, name))
+        yield family
+    disk = tiers.get("disk")
+    if disk is not None:
+        writes = CounterMetricFamily("tandem_prompt_cache_disk_writes",
+                                     "Prefixes offered to the disk tier, by outcome.", labels=["outcome"])
+        for outcome, value in (("written", disk.writes), ("dropped", disk.write_drops), ("failed", disk.write_errors)):
+            writes.add_metric([outcome], value)
+        yield writes
+        yield CounterMetricFamily("tandem_prompt_cache_disk_damaged", "Damaged files found and ignored.",
+                                  value=disk.damaged)
 
 
 @get("/metrics", summary="Prometheus metrics")
