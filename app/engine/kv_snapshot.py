@@ -102,8 +102,13 @@ def restore_cache(meta: dict[str, str], tensors: dict[str, Tensor], n: int) -> l
 
 
 def _buffer(x: Any) -> memoryview:
-    """An evaluated array's bytes, without a copy (the array must outlive the view)."""
-    return memoryview(x).cast("B")
+    """An evaluated array's bytes: its own memory (the array must outlive the view), or a
+    host copy where the backend does not export its buffers."""
+    try:
+        return memoryview(x).cast("B")
+    except (TypeError, ValueError, BufferError):
+        host: Any = np.ascontiguousarray(np.array(x, copy=True))
+        return memoryview(host).cast("B")
 
 
 def _to_array(t: Tensor, n: int) -> mx.array:

@@ -12,13 +12,15 @@ MLX thread only, except ``stats`` and ``close``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
-from app.engine.disk_cache import DiskTier
+from app.engine.disk_cache import DiskEntry, DiskTier
 from app.engine.mlx_internals import LRUPromptCache
 from app.engine.types import CacheTierStats
 
+log = logging.getLogger("tandem.engine")
 # LRUPromptCache's own limits are set out of reach: this class applies them and counts evictions.
 _NO_LIMIT = 1 << 62
 
@@ -44,8 +46,7 @@ class PrefixCache:
         cache, rest = self.memory.fetch_nearest_cache(key, prompt)
         cached = len(prompt) - len(rest)
         tier = "memory" if cache is not None and cached else None
-        entry = self.disk.lookup(key, prompt, longer_than=cached) if self.disk is not None else None
-        loaded = self.disk.load(entry, prompt) if entry is not None and self.disk is not None else None
+        entry, loaded = self._from_disk(key, prompt, cached)
         if entry is not None and loaded is not None:
             n = entry.n_tokens
             self._insert_memory(key, prompt[:n], loaded, "system")
@@ -58,11 +59,26 @@ class PrefixCache:
             self._mem.tokens += cached
         return cache, rest, tier
 
+    def _from_disk(self, key: str, prompt: list[int], cached: int) -> tuple[DiskEntry | None, Any]:
+        """The disk tier's longest stored prefix beyond ``cached`` tokens, loaded; a failure
+        of the tier itself is logged and is a miss, never the request's failure."""
+        if self.disk is None:
+            return None, None
+        try:
+            entry = self.disk.lookup(key, prompt, longer_than=cached)
+            return entry, self.disk.load(entry, prompt) if entry is not None else None
+        except Exception:  # noqa: BLE001 - the memory tier and a prefill still serve the request
+            log.exception("prompt cache: disk tier lookup failed")
+            return None, None
+
     def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant") -> None:
         """Keep ``cache`` (the KV of exactly ``tokens``) in memory, and offer it to the disk tier."""
         self._insert_memory(key, tokens, cache, cache_type)
         if self.disk is not None:
-            self.disk.offer(key, tokens, cache)
+            try:
+                self.disk.offer(key, tokens, cache)
+            except Exception:  # noqa: BLE001 - a prefix not written is a later miss, nothing worse
+                log.exception("prompt cache: could not queue a disk write")
 
     def _insert_memory(self, key: str, tokens: list[int], cache: Any, cache_type: str) -> None:
         self.memory.insert_cache(key, list(tokens), cache, cache_type=cache_type)
