@@ -297,10 +297,10 @@ def bench_disk_writes(serve, model: str, prof: dict, system: str, disk: dict) ->
     try:
         for _, base in servers.values():
             ask(base, model, system, "Warm up.")  # the prefix in memory (from disk, where there is one)
-        for _ in range(prof["write_rounds"]):
+        for round_ in range(prof["write_rounds"]):
             for label, (_, base) in servers.items():
                 before = disk_tier(base).get("writes", 0)
-                rates[label].append(decode_while_caching(base, model, prof, system))
+                rates[label].append(decode_while_caching(base, model, prof, system, f"round {round_}"))
                 if label == "with":
                     wait_for_writes(base)
                     print(f"  {disk_tier(base).get('writes', 0) - before} prefixes written meanwhile")
@@ -314,9 +314,9 @@ def bench_disk_writes(serve, model: str, prof: dict, system: str, disk: dict) ->
             "   (target >= 0.95)"]
 
 
-def decode_while_caching(base: str, model: str, prof: dict, system: str) -> float:
+def decode_while_caching(base: str, model: str, prof: dict, system: str, tag: str) -> float:
     """Mean decode tok/s of streams while, one after another, requests with the cached system
-    prompt and a new question each store a new conversation."""
+    prompt and a new question (never asked before: ``tag``) each store a new conversation."""
     async def run() -> list[dict]:
         async with httpx.AsyncClient(timeout=3600) as client:
             body = {"model": model, "temperature": 0.8, "max_tokens": prof["write_stream_tokens"],
@@ -325,7 +325,7 @@ def decode_while_caching(base: str, model: str, prof: dict, system: str) -> floa
             streams = [asyncio.create_task(one_stream(client, url, body)) for _ in range(prof["write_streams"])]
             i = 0
             while not all(s.done() for s in streams):
-                await asyncio.to_thread(ask, base, model, system, f"Question number {i}?")
+                await asyncio.to_thread(ask, base, model, system, f"Question number {i}, {tag}?")
                 i += 1
             return await asyncio.gather(*streams)
 
