@@ -108,7 +108,8 @@ ABORT_WAIT_S = 2.0
 async def drain(state: AppState) -> None:
     """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
-    when streaming). The HTTP server drains its connections meanwhile."""
+    when streaming), and finish the prefix caches' queued disk writes. The HTTP server
+    drains its connections meanwhile."""
     engines = state.registry.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
@@ -127,6 +128,11 @@ async def drain(state: AppState) -> None:
                 log.warning("shutdown: the MLX thread is busy in a long step; ending %s's streams without it",
                             engine.name)
                 engine.end_streams(exc)
+    # Prefixes queued for the prompt caches' disk tiers are written before the process ends.
+    wait = max(grace, 10.0)
+    for engine in engines:
+        if not await asyncio.to_thread(engine.finish_writes, wait):
+            log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
 
 
 def create_app(state: AppState) -> Litestar:

@@ -22,6 +22,9 @@ It measures, in this order (one server at a time, so they never compete):
   7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process);
   8. constrained: decode tokens/s with a JSON schema held by the grammar over
      free decoding, at 1 and 8 streams, and the schema compile time (cold, cached).
+  9. disk: the prefix cache's tiers on a ~1,500-token system prompt: TTFT cold,
+     from memory, and from disk only (after a restart), and the decode rate of
+     running streams while prefixes are written to disk, against no disk tier.
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -33,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -50,9 +54,11 @@ sys.path.insert(0, str(REPO))
 
 PROFILES = {
     "cpu": {"decode_tokens": 32, "concurrency": [1, 4, 8], "stream_tokens": 16, "system_tokens": 300,
-            "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256},
+            "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256,
+            "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2},
     "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
-             "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096},
+             "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096,
+             "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2},
 }
 
 
@@ -234,6 +240,109 @@ def bench_vision() -> tuple[float, float]:
     return first, repeat
 
 
+def ask(base: str, model: str, system: str, question: str) -> tuple[float, int]:
+    """Seconds to a one-token answer (the time to first token) and the cached prompt tokens."""
+    t0 = time.perf_counter()
+    r = httpx.post(base + "/v1/chat/completions", timeout=3600, json={
+        "model": model, "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def disk_tier(base: str) -> dict:
+    return httpx.get(base + "/health", timeout=30).json()["engine"]["prompt_cache_tiers"].get("disk", {})
+
+
+def wait_for_writes(base: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while disk_tier(base).get("pending", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def bench_disk(serve, model: str, prof: dict) -> list[str]:
+    """TTFT from each tier on a long system prompt, and the disk writes' cost on decoding."""
+    tokens = prof["disk_prefix_tokens"]
+    system = system_prompt(tokens)
+    cache_dir = tempfile.mkdtemp(prefix="tandem-bench-disk-")
+    disk = {"prompt_cache_disk_mb": 16384, "prompt_cache_disk_dir": cache_dir}
+    proc, base = serve(**disk)
+    try:
+        # A long prefill of its own first, so "cold" is the prefill and not the first use of its kernels.
+        ask(base, model, system.replace("careful", "cheerful"), "Hello?")
+        wait_for_writes(base)
+        cold, _ = ask(base, model, system, "What is rule one?")
+        memory, from_memory = ask(base, model, system, "What is rule two?")
+        wait_for_writes(base)
+    finally:
+        stop(proc)  # SIGTERM: queued writes finish first
+    proc, base = serve(**disk)
+    try:
+        ask(base, model, "You are brief.", "Hello?")
+        wait_for_writes(base)
+        from_disk_s, from_disk = ask(base, model, system, "What is rule three?")
+        hits = disk_tier(base).get("hits", 0)
+    finally:
+        stop(proc)
+    print(f"TTFT ~{tokens}-token system prompt: cold {cold:.2f}s, memory tier {memory:.3f}s ({from_memory} cached), "
+          f"after a restart from disk {from_disk_s:.3f}s ({from_disk} cached, {hits} disk hit)")
+    lines = [f"TTFT from disk after a restart / cold (~{tokens}-token prefix): {from_disk_s:.3f}s / {cold:.2f}s = "
+             f"{from_disk_s / cold:.3f}   (target <= 0.1)",
+             f"TTFT from memory / cold (~{tokens}-token prefix): {memory:.3f}s / {cold:.2f}s = "
+             f"{memory / cold:.3f}"]
+    try:
+        return lines + bench_disk_writes(serve, model, prof, system, disk)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)  # gigabytes of KV
+
+
+def bench_disk_writes(serve, model: str, prof: dict, system: str, disk: dict) -> list[str]:
+    """Decode tok/s of running streams while other requests each cache a new prefix-long
+    conversation: with the disk tier (each one a write) against without, two servers
+    measured in turns so that drift on a shared machine hits both."""
+    # Room for the streams and a prefix-long request beside them (admission counts each row as wide as the widest).
+    mem = max(prof["mem"], 1024)
+    servers = {"with": serve(mem=mem, **disk), "without": serve(mem=mem)}
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    try:
+        for _, base in servers.values():
+            ask(base, model, system, "Warm up.")  # the prefix in memory (from disk, where there is one)
+        for round_ in range(prof["write_rounds"]):
+            for label, (_, base) in servers.items():
+                before = disk_tier(base).get("writes", 0)
+                rates[label].append(decode_while_caching(base, model, prof, system, f"round {round_}"))
+                if label == "with":
+                    wait_for_writes(base)
+                    print(f"  {disk_tier(base).get('writes', 0) - before} prefixes written meanwhile")
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    on, off = statistics.median(rates["with"]), statistics.median(rates["without"])
+    print(f"decode tok/s per stream, {prof['write_streams']} streams, while prefixes are cached: with disk writes "
+          f"{', '.join(f'{r:.2f}' for r in rates['with'])}; without {', '.join(f'{r:.2f}' for r in rates['without'])}")
+    return [f"decode rate while writing prefixes to disk / without: {on:.2f} / {off:.2f} tok/s = {on / off:.3f}"
+            "   (target >= 0.95)"]
+
+
+def decode_while_caching(base: str, model: str, prof: dict, system: str, tag: str) -> float:
+    """Mean decode tok/s of streams while, one after another, requests with the cached system
+    prompt and a new question (never asked before: ``tag``) each store a new conversation."""
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(timeout=3600) as client:
+            body = {"model": model, "temperature": 0.8, "max_tokens": prof["write_stream_tokens"],
+                    "messages": [{"role": "user", "content": "Tell me a long story."}]}
+            url = base + "/v1/chat/completions"
+            streams = [asyncio.create_task(one_stream(client, url, body)) for _ in range(prof["write_streams"])]
+            i = 0
+            while not all(s.done() for s in streams):
+                await asyncio.to_thread(ask, base, model, system, f"Question number {i}, {tag}?")
+                i += 1
+            return await asyncio.gather(*streams)
+
+    results = asyncio.run(run())
+    return statistics.mean(1 / statistics.mean(r["itl"]) for r in results if r["itl"])
+
+
 OPEN_WEBUI_HISTORY = (
     "USER: I am planning a week in Lisbon in May. What neighbourhoods should I stay in, and is it easy "
     "to get around without a car?\nASSISTANT: Alfama, Baixa and Principe Real are central and walkable; "
@@ -342,7 +451,8 @@ def bench_compile(model_path: str) -> dict[str, float]:
     return {"setup_s": t1 - t0, "cold_ms": (t2 - t1) * 1000, "cached_ms": (t3 - t2) * 1000}
 
 
-SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained")
+SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
+            "disk")
 
 
 def main() -> None:
@@ -372,7 +482,8 @@ def main() -> None:
         cfg = Path(tempfile.mkdtemp()) / "models.yaml"
         entry = {"local_path": args.model_path, "params": {
             "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
-            "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256, **params}}
+            "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256,
+            "prompt_cache_disk_mb": 0, **params}}  # a disk tier only where a section asks for one
         names = [name, f"{name}-cold", f"{name}-cold-again"][:copies]
         cfg.write_text(json.dumps({"default_model": name, "models": [{"name": n, **entry} for n in names]}))
         port = free_port()
@@ -503,6 +614,9 @@ def main() -> None:
         e = bench_embeddings(seconds=5.0)
         ratios.append(f"embeddings/s (all-MiniLM-L6-v2): batch 1 {e['batch_1']['embeddings_per_s']:.1f}, "
                       f"batch 32 {e['batch_32']['embeddings_per_s']:.1f}")
+
+    if "disk" in run:
+        ratios += bench_disk(serve, name, prof)
 
     print("\n== ratios ==")
     for line in ratios:

@@ -19,6 +19,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The prefix cache's disk tier writes under a session directory, never the user's cache."""
+    path = tmp_path_factory.mktemp("prompt-cache")
+    old = os.environ.get("TANDEM_PROMPT_CACHE_DIR")
+    os.environ["TANDEM_PROMPT_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TANDEM_PROMPT_CACHE_DIR", None)
+    else:
+        os.environ["TANDEM_PROMPT_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once into the user cache."""

@@ -16,6 +16,9 @@ scrape time by a collector. Each app has its own registry.
     tandem_background_pauses_total                 background sequences paused for interactive work
     tandem_kv_budget_tokens, tandem_kv_reserved_tokens, tandem_prompt_cache_bytes
     tandem_prompt_cache_hits_total, tandem_prompt_cache_tokens_saved_total
+    tandem_kv_cache_bytes                         bytes MLX's KV caches hold (rows, paused, memory tier)
+    tandem_prompt_cache_tier_{hits,tokens,evictions}_total{model,tier}, ..._tier_{bytes,entries}{model,tier}
+    tandem_prompt_cache_disk_writes_total{model,outcome}, tandem_prompt_cache_disk_damaged_total{model}
     tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
     tandem_model_loaded{model,role}, tandem_model_memory_bytes{model,part}
     tandem_memory_limit_bytes, tandem_memory_used_bytes
@@ -109,8 +112,11 @@ class _StateCollector(Collector):
             ("tandem_requests_waiting", total("waiting"), "Requests waiting for the engine."),
             ("tandem_requests_paused", total("paused"), "Background sequences paused for interactive work."),
             ("tandem_kv_budget_tokens", total("kv_budget_tokens"), "KV-cache budget in tokens (mem), loaded models."),
-            ("tandem_kv_reserved_tokens", total("kv_reserved_tokens"), "KV tokens reserved by running sequences."),
+            ("tandem_kv_reserved_tokens", total("kv_reserved_tokens"),
+             "KV tokens reserved: running and paused rows x (the widest + an allocation step)."),
             ("tandem_prompt_cache_bytes", total("prompt_cache_bytes"), "Bytes held by the prefix caches."),
+            ("tandem_kv_cache_bytes", total("kv_cache_bytes"),
+             "Bytes MLX's KV caches hold: batch rows, paused sequences, the prefix caches' memory tiers."),
         ):
             yield GaugeMetricFamily(name, help_, value=value)
         yield CounterMetricFamily("tandem_background_pauses", "Background sequences paused for interactive work.",
@@ -119,6 +125,7 @@ class _StateCollector(Collector):
                                   value=total("prompt_cache_hits"))
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
+        yield from _tier_metrics(engines)
         yield from _model_metrics(registry.snapshot())
         proxy = state.vision.proxy
         if proxy is not None:
@@ -150,6 +157,33 @@ def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
     for key, help_ in (("active", "MLX's active memory."), ("peak", "MLX's peak memory."),
                        ("cache", "MLX's buffer cache.")):
         yield GaugeMetricFamily(f"tandem_mlx_{key}_memory_bytes", help_, value=snapshot["mlx"][f"{key}_mb"] * mb)
+
+
+def _tier_metrics(engines: list[Any]) -> Iterator[Metric]:
+    """Each loaded model's prefix cache per tier (memory, disk), and the disk tiers' writes."""
+    tiers = [(e.name, tier, t) for e in engines for tier, t in e.stats().prompt_cache_tiers.items()]
+    for name, help_, kind in (
+        ("hits", "Requests whose cached prefix came from this tier.", CounterMetricFamily),
+        ("tokens", "Prompt tokens served from this tier.", CounterMetricFamily),
+        ("evictions", "Entries evicted from this tier to stay within its budget.", CounterMetricFamily),
+        ("bytes", "Bytes this tier holds.", GaugeMetricFamily),
+        ("entries", "Prefixes this tier holds.", GaugeMetricFamily),
+    ):
+        family = kind(f"tandem_prompt_cache_tier_{name}", help_, labels=["model", "tier"])
+        for model, tier, t in tiers:
+            family.add_metric([model, tier], getattr(t, name))
+        yield family
+    writes = CounterMetricFamily("tandem_prompt_cache_disk_writes",
+                                 "Prefixes offered to the disk tier, by outcome.", labels=["model", "outcome"])
+    damaged = CounterMetricFamily("tandem_prompt_cache_disk_damaged", "Damaged files found and ignored.",
+                                  labels=["model"])
+    for model, tier, t in tiers:
+        if tier == "disk":
+            for outcome, value in (("written", t.writes), ("dropped", t.write_drops), ("failed", t.write_errors)):
+                writes.add_metric([model, outcome], value)
+            damaged.add_metric([model], t.damaged)
+    yield writes
+    yield damaged
 
 
 @get("/metrics", summary="Prometheus metrics")

@@ -35,6 +35,8 @@ def engine_params(p: ModelParams) -> EngineParams:
         cache_min_tokens=p.cache_min_tokens,
         prompt_cache_mb=p.prompt_cache_mem,
         prompt_cache_entries=p.prompt_cache_entries,
+        prompt_cache_disk_mb=p.prompt_cache_disk_mb,
+        prompt_cache_disk_dir=p.prompt_cache_disk_dir,
         background_share=p.background_share,
     )
 

@@ -66,6 +66,10 @@ class ModelParams(_Strict):
     prompt_cache_mem: int | None = Field(default=None, ge=0)
     # Most prefixes the prefix cache holds, whatever their size.
     prompt_cache_entries: int = Field(default=256, ge=1)
+    # MB of disk for this model's prefixes (the disk tier, LRU-evicted beyond it); 0 turns it off.
+    prompt_cache_disk_mb: int = Field(default=4096, ge=0)
+    # The disk tier's directory; None: $TANDEM_PROMPT_CACHE_DIR, else <cache dir>/prompt-cache.
+    prompt_cache_disk_dir: str | None = None
     # Share of max_num_seqs background requests (priority "background", Open WebUI's
     # "### Task:" prompts) may hold while interactive requests wait for their first token.
     background_share: float = Field(default=0.25, ge=0.0, le=1.0)

@@ -1,8 +1,9 @@
 """The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
 
 Async handlers call ``stream(request)``; the request is admitted against the
-KV budget (``admission``), given a prefix from the prompt cache when one
-matches exactly, inserted into the BatchGenerator, and its tokens come back
+KV budget (``admission``: what MLX will really allocate for it), given the KV of
+its longest cached prefix from the prefix cache (``prefix_cache``: memory, then
+disk), inserted into the BatchGenerator, and its tokens come back
 detokenized through a bounded ``TokenChannel``. A client that goes away
 cancels its sequence and frees its KV. An exception in one sequence fails
 that request only; a failure of the whole batch step fails the requests in
@@ -32,18 +33,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.admission import Admission, Waiting, busy_error
+from app.engine.admission import Admission, Waiting, busy_error, sequence_width
 from app.engine.channel import OpenStreams, TokenChannel
+from app.engine.disk_cache import disk_root, open_disk_tier
 from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mlx_internals import (
     BatchGenerator,
-    LRUPromptCache,
+    batch_kv_nbytes,
     new_batch_generator,
     new_detokenizer,
     trim_prompt_cache,
 )
 from app.engine.params import EngineParams
+from app.engine.prefix_cache import PrefixCache
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta, TokenLogprob
@@ -53,6 +56,8 @@ from app.errors import AppError, EngineDeadError, EngineError, VisionNotSupporte
 log = logging.getLogger("tandem.engine")
 
 Listener = Callable[[GenerationRecord], None]
+# An unload waits this long for the prefix cache's queued disk writes.
+DISK_WRITES_WAIT_S = 30.0
 
 
 @dataclass(eq=False)
@@ -97,7 +102,12 @@ class TextEngine:
             params.queue_timeout_s,
             starvation_s=params.starvation_s,
         )
-        self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
+        disk = None
+        if params.prompt_cache_disk_bytes:
+            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
+                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20)
+        self.prompt_cache = PrefixCache(params.prompt_cache_entries, params.prompt_cache_bytes, disk)
+        self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.background_pauses = 0
@@ -113,9 +123,9 @@ class TextEngine:
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
-            "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB; EngineParams %s",
+            "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB, on disk %s; EngineParams %s",
             loaded.name, self.bytes_per_token, self.admission.budget_tokens, params.prompt_cache_bytes // 2**20,
-            params.to_log_string(),
+            f"{params.prompt_cache_disk_mb} MB in {disk.dir}" if disk else "off", params.to_log_string(),
         )
 
     def _new_batch(self) -> BatchGenerator:
@@ -147,7 +157,7 @@ class TextEngine:
 
     async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Deltas for one request, ending with the one that carries finish_reason."""
-        seq = _Seq(req, self._streams.open(), len(req.prompt_tokens) + req.max_tokens)
+        seq = _Seq(req, self._streams.open(), self._width(req))
         self._submit(seq)
         try:
             while True:
@@ -174,16 +184,34 @@ class TextEngine:
             self._inbox.append(seq)
         self.worker.wake()
 
+    def _width(self, req: GenerationRequest) -> int:
+        """The sequence's width in a batch cache (``admission.sequence_width``); its prompt is
+        prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``)."""
+        p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        cached = p.prompt_cache != "off" or req.share_prefix
+        split = cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n
+        return sequence_width(n, req.max_tokens, segments=1 + split, chunk=p.prefill_chunk_size)
+
     def stop_accepting(self) -> None:
         self._accepting = False
 
     def close(self) -> None:
         """Leave the MLX loop and drop the model's arrays (an unload). MLX thread only,
-        with nothing queued or running."""
+        with nothing queued or running. The prefix cache's queued disk writes finish
+        first: the prefixes stay on disk for the next load."""
         self._accepting = False
         self.worker.remove_stepper(self._step)
         self._bg.close()
+        if not self.prompt_cache.close(DISK_WRITES_WAIT_S):
+            log.warning("model %s: prompt cache writes still queued after %gs were dropped", self.name,
+                        DISK_WRITES_WAIT_S)
+        self.prompt_cache.collect()
         self.prompt_cache.trim_to(n_bytes=0)
+
+    def finish_writes(self, timeout: float) -> bool:
+        """Finish the prefix cache's queued disk writes (graceful shutdown); whether in time.
+        Any thread."""
+        return self.prompt_cache.close(timeout)
 
     @property
     def in_flight(self) -> int:
@@ -201,11 +229,20 @@ class TextEngine:
             prompt_cache_bytes=self.prompt_cache.nbytes,
             prompt_cache_hits=self.cache_hits,
             prompt_cache_tokens_saved=self.cache_tokens_saved,
+            kv_cache_bytes=self._kv_bytes,
+            kv_max_sequence_tokens=self.admission.max_sequence_tokens,
+            prompt_cache_tiers=self.prompt_cache.stats(),
         )
 
     # ---- the MLX thread -------------------------------------------------------------
 
     def _step(self) -> bool:
+        self.prompt_cache.collect()
+        busy = self._run_step()
+        self._settle()
+        return busy
+
+    def _run_step(self) -> bool:
         self._take_inbox()
         self._take_cancellations()
         self._expire_waiting()
@@ -233,6 +270,17 @@ class TextEngine:
             if seq is not None:
                 self._on_token(seq, r)
         return True
+
+    def _settle(self) -> None:
+        """After a step: the memory tier within what the reservations leave of the budget
+        (prefixes cached mid-prefill, or loaded from disk, come on top of them), and the
+        bytes MLX's caches hold, measured for /health and /metrics."""
+        bpt = self.bytes_per_token
+        room = (self.admission.budget_tokens - self.admission.reserved) * bpt
+        if self.prompt_cache.nbytes > room:
+            self.prompt_cache.trim_to(n_bytes=max(0, room))
+        paused = sum(c.nbytes for s in self._paused if s.paused for c in s.paused[0])
+        self._kv_bytes = batch_kv_nbytes(self._bg) + paused + self.prompt_cache.nbytes
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -312,21 +360,21 @@ class TextEngine:
     def _admit(self, *, background: bool = True) -> None:
         bpt = self.bytes_per_token
 
+        def cache_tokens() -> int:  # rounded up: the figure must never be below what is held
+            return -(-self.prompt_cache.nbytes // bpt)
+
         def evict(tokens: int) -> int:
             self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * bpt))
-            return int(self.prompt_cache.nbytes // bpt)
+            return cache_tokens()
 
-        with self._lock:
-            admitted = self.admission.admit(self.prompt_cache.nbytes // bpt, evict, background=background)
-            waiting = len(self.admission.waiting)
-        if waiting and time.monotonic() - self._last_wait_log > 5:
-            self._last_wait_log = time.monotonic()
-            log.info(
-                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
-                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
-                self.admission.running, self.prompt_cache.nbytes // 2**20,
-            )
-        for seq in admitted:
+        # One at a time: each takes its prefix from the cache before the next may evict it.
+        while True:
+            with self._lock:
+                admitted = self.admission.admit(cache_tokens(), evict, background=background, limit=1)
+                waiting = len(self.admission.waiting)
+            if not admitted:
+                break
+            seq = admitted[0]
             try:
                 self._insert(seq)
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
@@ -334,6 +382,13 @@ class TextEngine:
                 with self._lock:
                     self.admission.release(seq.reserved)
                 self._finish_with_error(seq, EngineError(f"could not start generation: {exc}"))
+        if waiting and time.monotonic() - self._last_wait_log > 5:
+            self._last_wait_log = time.monotonic()
+            log.info(
+                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
+                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
+                self.admission.running, self.prompt_cache.nbytes // 2**20,
+            )
 
     def _insert(self, seq: _Seq) -> None:
         req, p = seq.req, self.params
@@ -341,7 +396,7 @@ class TextEngine:
         cache, rest = (None, prompt)
         use_cache = p.prompt_cache != "off" or req.share_prefix
         if use_cache:
-            cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(seq), prompt)
+            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]

@@ -152,6 +152,9 @@ class LoadedModel:
     kv_cache_bits: int | None = None
     # Bytes the weights take in memory, as loaded (after dtype and quantization).
     weights_bytes: int = 0
+    # A digest of what this model's KV depends on (disk_cache.kv_identity): the prefix
+    # cache's files are kept per identity, so they never feed another model.
+    kv_identity: str = ""
 
 
 # Bytes of weights evaluated per step of a sliced load: a running stream's longest
@@ -205,8 +208,14 @@ def load_text_model_steps(entry: ModelSource, params: LoadParams) -> Generator[N
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
+    from app.engine.kv_snapshot import kv_identity
+
+    identity = kv_identity(model, source, {
+        "activation_dtype": str(activation_dtype(model)), "dtype": params.dtype, "quantization": params.quantization,
+        "quantization_group_size": params.quantization_group_size, "kv_cache_bits": params.kv_cache_bits,
+        "kv_group_size": KV_GROUP_SIZE})
     return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits,
-                       weights_bytes=sum(a.nbytes for a in _arrays(model)))
+                       weights_bytes=sum(a.nbytes for a in _arrays(model)), kv_identity=identity)
 
 
 def _arrays(model: nn.Module) -> list[Any]:

@@ -17,12 +17,19 @@ mlx-lm
   ``uid, end_of_segment, end_of_prompt``; generation responses carry ``uid,
   token, logprobs, finish_reason`` and, on the last one, ``prompt_cache,
   all_tokens``; ``extract_cache(uids)`` and ``remove(uids,
-  return_prompt_caches=True)`` give ``{uid: (cache, tokens)}``.
+  return_prompt_caches=True)`` give ``{uid: (cache, tokens)}``;
+  ``prompt_cache_nbytes``: the bytes of every cache it holds (queued, prefilling,
+  decoding), read by ``batch_kv_nbytes``. Its batch caches are rectangles: each
+  row as wide as the widest (left padding, right-padded prefill chunks rolled
+  left), grown ``KVCache.step`` (256) tokens at a time (``admission`` relies on it).
 - ``models.cache``: ``LRUPromptCache(max_size=, max_bytes=)`` with
   ``fetch_nearest_cache(model, tokens) -> (cache, rest)``, ``insert_cache(model,
   tokens, cache, cache_type=)``, ``trim_to(n_bytes=)``, ``nbytes``;
+  LRUPromptCache's ``__len__`` and ``trim_to(n_sequences=, n_bytes=)``, which
+  evicts in its own LRU order (``prefix_cache`` enforces the limits with it);
   ``trim_prompt_cache``; ``make_prompt_cache``; ``KVCache`` and
-  ``QuantizedKVCache`` fields (``keys``, ``values``, ``offset``, ``step``);
+  ``QuantizedKVCache`` fields (``keys``, ``values``, ``offset``, ``step``), which
+  ``kv_snapshot`` reads and sets to save and restore a cache;
   ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
@@ -78,6 +85,7 @@ __all__ = [
     "LRUPromptCache",
     "QuantizedKVCache",
     "_BaseCache",
+    "batch_kv_nbytes",
     "create_causal_mask",
     "dynamic_roll",
     "eos_token_ids",
@@ -112,6 +120,11 @@ def new_batch_generator(
         prefill_batch_size=prefill_batch_size,
         prefill_step_size=prefill_step_size,
     )
+
+
+def batch_kv_nbytes(batch: BatchGenerator) -> int:
+    """Bytes of KV the BatchGenerator's caches hold: queued, prefilling and decoding sequences."""
+    return int(batch.prompt_cache_nbytes)
 
 
 def eos_token_ids(tokenizer: Any) -> list[int]:

@@ -58,12 +58,25 @@ class EngineParams:
     prompt_cache_share: float = 0.25
     # Most prefixes the prefix cache holds, whatever their size (LRU beyond).
     prompt_cache_entries: int = 256
+    # MB of disk the prefix cache's disk tier may hold for this model (LRU beyond); 0 turns it off.
+    # Prefixes cached in memory are also written there, so they survive restarts and unloads.
+    prompt_cache_disk_mb: int = 4096
+    # Where the disk tier lives; None: $TANDEM_PROMPT_CACHE_DIR, else <cache dir>/prompt-cache.
+    prompt_cache_disk_dir: str | None = None
+    # MB of KV the disk writer may have queued (one entry is always taken, whatever its size);
+    # beyond it a write is dropped, never waited for. Queued KV is held, not copied.
+    prompt_cache_disk_queue_mb: int = 1024
     # Background work (priority "background": titles, tags, follow-ups) may hold at most this
     # share of max_num_seqs while interactive work waits for its first token; the rest is paused.
     background_share: float = 0.25
     # Deltas one stream may have pending before new text is merged into the last one
     # (a slow client never makes the engine thread wait).
     channel_max_pending: int = 32
+
+    @property
+    def prompt_cache_disk_bytes(self) -> int:
+        """The disk tier's byte budget (0: no disk tier)."""
+        return 0 if self.prompt_cache == "off" else self.prompt_cache_disk_mb * 1024 * 1024
 
     @property
     def prompt_cache_bytes(self) -> int:

@@ -115,6 +115,26 @@ class GenerationRecord:
 
 
 @dataclass
+class CacheTierStats:
+    """One prefix-cache tier's figures (``memory``, ``disk``), for /health and /metrics."""
+
+    hits: int = 0
+    # Prompt tokens served from this tier (prefill they saved).
+    tokens: int = 0
+    bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+    budget_bytes: int = 0
+    # Disk tier only: writes done, dropped (queue full, or larger than the budget), failed;
+    # files found damaged and ignored; writes queued now.
+    writes: int = 0
+    write_drops: int = 0
+    write_errors: int = 0
+    damaged: int = 0
+    pending: int = 0
+
+
+@dataclass
 class EngineStats:
     """A snapshot for /health and /metrics."""
 
@@ -129,6 +149,13 @@ class EngineStats:
     # Background sequences paused for interactive work: now, and pauses so far.
     paused: int = 0
     background_pauses: int = 0
+    # Bytes MLX's KV caches hold now (batch rows, paused sequences, the memory tier), measured
+    # after each step; kv_reserved_tokens bounds it from above.
+    kv_cache_bytes: int = 0
+    # The longest prompt + max_tokens one request can have within the KV budget.
+    kv_max_sequence_tokens: int = 0
+    # Per prefix-cache tier: "memory", and "disk" when it is on.
+    prompt_cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -169,3 +196,6 @@ class Engine(Protocol):
 
     def end_streams(self, exc: BaseException) -> None:
         """End every open stream with ``exc`` from the event loop, without the MLX thread."""
+
+    def finish_writes(self, timeout: float) -> bool:
+        """Finish background work already queued (prefix-cache disk writes) at shutdown; whether in time."""

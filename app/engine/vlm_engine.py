@@ -147,6 +147,10 @@ class VlmEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def finish_writes(self, timeout: float) -> bool:
+        """Nothing to finish: native VLM prompts are not cached."""
+        return True
+
     def stats(self) -> EngineStats:
         return EngineStats(
             alive=self.worker.alive,
@@ -155,6 +159,7 @@ class VlmEngine:
             kv_budget_tokens=self.admission.budget_tokens,
             kv_reserved_tokens=self.admission.reserved,
             prompt_cache_bytes=0,
+            kv_max_sequence_tokens=self.admission.max_sequence_tokens,
         )
 
     async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:

@@ -146,7 +146,7 @@ class Pipeline:
         if cached is None or cached[0] is not engine:  # first use of this load: probe the template once
             chat = self._chats[name]
             profile = make_profile(name, engine.tokenizer, chat.params, engine.max_model_len, chat.caps,
-                                   vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_budget_tokens)
+                                   vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_max_sequence_tokens)
             self._profiles[name] = cached = (engine, profile)
         return ServedModel(cached[1], engine, self.vision(name))
 

@@ -12,9 +12,10 @@ from app.engine.worker import MLXWorker
 
 
 def make_engine(path, **params) -> TextEngine:
-    """Its own MLX thread and model; stop it with ``engine.worker.stop()``."""
+    """Its own MLX thread and model; stop it with ``engine.worker.stop()``. No disk tier
+    unless ``prompt_cache_disk_mb`` says (then give it its own ``prompt_cache_disk_dir``)."""
     p = ModelParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
-                       "cache_min_tokens": 8, **params})
+                       "cache_min_tokens": 8, "prompt_cache_disk_mb": 0, **params})
     worker = MLXWorker()
     worker.start()
     loaded = worker.submit(lambda: load_text_model(ModelSource("tiny", local_path=str(path)), load_params(p))).result()

@@ -188,7 +188,8 @@ def test_prefix_cache_reuse_gives_same_tokens(model_dir):
         assert first.cached_tokens == 0
         assert second.cached_tokens >= len(system)
         assert warm == cold
-        cached, _ = eng.prompt_cache.fetch_nearest_cache(eng.cache_key(), req.prompt_tokens)
+        cached, _, tier = eng.prompt_cache.fetch(eng.cache_key(req.cache_namespace), req.prompt_tokens)
+        assert tier == "memory"
         assert all(isinstance(c, SeqQuantizedKVCache) for c in cached)
         # A cached sequence merged into one batch with a fresh one.
         assert together(eng, [req, *requests(eng, 1)])[0] == cold

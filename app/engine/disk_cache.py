@@ -1,0 +1,338 @@
+"""The prefix cache's disk tier: KV that survives restarts, idle unloads and memory evictions.
+
+    <root>/<model name>-<identity>/<key digest>-<tokens>-<token digest>.safetensors
+
+``root`` is ``prompt_cache_disk_dir``, else ``$TANDEM_PROMPT_CACHE_DIR``, else
+``<cache dir>/prompt-cache``. The identity (``kv_identity``) hashes what the KV
+depends on: the weights (their files' path, size and mtime, and a sample of every
+tensor), the dtypes, ``kv_cache_bits`` and the mlx / mlx-lm versions; so a file
+never feeds KV to a different model or format. The key digest hashes the prefix
+cache's partition (model and ``cache_namespace``), so namespaces never share a
+file either. Each file holds the KV of one exact token prefix (``kv_files``); a
+lookup finds the longest stored prefix of a prompt. Bytes on disk stay within the
+model's budget (``prompt_cache_disk_mb``), least recently used first out; the
+model's directories for other identities count against it too, and go first.
+
+Threads: ``lookup`` and ``load`` run on the MLX thread (a load replaces a much
+longer prefill; damaged files are dropped with a warning). ``offer`` runs there
+too: it evaluates the arrays and exports their buffers without copying, and
+queues them (bounded; a full queue drops the write, it never waits). One writer
+thread writes, fsyncs, renames and evicts. The arrays it wrote are handed back
+and dropped on the MLX thread (``collect``), so MLX memory is only ever freed
+there. ``close`` finishes the queued writes (graceful shutdown, an unload).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from array import array
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv_snapshot import export_cache, restore_cache
+from app.engine.types import CacheTierStats
+
+log = logging.getLogger("tandem.engine")
+
+_NAME = re.compile(r"([0-9a-f]{16})-(\d+)-([0-9a-f]{32})\.safetensors")
+# Temporary files older than this are a crash's leftovers; younger ones may be another process's write.
+STALE_TMP_S = 3600.0
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tokens_bytes(tokens: list[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
+@dataclass
+class DiskEntry:
+    """One file of the index."""
+
+    key: str  # digest of the prefix cache's partition
+    n_tokens: int
+    digest: str  # of the tokens
+    path: Path
+    size: int
+    last_used: float
+
+
+@dataclass
+class _Job:
+    entry: DiskEntry
+    meta: dict[str, str]
+    tensors: list[Tensor]
+    size: int
+    # The exported MLX arrays: alive until the MLX thread drops them (collect).
+    arrays: list[Any] = field(default_factory=list)
+
+
+class DiskTier:
+    """One model's directory of cached prefixes, its index, and the writer thread."""
+
+    def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int) -> None:
+        self.dir = directory
+        self.budget_bytes = budget_bytes
+        self.identity = identity
+        self.queue_bytes = queue_bytes
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._cv = threading.Condition()
+        self._entries: dict[tuple[str, int, str], DiskEntry] = {}
+        self._lengths: dict[str, Counter[int]] = {}
+        self._bytes = 0
+        self._queue: deque[_Job] = deque()
+        self._queued_bytes = 0
+        self._done: deque[_Job] = deque()
+        self._closing = False
+        self._unsupported_logged = False
+        self.counts = CacheTierStats(budget_bytes=budget_bytes)
+        self._scan()
+        self._thread = threading.Thread(target=self._run, name="tandem-kv-writer", daemon=True)
+        self._thread.start()
+
+    # ---- the index ------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        now = time.time()
+        for path in self.dir.iterdir():
+            if path.name.startswith(TMP_PREFIX):
+                try:  # a write a crash cut short: never read, removed once surely abandoned
+                    if now - path.stat().st_mtime > STALE_TMP_S:
+                        path.unlink()
+                except OSError:
+                    pass
+                continue
+            match = _NAME.fullmatch(path.name)
+            if match is None:
+                continue
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            self._add(DiskEntry(match[1], int(match[2]), match[3], path, st.st_size, st.st_mtime))
+        with self._cv:
+            self._evict_over_budget()
+
+    def _add(self, entry: DiskEntry) -> None:
+        k = (entry.key, entry.n_tokens, entry.digest)
+        old = self._entries.pop(k, None)
+        if old is not None:
+            self._bytes -= old.size
+        else:
+            self._lengths.setdefault(entry.key, Counter())[entry.n_tokens] += 1
+        self._entries[k] = entry
+        self._bytes += entry.size
+
+    def _forget(self, entry: DiskEntry) -> bool:
+        """Drop an entry from the index (caller holds the lock); whether it was there."""
+        if self._entries.pop((entry.key, entry.n_tokens, entry.digest), None) is None:
+            return False
+        self._bytes -= entry.size
+        lengths = self._lengths[entry.key]
+        lengths[entry.n_tokens] -= 1
+        if lengths[entry.n_tokens] <= 0:
+            del lengths[entry.n_tokens]
+        return True
+
+    def _evict_over_budget(self) -> None:
+        while self._bytes > self.budget_bytes and self._entries:
+            victim = min(self._entries.values(), key=lambda e: e.last_used)
+            self._forget(victim)
+            victim.path.unlink(missing_ok=True)
+            self.counts.evictions += 1
+
+    # ---- the MLX thread ---------------------------------------------------------------
+
+    def lookup(self, key: str, tokens: list[int], longer_than: int = 0) -> DiskEntry | None:
+        """The longest stored prefix of ``tokens`` (at most all of them) in ``key``'s
+        partition that is longer than ``longer_than`` tokens."""
+        ns = _digest(key.encode())[:16]
+        with self._cv:
+            lengths = sorted(n for n in self._lengths.get(ns, ()) if longer_than < n <= len(tokens))
+        if not lengths:
+            return None
+        data = _tokens_bytes(tokens[: lengths[-1]])
+        hasher = hashlib.sha256()
+        done = 0
+        best = None
+        for n in lengths:  # one pass over the prompt: hash each stored length's prefix on the way
+            hasher.update(data[done * 4 : n * 4])
+            done = n
+            k = (ns, n, hasher.copy().hexdigest()[:32])
+            with self._cv:
+                best = self._entries.get(k, best)
+        return best
+
+    def load(self, entry: DiskEntry, tokens: list[int]) -> list[Any] | None:
+        """The KV cache ``entry`` holds for ``tokens[:entry.n_tokens]``; None (with a warning)
+        when its file turns out damaged, or is gone."""
+        try:
+            meta, tensors = read_file(entry.path)
+            expected = {"identity": self.identity, "key": entry.key, "tokens": str(entry.n_tokens),
+                        "digest": entry.digest}
+            wrong = [k for k, v in expected.items() if meta.get(k) != v]
+            if wrong:
+                raise DamagedFileError(f"written for another {', '.join(wrong)}")
+            if bytes(tensors["tokens"].data) != _tokens_bytes(tokens[: entry.n_tokens]):
+                raise DamagedFileError("its tokens are not this prompt's")
+            cache = restore_cache(meta, tensors, entry.n_tokens)
+        except FileNotFoundError:
+            with self._cv:
+                self._forget(entry)
+            return None
+        except (DamagedFileError, KeyError, ValueError, TypeError) as exc:
+            log.warning("prompt cache: ignoring damaged file %s (%s); it is removed", entry.path.name, exc)
+            with self._cv:
+                self._forget(entry)
+                self.counts.damaged += 1
+            entry.path.unlink(missing_ok=True)
+            return None
+        entry.last_used = time.time()
+        try:
+            os.utime(entry.path)  # the LRU order survives a restart
+        except OSError:
+            pass
+        with self._cv:
+            self.counts.hits += 1
+            self.counts.tokens += entry.n_tokens
+        return cache
+
+    def offer(self, key: str, tokens: list[int], cache: list[Any]) -> None:
+        """Queue ``cache`` (the KV of exactly ``tokens``) to be written, unless it is on disk
+        already, or the queue is full (dropped and counted: the MLX thread never waits)."""
+        n = len(tokens)
+        data = _tokens_bytes(tokens)
+        ns, digest = _digest(key.encode())[:16], _digest(data)[:32]
+        with self._cv:
+            if self._closing or (ns, n, digest) in self._entries or any(
+                    (j.entry.key, j.entry.n_tokens, j.entry.digest) == (ns, n, digest) for j in self._queue):
+                return
+        exported = export_cache(cache, n)
+        if exported is None:
+            if not self._unsupported_logged:
+                self._unsupported_logged = True
+                log.info("prompt cache: this model's KV caches (%s) are not written to disk",
+                         ", ".join(sorted({type(c).__name__ for c in cache})))
+            return
+        meta, tensors, arrays = exported
+        tokens_view = memoryview(data).cast("B")
+        tensors.insert(0, Tensor("tokens", "I32", (n,), tokens_view))
+        size = sum(t.data.nbytes for t in tensors)
+        entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time())
+        meta.update(identity=self.identity, key=ns, tokens=str(n), digest=digest)
+        with self._cv:
+            if size > self.budget_bytes or (self._queue and self._queued_bytes + size > self.queue_bytes):
+                self.counts.write_drops += 1
+                return
+            self._queue.append(_Job(entry, meta, tensors, size, arrays))
+            self._queued_bytes += size
+            self._cv.notify()
+
+    def collect(self) -> None:
+        """Drop the arrays of finished writes (MLX thread: only it frees MLX memory)."""
+        if not self._done:
+            return
+        with self._cv:  # the writer hands a job over and lets go of it under this lock
+            done = list(self._done)
+            self._done.clear()
+        del done
+
+    # ---- the writer thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+            self._write_head()
+            with self._cv:
+                job = self._queue.popleft()
+                self._queued_bytes -= job.size
+                self._done.append(job)
+                del job  # the MLX thread drops the last reference (collect)
+                self._cv.notify_all()
+
+    def _write_head(self) -> None:
+        """Write the job at the head of the queue (it stays there, referenced, meanwhile)."""
+        job = self._queue[0]
+        try:
+            size = write_file(self.dir, job.entry.path.name, job.meta, job.tensors)
+        except Exception as exc:  # noqa: BLE001 - a failed write is counted; the writer goes on
+            log.warning("prompt cache: could not write %s: %s", job.entry.path.name, exc)
+            with self._cv:
+                self.counts.write_errors += 1
+            return
+        job.entry.size = size
+        with self._cv:
+            self._add(job.entry)
+            self.counts.writes += 1
+            self._evict_over_budget()
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish the queued writes and stop the writer; whether it finished in time."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stats(self) -> CacheTierStats:
+        """A snapshot of the counters, the bytes and entries on disk, and the writes queued."""
+        with self._cv:
+            return replace(self.counts, bytes=self._bytes, entries=len(self._entries), pending=len(self._queue))
+
+
+def disk_root(configured: str | None) -> Path:
+    """Where disk tiers live: the configured directory, $TANDEM_PROMPT_CACHE_DIR, or the cache dir's."""
+    if configured:
+        return Path(configured).expanduser()
+    if env := os.environ.get("TANDEM_PROMPT_CACHE_DIR"):
+        return Path(env).expanduser()
+    from app.engine.demo_model import cache_root
+
+    return cache_root() / "prompt-cache"
+
+
+def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int, queue_bytes: int) -> DiskTier | None:
+    """The model's disk tier; None, with a warning, when its directory cannot be used.
+
+    The model's directories for other identities (older weights, other settings, perhaps
+    another server's) count against its budget: beyond it they are removed, oldest first.
+    """
+    slug = re.sub(r"[^A-Za-z0-9._]+", "_", model_name)[:64]
+    directory = root / f"{slug}-{identity}"
+    try:
+        tier = DiskTier(directory, budget_bytes, identity, queue_bytes)
+    except OSError as exc:
+        log.warning("prompt cache: disk tier off, cannot use %s: %s", directory, exc)
+        return None
+    others = []
+    for old in root.iterdir():
+        if old != directory and re.fullmatch(re.escape(slug) + r"-[0-9a-f]{20}", old.name):
+            try:
+                files = [f.stat() for f in old.iterdir() if f.is_file()]
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+            others.append((max((st.st_mtime for st in files), default=0.0), sum(st.st_size for st in files), old))
+    total = tier.stats().bytes + sum(size for _, size, _ in others)
+    for _, size, old in sorted(others):
+        if total <= budget_bytes:
+            break
+        log.info("prompt cache: removing %s (written for other weights or settings) to stay within %d MB",
+                 old, budget_bytes // 2**20)
+        shutil.rmtree(old, ignore_errors=True)
+        total -= size
+    return tier

@@ -1,0 +1,119 @@
+"""KV caches as the disk tier's tensors, and back; and the identity of what they fit.
+
+Only plain ``KVCache`` layers and ``kv_quant``'s ``SeqQuantizedKVCache`` are
+saved (other cache kinds, sliding windows or recurrent state, are not). Export
+evaluates the arrays and hands out their buffers without copying: the arrays
+must stay alive, and unchanged, while the buffers are read (``disk_cache`` keeps
+them). Restore copies the file's bytes into MLX arrays. Both run on the MLX thread.
+
+    tensors: "tokens" (I32 [n]); per layer i, "{i}.keys" / "{i}.values" ([1, kv_heads, n, head_dim]),
+             or for quantized KV "{i}.keys.{0,1,2}" / "{i}.values.{0,1,2}" (packed codes, scales, biases)
+    metadata: "cache" (the class), "layers", and for quantized KV "bits", "group_size"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from app.engine.kv_files import FORMAT, DamagedFileError, Tensor
+from app.engine.kv_quant import SeqQuantizedKVCache
+from app.engine.mlx_internals import KVCache
+
+DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32", mx.int32: "I32",
+               mx.uint8: "U8"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def kv_identity(model: Any, source: str, settings: dict[str, Any]) -> str:
+    """A digest of what a model's KV depends on (MLX thread: it samples the weights).
+
+    ``settings``: dtypes, kv_cache_bits, quantization; ``source``: where the weights are.
+    """
+    parts: dict[str, Any] = {"format": FORMAT, "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+                             "settings": settings, "source": source}
+    path = Path(source).expanduser()
+    if path.is_dir():
+        parts["source"] = str(path.resolve())
+        parts["files"] = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir()
+                                if f.is_file() and f.suffix in (".safetensors", ".json", ".gguf"))
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode())
+    # Sixteen values spread over every tensor: weights replaced in place, or a hub model, still differ.
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    samples = [p.reshape(-1)[:: max(1, p.size // 16)][:16].view(mx.uint8) for _, p in flat]
+    mx.eval(samples)
+    for (name, _), sample in zip(flat, samples):
+        digest.update(name.encode())
+        digest.update(_buffer(sample))
+    return digest.hexdigest()[:20]
+
+
+def export_cache(cache: list[Any], n: int) -> tuple[dict[str, str], list[Tensor], list[Any]] | None:
+    """Each layer's K/V for the first ``n`` tokens as tensors (the metadata, the tensors, the
+    arrays behind them), without a copy when the arrays are already exactly that (an
+    extracted cache); None for caches of other kinds."""
+    kinds = {type(c) for c in cache}
+    pairs = [(i, kv, getattr(c, kv)) for i, c in enumerate(cache) for kv in ("keys", "values")]
+    if kinds == {KVCache}:
+        meta = {"cache": "KVCache"}
+        named = [(f"{i}.{kv}", x) for i, kv, x in pairs]
+    elif kinds == {SeqQuantizedKVCache}:
+        meta = {"cache": "SeqQuantizedKVCache", "bits": str(cache[0].bits), "group_size": str(cache[0].group_size)}
+        named = [(f"{i}.{kv}.{j}", x) for i, kv, q in pairs for j, x in enumerate(q)]
+    else:
+        return None
+    if any(x.ndim != 4 or x.shape[2] < n for _, x in named):
+        return None
+    meta["layers"] = str(len(cache))
+    arrays = [mx.contiguous(x[..., :n, :] if x.shape[2] != n else x) for _, x in named]
+    raw = [x.view(mx.uint8) for x in arrays]
+    mx.eval(raw)
+    tensors = [Tensor(name, DTYPE_NAMES[x.dtype], tuple(x.shape), _buffer(r))
+               for (name, _), x, r in zip(named, arrays, raw)]
+    return meta, tensors, raw
+
+
+def restore_cache(meta: dict[str, str], tensors: dict[str, Tensor], n: int) -> list[Any]:
+    """The KV cache a file's tensors hold for ``n`` tokens; raises DamagedFileError
+    (or KeyError / ValueError) when they do not make one."""
+    layers = int(meta["layers"])
+    cache: list[Any] = []
+    for i in range(layers):
+        if meta["cache"] == "SeqQuantizedKVCache":
+            c: Any = SeqQuantizedKVCache(group_size=int(meta["group_size"]), bits=int(meta["bits"]))
+            c.keys = tuple(_to_array(tensors[f"{i}.keys.{j}"], n) for j in range(3))
+            c.values = tuple(_to_array(tensors[f"{i}.values.{j}"], n) for j in range(3))
+        elif meta["cache"] == "KVCache":
+            c = KVCache()
+            c.keys, c.values = _to_array(tensors[f"{i}.keys"], n), _to_array(tensors[f"{i}.values"], n)
+        else:
+            raise DamagedFileError(f"unknown cache class {meta['cache']}")
+        c.offset = n
+        cache.append(c)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _buffer(x: Any) -> memoryview:
+    """An evaluated array's bytes: its own memory (the array must outlive the view), or a
+    host copy where the backend does not export its buffers."""
+    try:
+        return memoryview(x).cast("B")
+    except (TypeError, ValueError, BufferError):
+        host: Any = np.ascontiguousarray(np.array(x, copy=True))
+        return memoryview(host).cast("B")
+
+
+def _to_array(t: Tensor, n: int) -> mx.array:
+    """An MLX array from a file's bytes (the copy MLX makes is the only one)."""
+    if len(t.shape) != 4 or t.shape[0] != 1 or t.shape[2] != n:
+        raise DamagedFileError(f"tensor {t.name} has shape {t.shape} for {n} tokens")
+    raw = np.frombuffer(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1)
+    return mx.array(raw).view(DTYPES[t.dtype])

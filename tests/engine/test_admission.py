@@ -1,0 +1,63 @@
+"""Admission's arithmetic, on its own: widths, the rectangle's footprint, eviction, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.admission import KV_STEP, Admission, Waiting, sequence_width
+from app.errors import ContextLengthError
+
+
+@pytest.mark.parametrize("prompt, max_tokens, segments, width", [
+    (100, 600, 1, 700),  # decoding is what it needs most: prompt + max_tokens
+    (514, 5, 1, 513 + 511),  # its last prefill step may be padded to a neighbour's full chunk
+    (1511, 1, 2, 1510 + 2 * 511),  # a cached prefix ending mid-prompt: two segments, two such steps
+])
+def test_sequence_width(prompt, max_tokens, segments, width):
+    assert sequence_width(prompt, max_tokens, segments=segments, chunk=512) == width
+
+
+def admission(budget: int = 4000, seqs: int = 8) -> Admission[str]:
+    return Admission(budget, seqs, max_queue=8, queue_timeout_s=60)
+
+
+def test_every_row_costs_the_widest_plus_a_step():
+    a = admission()
+    for name, width in (("short", 100), ("long", 900), ("mid", 300)):
+        a.waiting.append(Waiting(name, width))
+    assert a.admit(0, lambda n: 0) == ["short", "long", "mid"]
+    assert a.reserved == 3 * (900 + KV_STEP - 1)
+    a.release(900)  # the widest leaves: the others shrink to the next widest
+    assert a.reserved == 2 * (300 + KV_STEP - 1) and a.running == 2
+
+
+def test_a_narrow_request_is_charged_the_width_of_the_batch_it_joins():
+    a = admission(budget=2 * (1500 + KV_STEP - 1))
+    a.waiting.append(Waiting("long", 1500))
+    assert a.admit(0, lambda n: 0) == ["long"]
+    a.waiting.append(Waiting("tiny", 10))  # a row of the batch: as wide as "long", 1755 tokens
+    assert a.admit(0, lambda n: 0) == ["tiny"]
+    a.waiting.append(Waiting("another", 10))
+    assert a.admit(0, lambda n: 0) == []
+
+
+def test_cache_is_evicted_for_a_request_and_admissions_can_come_one_at_a_time():
+    a = admission(budget=3000)
+    evicted: list[int] = []
+
+    def evict(n: int) -> int:
+        evicted.append(n)
+        return 2500 - n
+
+    a.waiting.extend([Waiting("a", 700), Waiting("b", 700)])
+    assert a.admit(2500, evict, limit=1) == ["a"]
+    assert evicted == [700 + KV_STEP - 1 + 2500 - 3000]  # just what "a" needed
+    assert [w.item for w in a.waiting] == ["b"]
+
+
+def test_a_request_wider_than_the_budget_is_refused_at_once():
+    a = admission(budget=1000)
+    a.check(1000 - (KV_STEP - 1))
+    with pytest.raises(ContextLengthError, match="allocation step"):
+        a.check(1000 - (KV_STEP - 1) + 1)
+    assert a.max_sequence_tokens == 1000 - (KV_STEP - 1)

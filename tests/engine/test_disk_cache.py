@@ -1,0 +1,326 @@
+"""The prefix cache's disk tier: files, restarts, identities, damage, the byte budget, shutdown.
+
+Engines run the real tiny models on their own MLX threads; the file-level tests
+build KV caches directly (the test thread is then the only one using MLX).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from app.engine.disk_cache import DiskTier, open_disk_tier
+from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.mlx_internals import KVCache
+from app.engine.types import GenerationRequest
+from tests.engine.engines import make_engine, run
+from tests.engine.test_kv_quant import model_dir  # noqa: F401 - the head_dim-64 tiny llama fixture
+
+SYSTEM = "You are a terse assistant who counts sheep and never stops counting them. " * 12
+
+
+def disk_engine(path: Path, cache_dir: Path, **params):
+    return make_engine(path, prompt_cache_disk_mb=64, prompt_cache_disk_dir=str(cache_dir), **params)
+
+
+def request(engine, question: str, system: str = SYSTEM, **kw) -> GenerationRequest:
+    head = engine.tokenizer.encode(system)
+    return GenerationRequest(head + engine.tokenizer.encode(question), max_tokens=8, cache_prefix_len=len(head), **kw)
+
+
+def stop(engine) -> None:
+    assert engine.finish_writes(30)
+    engine.worker.stop()
+
+
+def files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("*/*.safetensors"))
+
+
+def fill(cache_dir: Path, model: Path, **params) -> tuple[str, int]:
+    """One cold request on a fresh engine, its writes finished: (its text, system tokens)."""
+    eng = disk_engine(model, cache_dir, **params)
+    try:
+        req = request(eng, " How many sheep?")
+        text, last = asyncio.run(run(eng, req))
+        assert last.cached_tokens == 0
+        return text, req.cache_prefix_len or 0
+    finally:
+        stop(eng)
+
+
+# ---- the file format ---------------------------------------------------------------------
+
+
+def tensors() -> list[Tensor]:
+    data = [bytes(range(256)) * 4, b"\x01\x02" * 12]
+    return [Tensor("a", "U8", (4, 256), memoryview(data[0])), Tensor("b", "BF16", (1, 3, 4), memoryview(data[1]))]
+
+
+def test_file_round_trip_is_valid_safetensors(tmp_path):
+    size = write_file(tmp_path, "x.safetensors", {"k": "v"}, tensors())
+    assert size == (tmp_path / "x.safetensors").stat().st_size
+    assert not list(tmp_path.glob(TMP_PREFIX + "*"))
+    meta, read = read_file(tmp_path / "x.safetensors")
+    assert meta["k"] == "v" and meta["format"] == "tandem-kv/1"
+    assert {n: (t.dtype, t.shape, bytes(t.data)) for n, t in read.items()} == {
+        t.name: (t.dtype, t.shape, bytes(t.data)) for t in tensors()}
+    arrays = mx.load(str(tmp_path / "x.safetensors"))  # MLX's own reader takes it as it is
+    assert arrays["a"].shape == (4, 256) and arrays["b"].dtype == mx.bfloat16
+
+
+def damage_truncate(raw: bytearray) -> bytearray:
+    return raw[: len(raw) - 7]
+
+
+def damage_data_bit(raw: bytearray) -> bytearray:
+    raw[-100] ^= 0x10
+    return raw
+
+
+def damage_header_digit(raw: bytearray) -> bytearray:
+    (n,) = struct.unpack_from("<Q", raw)
+    shape = re.search(rb'"shape": ?\[(\d)', bytes(raw[8 : 8 + n]))
+    assert shape is not None
+    i = 8 + shape.start(1)
+    raw[i : i + 1] = b"5" if raw[i : i + 1] != b"5" else b"6"  # one digit of a shape, same length
+    return raw
+
+
+def damage_header_length(raw: bytearray) -> bytearray:
+    raw[0:8] = struct.pack("<Q", 1 << 40)
+    return raw
+
+
+def damage_empty(raw: bytearray) -> bytearray:
+    return bytearray()
+
+
+DAMAGES = [damage_truncate, damage_data_bit, damage_header_digit, damage_header_length, damage_empty]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__)
+def test_damaged_file_is_detected(tmp_path, damage):
+    path = tmp_path / "x.safetensors"
+    write_file(tmp_path, path.name, {}, tensors())
+    path.write_bytes(bytes(damage(bytearray(path.read_bytes()))))
+    with pytest.raises(DamagedFileError):
+        read_file(path)
+
+
+def test_a_failed_write_leaves_no_file(tmp_path):
+    bad = [Tensor("a", "U8", (3,), memoryview(b"1234"))]  # 4 bytes for a shape of 3
+    with pytest.raises(ValueError):
+        write_file(tmp_path, "x.safetensors", {}, bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the tier on its own: budget, LRU, shutdown --------------------------------------------
+
+
+def kv(tokens: int, seed: int) -> list[KVCache]:
+    mx.random.seed(seed)
+    cache = []
+    for _ in range(2):
+        c = KVCache()
+        c.keys = mx.random.normal((1, 2, tokens, 16)).astype(mx.bfloat16)
+        c.values = mx.random.normal((1, 2, tokens, 16)).astype(mx.bfloat16)
+        c.offset = tokens
+        cache.append(c)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+# 100 tokens of bfloat16 K and V, 2 layers of 2 heads x 16, the tokens, and room for the header.
+PER_FILE = 2 * 2 * (2 * 100 * 16 * 2) + 400 + 2000
+
+
+def test_queued_writes_finish_on_close_and_the_budget_holds(tmp_path):
+    budget = 10 * PER_FILE
+    tier = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30)
+    prompts = [[i] * 100 for i in range(30)]
+    for i, tokens in enumerate(prompts):
+        tier.offer("model\x00", tokens, kv(100, i))
+    assert tier.close(30)  # everything queued is written before it returns
+    tier.collect()
+    stats = tier.stats()
+    assert stats.writes == 30 and stats.pending == 0 and stats.write_drops == 0
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "m").iterdir())
+    assert on_disk == stats.bytes <= budget
+    assert stats.entries == 10 and stats.evictions == 20
+    reopened = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30)
+    kept = [i for i, tokens in enumerate(prompts) if reopened.lookup("model\x00", tokens + [7]) is not None]
+    assert kept == list(range(20, 30))  # least recently used out: the last ten written stay
+    reopened.close()
+
+
+def test_a_hit_keeps_an_entry_over_newer_ones(tmp_path):
+    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30)
+    for i in range(3):
+        tier.offer("k", [i] * 100, kv(100, i))
+    tier.close(30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30)
+    entry = tier.lookup("k", [0] * 100)
+    assert entry is not None and tier.load(entry, [0] * 100) is not None  # the oldest, used again
+    tier.offer("k", [9] * 100, kv(100, 9))
+    tier.close(30)
+    assert tier.lookup("k", [0] * 100) is not None  # survived: the LRU victim was [1] * 100
+    assert tier.lookup("k", [1] * 100) is None
+    assert tier.stats().evictions == 1
+
+
+def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path):
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1)
+    for i in range(20):
+        tier.offer("k", [i] * 100, kv(100, i))  # one is always taken; the rest only while it is empty
+    tier.close(30)
+    stats = tier.stats()
+    assert stats.writes + stats.write_drops == 20 and stats.writes >= 1
+
+
+# ---- engines: restart, identity, damage ------------------------------------------------------
+
+
+def test_a_restart_gives_disk_hits_with_the_same_tokens(tiny_model_dir, tmp_path):
+    cold_text, system_len = fill(tmp_path, tiny_model_dir)
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    cold = make_engine(tiny_model_dir)  # no disk tier, nothing cached: prefilled as the others were
+    try:
+        again = request(eng, " How many sheep?")
+        text, last = asyncio.run(run(eng, again))
+        assert last.cached_tokens == system_len and text == cold_text
+        other = request(eng, " And how many goats?")
+        text, last = asyncio.run(run(eng, other))
+        assert last.cached_tokens == system_len  # from memory now: the disk hit was promoted
+        assert text == asyncio.run(run(cold, other))[0]
+        tiers = eng.stats().prompt_cache_tiers
+        assert tiers["disk"].hits == 1 and tiers["disk"].tokens == system_len
+        assert tiers["memory"].hits == 1 and eng.stats().prompt_cache_tokens_saved == 2 * system_len
+    finally:
+        stop(eng)
+        cold.worker.stop()
+
+
+def test_a_conversation_continues_from_disk(tiny_model_dir, tmp_path):
+    """An agent's next turn re-sends the whole conversation: it is a stored prefix."""
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    first = request(eng, " How many sheep?")
+    reply, _ = asyncio.run(run(eng, first))
+    turn = first.prompt_tokens + eng.tokenizer.encode(reply) + eng.tokenizer.encode(" And now goats?")
+    stop(eng)
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        _, last = asyncio.run(run(eng, replace(first, prompt_tokens=turn)))
+        assert last.cached_tokens > len(first.prompt_tokens)
+    finally:
+        stop(eng)
+
+
+def test_quantized_kv_round_trips_through_disk(model_dir, tmp_path):  # noqa: F811
+    cold_text, system_len = fill(tmp_path, model_dir, kv_cache_bits=8)
+    eng = disk_engine(model_dir, tmp_path, kv_cache_bits=8)
+    try:
+        text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+        assert last.cached_tokens == system_len and text == cold_text
+    finally:
+        stop(eng)
+
+
+def test_models_kv_bits_and_namespaces_never_share_files(tiny_model_dir, model_dir, tmp_path):  # noqa: F811
+    fill(tmp_path, model_dir)  # "tiny", head_dim 64, float KV
+    others = [
+        (tiny_model_dir, {}),  # another model under the same name
+        (model_dir, {"kv_cache_bits": 8}),  # the same weights, quantized KV
+    ]
+    for path, params in others:
+        eng = disk_engine(path, tmp_path, **params)
+        try:
+            _, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+            assert last.cached_tokens == 0
+            assert eng.stats().prompt_cache_tiers["disk"].hits == 0
+        finally:
+            stop(eng)
+    assert len({p.parent for p in files(tmp_path)}) == 3  # one directory per identity
+    eng = disk_engine(model_dir, tmp_path)
+    try:
+        _, stranger = asyncio.run(run(eng, request(eng, " How many sheep?", cache_namespace="mallory")))
+        _, owner = asyncio.run(run(eng, request(eng, " How many sheep?")))
+        assert stranger.cached_tokens == 0 and owner.cached_tokens > 0
+    finally:
+        stop(eng)
+
+
+def damage_first_prefix(cache_dir: Path, damage) -> Path:
+    path = min(files(cache_dir), key=lambda p: int(p.name.split("-")[1]))  # the system prefix
+    path.write_bytes(bytes(damage(bytearray(path.read_bytes()))))
+    return path
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_data_bit, damage_header_digit],
+                         ids=lambda f: f.__name__)
+def test_a_damaged_file_is_ignored_with_a_warning(tiny_model_dir, tmp_path, caplog, damage):
+    cold_text, _ = fill(tmp_path, tiny_model_dir)
+    path = damage_first_prefix(tmp_path, damage)
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+            text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+        assert last.cached_tokens == 0 and text == cold_text
+        assert any("damaged" in r.getMessage() and path.name in r.getMessage() for r in caplog.records)
+        assert eng.stats().prompt_cache_tiers["disk"].damaged == 1
+    finally:
+        stop(eng)
+
+
+def test_a_file_written_for_another_prompt_is_not_used(tiny_model_dir, tmp_path, caplog):
+    """Intact, but renamed to another prompt's key: its tokens give it away."""
+    fill(tmp_path, tiny_model_dir)
+    system, conversation = sorted(files(tmp_path), key=lambda p: int(p.name.split("-")[1]))
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    other = request(eng, " Q?", system=SYSTEM.replace("sheep", "goats"))
+    stop(eng)
+    from app.engine.disk_cache import _digest, _tokens_bytes
+
+    head = other.prompt_tokens[: other.cache_prefix_len]
+    key = system.name.split("-")[0]
+    system.rename(system.with_name(f"{key}-{len(head)}-{_digest(_tokens_bytes(head))[:32]}.safetensors"))
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+            _, last = asyncio.run(run(eng, other))
+        assert last.cached_tokens == 0 and eng.stats().prompt_cache_tiers["disk"].damaged == 1
+    finally:
+        stop(eng)
+
+
+def test_a_write_cut_short_is_never_read(tiny_model_dir, tmp_path):
+    """A crash mid-write leaves only a temporary file: never a name a lookup would read."""
+    fill(tmp_path, tiny_model_dir)
+    for path in files(tmp_path):
+        path.rename(path.with_name(TMP_PREFIX + path.name))
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        _, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+        assert last.cached_tokens == 0 and eng.stats().prompt_cache_tiers["disk"].hits == 0
+    finally:
+        stop(eng)
+
+
+def test_directories_of_other_identities_count_against_the_budget(tmp_path):
+    root = tmp_path / "root"
+    old = root / f"m-{'a' * 20}"
+    old.mkdir(parents=True)
+    (old / "x.safetensors").write_bytes(b"0" * 4096)
+    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20)
+    assert keep is not None and old.exists()  # within the budget: left alone
+    keep.close()
+    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20)
+    assert small is not None and not old.exists()
+    small.close()
