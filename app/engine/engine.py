@@ -35,15 +35,9 @@ import mlx.core as mx
 
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import TokenChannel
-from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
-from app.engine.mlx_internals import (
-    BatchGenerator,
-    LRUPromptCache,
-    new_batch_generator,
-    new_detokenizer,
-    trim_prompt_cache,
-)
+from app.engine.mirror import LOCAL_OPS, BatchOps
+from app.engine.mlx_internals import BatchGenerator, new_detokenizer
 from app.engine.params import EngineParams
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
@@ -85,8 +79,12 @@ class _Seq:
 class TextEngine:
     """Continuous batching for one loaded chat model."""
 
-    def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams) -> None:
+    def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
+                 ops: BatchOps = LOCAL_OPS) -> None:
         self.worker = worker
+        # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
+        # (distributed, app.engine.mirror) made here and replayed by every other rank.
+        self.ops = ops
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
@@ -98,7 +96,7 @@ class TextEngine:
             params.queue_timeout_s,
             starvation_s=params.starvation_s,
         )
-        self.prompt_cache = LRUPromptCache(max_size=params.prompt_cache_entries, max_bytes=params.prompt_cache_bytes)
+        self.prompt_cache = ops.prompt_cache(params.prompt_cache_entries, params.prompt_cache_bytes)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.background_pauses = 0
@@ -120,7 +118,7 @@ class TextEngine:
 
     def _new_batch(self) -> BatchGenerator:
         p = self.params
-        return new_batch_generator(
+        return self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
@@ -306,7 +304,7 @@ class TextEngine:
             if len(tokens) < len(prompt):  # paused in prefill: the rest of the prompt
                 rest = prompt[len(tokens):]
             else:  # paused decoding: feed the last token again for the next one's logits
-                trim_prompt_cache(cache, 1)
+                self.ops.trim_cache(cache, 1)
                 rest, tokens = tokens[-1:], tokens[:-1]
             self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated)
 
@@ -344,10 +342,10 @@ class TextEngine:
         if use_cache:
             cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
-                trim_prompt_cache(cache, 1)
+                self.ops.trim_cache(cache, 1)
                 rest = prompt[-1:]
         if cache is None and self.loaded.kv_cache_bits is not None:
-            cache = make_quantized_prompt_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+            cache = self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
         cached = len(prompt) - len(rest)
         if cached:
             self.cache_hits += 1
