@@ -26,6 +26,11 @@ mlx-lm
   ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
+- ``utils.sharded_load(path, pipeline_group=, tensor_group=, return_config=)``: loads
+  this rank's shard (tensor parallel through ``Model.shard(group)``, pipeline through
+  ``Model.model.pipeline(group)``, which needs ``model.safetensors.index.json``) and ends
+  with an ``all_sum`` barrier; ``utils._get_classes(config) -> (Model, ModelArgs)``, for
+  telling which of the two a model type supports before loading it.
 - ``TokenizerWrapper``: ``detokenizer`` (a fresh streaming detokenizer on each
   access), ``eos_token_ids``, ``has_thinking``; the streaming detokenizers drop
   the first token's leading space (``SPMStreamingDetokenizer.trim_space``;
@@ -87,6 +92,8 @@ __all__ = [
     "new_batch_generator",
     "new_detokenizer",
     "reset_vlm_stopping",
+    "sharded_load",
+    "sharding_support",
     "trim_prompt_cache",
     "vlm_clean_output",
     "vlm_image_limit",
@@ -112,6 +119,28 @@ def new_batch_generator(
         prefill_batch_size=prefill_batch_size,
         prefill_step_size=prefill_step_size,
     )
+
+
+def sharded_load(path: str, *, pipeline: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """This rank's shard of a model, its tokenizer and its config, split over the whole
+    distributed group (tensor parallel, or pipeline when ``pipeline``)."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load as load
+
+    group = mx.distributed.init()
+    model, tokenizer, config = load(path, pipeline_group=group if pipeline else None,
+                                    tensor_group=None if pipeline else group, return_config=True)
+    return model, tokenizer, config
+
+
+def sharding_support(config: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether mlx-lm can split this model type (tensor parallel, pipeline), as
+    ``sharded_load`` decides it: from a lazily built model, no weights read."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    return hasattr(model, "shard"), hasattr(getattr(model, "model", None), "pipeline")
 
 
 def eos_token_ids(tokenizer: Any) -> list[int]:
