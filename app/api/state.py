@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from app.api.metrics import Metrics
 from app.config.loader import ResolvedConfig
+from app.engine.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.types import Engine
 from app.engine.worker import MLXWorker
@@ -24,6 +25,8 @@ class AppState:
     default_model: str
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
+    # This process's part in an mlx.launch (rank 0), or None in one process.
+    distributed: Distributed | None = None
 
     @property
     def reasoning_fields(self) -> tuple[str, ...]:
