@@ -88,9 +88,10 @@ def follow(config: ResolvedConfig, worker: MLXWorker, dist: Distributed) -> int:
         loaded = worker.submit(lambda: load_shard(model_source(entry), load_params(entry.params),
                                                   dist.info.world_size)).result()
         done = worker.submit(lambda: dist.follow(loaded.model, loaded.tokenizer))
-        while not done.done():
-            if deadline and time.monotonic() > deadline[0]:
-                log.error("rank %d: rank 0 did not say stop in time; exiting", dist.info.rank)
+        while not done.done():  # the MLX thread may be stuck in a collective for good: watch from here
+            lost = dist.rank_zero_lost()
+            if lost or (deadline and time.monotonic() > deadline[0]):
+                log.error("rank %d stops: %s", dist.info.rank, lost or "rank 0 did not say stop in time")
                 return 1
             time.sleep(0.2)
         done.result()

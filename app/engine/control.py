@@ -221,6 +221,7 @@ class ControlClient:
         self._send_lock = threading.Lock()
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.gone: str | None = None
+        self.gone_at: float | None = None
         self.last_heard = time.monotonic()
         self._send({"t": "hello", "rank": rank, "secret": secret})
         threading.Thread(target=self._read, name="tandem-control", daemon=True).start()
@@ -243,6 +244,7 @@ class ControlClient:
                     self._inbox.put(msg)
         except (OSError, ControlError, ValueError) as exc:
             self.gone = f"the control connection to rank 0 broke: {exc}"
+        self.gone_at = time.monotonic()
         self._inbox.put(None)
 
     def recv(self, timeout_s: float | None = None) -> dict[str, Any] | None:

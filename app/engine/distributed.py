@@ -45,6 +45,8 @@ log = logging.getLogger("tandem.distributed")
 
 # Seconds between rank 0's pings to each follower.
 HEARTBEAT_S = 1.0
+# Seconds a follower's MLX thread gets to end on its own once rank 0's connection is gone.
+GONE_GRACE_S = 3.0
 # Seconds the followers get to connect to rank 0's control channel at start-up.
 CONNECT_TIMEOUT_S = 120.0
 # The control channel's port and secret, as bytes shared by one all_sum at start-up.
@@ -206,10 +208,7 @@ class Distributed:
             while True:
                 try:
                     msg = self.client.recv(timeout_s=HEARTBEAT_S)
-                except queue.Empty:  # an idle server: rank 0 still pings
-                    silent = time.monotonic() - self.client.last_heard
-                    if silent > self.timeout_s + HEARTBEAT_S:
-                        raise ControlError(f"rank 0 has sent nothing, not even a ping, for {silent:.0f}s") from None
+                except queue.Empty:  # an idle server (rank_zero_lost watches rank 0's pings)
                     continue
                 if msg is None:
                     raise ControlError(self.client.gone or "rank 0 is gone")
@@ -223,6 +222,20 @@ class Distributed:
             raise
         finally:
             follower.close()
+
+
+    def rank_zero_lost(self) -> str | None:
+        """A follower: why rank 0 is to be taken as gone (its connection ended a while ago,
+        or it has not pinged for ``timeout_s``), or None. Asked from outside the MLX thread,
+        which may be stuck in a collective that rank 0 will never join."""
+        assert self.client is not None
+        now = time.monotonic()
+        if self.client.gone and now - (self.client.gone_at or now) > GONE_GRACE_S:
+            return self.client.gone
+        silent = now - self.client.last_heard
+        if silent > self.timeout_s + HEARTBEAT_S:
+            return f"rank 0 has sent nothing, not even a ping, for {silent:.0f}s"
+        return None
 
 
 def join(worker: MLXWorker, *, mode: str, timeout_s: float,
