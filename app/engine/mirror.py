@@ -293,9 +293,11 @@ class _MirroredPromptCache:
 class Follower:
     """A follower rank's batch and prompt cache, replaying rank 0's record. MLX thread only."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any,
+                 sampler: Callable[[], Callable[[mx.array], mx.array]] = follower_sampler) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self._sampler = sampler  # one per sequence (see follower_sampler)
         self.batch: Any = None
         # Unbounded: rank 0 says how many entries to keep.
         self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
@@ -340,7 +342,7 @@ class Follower:
                    all_tokens: list[list[int]], uids: list[int]) -> None:
         caches = [None if h is None else self._cache(h) for h in handles] if handles is not None else None
         got = self.batch.insert_segments(segments, max_tokens=max_tokens, caches=caches, all_tokens=all_tokens,
-                                         samplers=[follower_sampler() for _ in segments])
+                                         samplers=[self._sampler() for _ in segments])
         if list(got) != uids:
             raise DesyncError(f"sequence ids differ from rank 0's ({list(got)} vs {uids})")
 
