@@ -16,8 +16,8 @@ a ``handle``; the follower keeps its own cache under the same handle, until rank
 copy is garbage (a ``weakref.finalize`` records the drop).
 
 Tokens: every rank samples the same token because rank 0 chooses it and an
-``all_sum`` inside the step hands it to the others (rank 0 adds its token, the others
-0). Followers need no sampler, logits processor or random state of their own, and a
+``all_sum`` inside the step hands it to the others (rank 0 adds its tokens, the others
+0; ``TokenSync``). Followers need no sampler, logits processor or random state of their own, and a
 different chip's rounding on another Mac cannot make them drift.
 
 Prefix cache eviction: a rank's cache holds its own shard, so byte counts differ between
@@ -108,25 +108,42 @@ def _handle(cache: Any) -> int:
     return int(handle)
 
 
-def sync_token(sampler: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
-    """Rank 0's sampler, whose token every rank receives (an all_sum in the step's graph)."""
-
-    def sample(logprobs: mx.array) -> mx.array:
-        return mx.distributed.all_sum(sampler(logprobs).astype(mx.uint32))
-
-    return sample
+Sampler = Callable[[mx.array], mx.array]
 
 
-def follower_sampler() -> Callable[[mx.array], mx.array]:
-    """A follower's part of ``sync_token``: 0, computed from the logits so that this
-    all_sum comes after the model's own collectives in the step, as on rank 0.
-    A new function per sequence: mlx-lm samples rows one by one when their samplers
-    differ, and every rank must make the same number of all_sums."""
+class TokenSync:
+    """Rank 0's sampler for the whole batch: each row's token, by the row's own sampler, then
+    one all_sum that hands every token to every rank.
 
-    def sample(logprobs: mx.array) -> mx.array:
-        return mx.distributed.all_sum(mx.argmax(logprobs, axis=-1).astype(mx.uint32) * 0)
+    Every row gets this same object as its sampler (so mlx-lm samples the batch in one call)
+    and, as its last logits processor, ``row(sampler)``: mlx-lm runs the rows' processors in
+    row order just before sampling, in the same step, so the batch call finds the rows'
+    samplers in order. One collective per step, whatever the batch size.
+    """
 
-    return sample
+    def __init__(self) -> None:
+        self._rows: list[Sampler] = []
+
+    def row(self, sampler: Sampler) -> Callable[[mx.array, mx.array], mx.array]:
+        def mark(tokens: mx.array, logits: mx.array) -> mx.array:
+            self._rows.append(sampler)
+            return logits
+
+        return mark
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        rows, self._rows = self._rows, []
+        if len(rows) != logprobs.shape[0]:
+            raise DesyncError(f"{len(rows)} row samplers for a batch of {logprobs.shape[0]} (mlx-lm's sampling "
+                              "order changed?)")
+        tokens = [sample(logprobs[e:e + 1]).reshape(-1) for e, sample in enumerate(rows)]
+        return mx.distributed.all_sum(mx.concatenate(tokens).astype(mx.uint32))
+
+
+def follower_sampler(logprobs: mx.array) -> mx.array:
+    """A follower's part of ``TokenSync``: 0 for every row, computed from the logits so that
+    this all_sum comes after the model's own collectives in the step, as on rank 0."""
+    return mx.distributed.all_sum(mx.argmax(logprobs, axis=-1).astype(mx.uint32) * 0)
 
 
 class MirrorOps:
@@ -139,6 +156,7 @@ class MirrorOps:
         # Appended from any thread (finalizers); drained by the MLX thread at each send.
         self._drops: deque[int] = deque()
         self._handles = itertools.count(1)
+        self.token_sync = TokenSync()
         self._last_send = time.monotonic()
         self.failed = False
 
@@ -221,8 +239,10 @@ class _MirroredBatch:
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self._bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
-                                        samplers=[sync_token(s) for s in samplers],
-                                        logits_processors=logits_processors)
+                                        samplers=[self._ops.token_sync] * len(samplers),
+                                        logits_processors=[[*procs, self._ops.token_sync.row(sample)]
+                                                           for procs, sample in zip(logits_processors, samplers,
+                                                                                    strict=True)])
         self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids])
         return list(uids)
 
@@ -294,10 +314,10 @@ class Follower:
     """A follower rank's batch and prompt cache, replaying rank 0's record. MLX thread only."""
 
     def __init__(self, model: Any, tokenizer: Any,
-                 sampler: Callable[[], Callable[[mx.array], mx.array]] = follower_sampler) -> None:
+                 sampler: Sampler = follower_sampler) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self._sampler = sampler  # one per sequence (see follower_sampler)
+        self._sampler = sampler  # every row's: one call, one all_sum per step (TokenSync)
         self.batch: Any = None
         # Unbounded: rank 0 says how many entries to keep.
         self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
@@ -342,7 +362,7 @@ class Follower:
                    all_tokens: list[list[int]], uids: list[int]) -> None:
         caches = [None if h is None else self._cache(h) for h in handles] if handles is not None else None
         got = self.batch.insert_segments(segments, max_tokens=max_tokens, caches=caches, all_tokens=all_tokens,
-                                         samplers=[self._sampler() for _ in segments])
+                                         samplers=[self._sampler] * len(segments))
         if list(got) != uids:
             raise DesyncError(f"sequence ids differ from rank 0's ({list(got)} vs {uids})")
 

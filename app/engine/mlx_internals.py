@@ -26,6 +26,10 @@ mlx-lm
   ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
+- ``GenerationBatch._step`` (inside ``next()``): the rows' logits processors run in row
+  order, then the sampler once for the whole batch when every row has the same sampler
+  object (otherwise once per row), in the same step; ``mirror.TokenSync`` relies on it
+  (one all_sum per step, and a DesyncError if the counts ever disagree).
 - ``utils.sharded_load(path, pipeline_group=, tensor_group=, return_config=)``: loads
   this rank's shard (tensor parallel through ``Model.shard(group)``, pipeline through
   ``Model.model.pipeline(group)``, which needs ``model.safetensors.index.json``) and ends

@@ -43,7 +43,7 @@ def mirrored(tiny_model_dir):
     worker.start()
     loaded = worker.submit(lambda: load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)),
                                                    load_params(p))).result()
-    follower = Follower(loaded.model, loaded.tokenizer, sampler=lambda: lambda lp: mx.argmax(lp, axis=-1))
+    follower = Follower(loaded.model, loaded.tokenizer, sampler=lambda lp: mx.argmax(lp, axis=-1))
     messages = []
 
     def send(msg):
