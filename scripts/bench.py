@@ -19,7 +19,9 @@ It measures, in this order (one server at a time, so they never compete):
   6. models: the time to first token of a model not loaded yet (load and
      prefill) against a loaded one, and the longest gap between the tokens of
      a running stream while another model loads, against its usual gap;
-  7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process).
+  7. embeddings: all-MiniLM-L6-v2 embeddings/s at batch 1 and 32 (in process);
+  8. distributed: per-step time and tokens/s of one process against two ranks of
+     mlx.launch on this machine, on seeded llamas (scripts/bench_distributed.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -303,7 +305,7 @@ async def bench_models(base: str, loaded: str, cold: str) -> dict[str, float]:
             "gap_max_during_load": max(during) if during else float("nan")}
 
 
-SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings")
+SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "distributed")
 
 
 def main() -> None:
@@ -441,6 +443,14 @@ def main() -> None:
         e = bench_embeddings(seconds=5.0)
         ratios.append(f"embeddings/s (all-MiniLM-L6-v2): batch 1 {e['batch_1']['embeddings_per_s']:.1f}, "
                       f"batch 32 {e['batch_32']['embeddings_per_s']:.1f}")
+
+    if "distributed" in run:
+        # Two ranks on one machine share its cores: slower, by the collectives' cost per step.
+        from bench_distributed import SHAPES, bench_distributed, build_llama, report
+
+        root = Path(tempfile.mkdtemp(prefix="tandem-bench-dist-"))
+        ratios.extend(report(bench_distributed({n: build_llama(root / n, s) for n, s in SHAPES.items()},
+                                               prof["stream_tokens"])))
 
     print("\n== ratios ==")
     for line in ratios:
