@@ -214,7 +214,10 @@ class ControlClient:
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise ControlError(f"cannot reach rank 0's control channel at {host}:{port}: {exc}") from exc
+                    raise ControlError(
+                        f"cannot reach rank 0's control channel at {host}:{port}: {exc}; if rank {rank} has no route "
+                        "to that address (a Thunderbolt ring of more than two Macs links only neighbours), launch "
+                        "with --env TANDEM_CONTROL_HOST=<an address of rank 0 every rank reaches>") from exc
                 time.sleep(0.2)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
