@@ -113,7 +113,12 @@ def serve(args: argparse.Namespace) -> int:
         worker, dist = join_launch(config)
         if dist is not None and dist.info.rank != 0:
             exit_now(follow(config, worker, dist))
-    state = build_state(config, load_vision=not args.no_vision, worker=worker, dist=dist)
+    try:
+        state = build_state(config, load_vision=not args.no_vision, worker=worker, dist=dist)
+    except BaseException:
+        if dist is not None:  # the followers stop too
+            dist.close()
+        raise
     s = config.server
     server = DrainingServer(uvicorn_config(create_app(state), s, args.log_level), state)
     logging.getLogger("tandem").info("serving %s on http://%s:%d/v1", config.primary.name, s.host, s.port)

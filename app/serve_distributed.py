@@ -25,7 +25,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from concurrent.futures import Future
+from typing import Any, NoReturn, TypeVar
 
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_source
@@ -36,6 +37,7 @@ from app.engine.worker import MLXWorker
 from app.errors import ConfigError
 
 log = logging.getLogger("tandem.distributed")
+T = TypeVar("T")
 
 # How often each rank looks whether its launcher is still there.
 LAUNCHER_POLL_S = 0.5
@@ -84,18 +86,25 @@ def follow(config: ResolvedConfig, worker: MLXWorker, dist: Distributed) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    try:
-        loaded = worker.submit(lambda: load_shard(model_source(entry), load_params(entry.params),
-                                                  dist.info.world_size)).result()
-        done = worker.submit(lambda: dist.follow(loaded.model, loaded.tokenizer))
-        while not done.done():  # the MLX thread may be stuck in a collective for good: watch from here
+    def wait(job: Future[T]) -> T | None:
+        """The job's result; None when rank 0 is gone (or silent past the signal's deadline)
+        first. The MLX thread may be stuck in a collective for good: this thread watches."""
+        while not job.done():
             lost = dist.rank_zero_lost()
             if lost or (deadline and time.monotonic() > deadline[0]):
                 log.error("rank %d stops: %s", dist.info.rank, lost or "rank 0 did not say stop in time")
-                return 1
+                return None
             time.sleep(0.2)
-        done.result()
-        return 0
+        return job.result()
+
+    try:
+        loaded = wait(worker.submit(lambda: load_shard(model_source(entry), load_params(entry.params),
+                                                       dist.info.world_size)))
+        if loaded is None:
+            return 1
+        following = worker.submit(lambda: dist.follow(loaded.model, loaded.tokenizer))
+        wait(following)
+        return 0 if following.done() else 1  # done: rank 0 said stop
     except ConfigError as exc:
         if dist.client is not None:
             dist.client.report_error(exc.message)

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -73,7 +74,10 @@ def launched_backend() -> str | None:
     if "MLX_JACCL_COORDINATOR" in env:
         return "jaccl"
     if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
-        return "ring"
+        try:  # mlx.launch -n 1 writes an empty hostfile: one process, not a launch
+            return "ring" if Path(env["MLX_HOSTFILE"]).read_text().strip() else None
+        except OSError:
+            return "ring"  # init says what is wrong with it
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
         return "mpi"
     if "MLX_WORLD_SIZE" in env and "NCCL_HOST_IP" in env:
