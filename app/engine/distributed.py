@@ -109,8 +109,9 @@ def _init_group(backend: str) -> tuple[int, int]:
     return group.size(), group.rank()
 
 
-def _barrier() -> None:
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+def _count(flag: bool) -> int:
+    """How many ranks raise ``flag`` (every rank calls it: a barrier too)."""
+    return int(mx.distributed.all_sum(mx.array(int(flag)), stream=mx.cpu).item())  # type: ignore[arg-type]
 
 
 def _share(port: int, secret: str) -> tuple[int, str]:
@@ -246,7 +247,7 @@ def join(worker: MLXWorker, *, mode: str, timeout_s: float,
          check: Callable[[DistributedInfo], None]) -> Distributed | None:
     """Join the distributed launch this process belongs to; None when it was not launched
     as one (or with one rank). ``check(info)`` refuses what cannot be split: it runs on every
-    rank, and every rank waits for the others before raising, so each says why."""
+    rank, and when any rank refuses, every rank stops (after all have checked, so each says why)."""
     backend = launched_backend()
     if backend is None:
         return None
@@ -257,11 +258,18 @@ def join(worker: MLXWorker, *, mode: str, timeout_s: float,
     if world_size == 1:
         return None
     info = DistributedInfo(world_size, rank, backend, mode)
+    refusal: ConfigError | None = None
     try:
         check(info)
-    except ConfigError:
-        worker.submit(_barrier).result()
-        raise
+    except ConfigError as exc:
+        refusal = exc
+    # Every rank learns whether any refused (so all stop, each with its reason, and none
+    # goes on to collectives the others will not make).
+    refused = worker.submit(lambda: _count(refusal is not None)).result()
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ConfigError(f"{refused} other rank(s) refused to serve the model; see their messages")
     host = control_host(backend)
     if rank == 0:
         secret = secrets.token_hex(16)

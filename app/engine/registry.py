@@ -154,7 +154,7 @@ class Registry:
                  load_chat: Callable[[ModelSpec], tuple[Any, int]] | None = None) -> None:
         self.worker = worker
         # How a text chat model loads when not by mlx-lm's load (distributed: this rank's shard,
-        # app.engine.distributed.sharded_engine): (engine, weights bytes). MLX thread.
+        # Distributed.load_engine): (engine, weights bytes). MLX thread.
         self._load_chat = load_chat
         self.limit_bytes = memory_limit_bytes or int(physical_memory_bytes() * DEFAULT_MEMORY_SHARE)
         self._slots: dict[str, _Slot] = {}
