@@ -71,26 +71,21 @@ def wait_healthy(base: str, procs: list[subprocess.Popen], log: Path, timeout: f
         time.sleep(0.3)
 
 
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, state), from ps (Linux and macOS alike)."""
+    out = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,stat="], capture_output=True, text=True, check=True).stdout
+    rows = (line.split() for line in out.splitlines() if line.strip())
+    return {int(pid): (int(ppid), stat) for pid, ppid, stat, *_ in rows}
+
+
 def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
+    return [child for child, (parent, _) in processes().items() if parent == pid]
 
 
 def gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            return False
-    return True
+    """Every one of ``pids`` has exited (a zombie not yet reaped counts as exited)."""
+    running = processes()
+    return all(pid not in running or running[pid][1].startswith("Z") for pid in pids)
 
 
 @contextlib.contextmanager
@@ -306,13 +301,19 @@ def test_embeddings_are_served_by_rank_0_alone(two_ranks, one_rank):
     assert chat_all(two_ranks, PROMPTS[:2]) == chat_all(one_rank.base_url, PROMPTS[:2])  # the chat still in step
 
 
-def test_a_model_that_cannot_be_split_is_refused_on_every_rank(tmp_path, demo_model_dir):
-    models = {"models": [{"name": "demo", "local_path": str(demo_model_dir)}]}
+@pytest.mark.parametrize("case", ["heads", "native vlm"])
+def test_a_model_that_cannot_be_split_is_refused_on_every_rank(tmp_path, demo_model_dir, tiny_model_dir, case):
+    if case == "heads":
+        models = {"models": [{"name": "demo", "local_path": str(demo_model_dir)}]}
+        message = ("model 'demo' has 9 attention heads and 3 KV heads; tensor parallel over 2 ranks needs both "
+                   "divisible by 2")
+    else:  # refused before anything is read: the directory need not hold a VLM
+        models = {"models": [{"name": "vlm", "local_path": str(tiny_model_dir),
+                              "capabilities": {"vision_mode": "native"}}]}
+        message = "model 'vlm' is a native VLM, which mlx-lm cannot split over ranks"
     with launched(tmp_path, models, wait=False) as (proc, _, log):
         proc.wait(timeout=120)
         out = log.read_text()
-    message = ("model 'demo' has 9 attention heads and 3 KV heads; tensor parallel over 2 ranks needs both "
-               "divisible by 2")
     for rank in (0, 1):
         assert f"rank {rank}: {message}" in out, out[-3000:]
         # Status 2; or, once its peer has exited 2, mlx.launch may end it first (SIGTERM).
