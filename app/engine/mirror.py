@@ -50,6 +50,10 @@ IDLE_FLUSH_S = 0.2
 class BatchOps(Protocol):
     """What TextEngine asks of mlx-lm's batching and caching, as one seam."""
 
+    # True when every cache handed out is replayed on other ranks by name: then nothing may
+    # make caches of its own around these calls (a disk tier of the prefix cache stays off).
+    replicated: bool
+
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
         """A BatchGenerator (``new_batch_generator``'s settings)."""
 
@@ -73,6 +77,8 @@ class StepWatch(Protocol):
 
 class LocalOps:
     """One process: every call as it is."""
+
+    replicated = False
 
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
         return new_batch_generator(model, tokenizer, **settings)
@@ -148,6 +154,8 @@ def follower_sampler(logprobs: mx.array) -> mx.array:
 
 class MirrorOps:
     """Rank 0: make each call, record it, send the record before every batch step."""
+
+    replicated = True
 
     def __init__(self, send: Callable[[dict[str, Any]], None], watch: StepWatch) -> None:
         self._send = send
