@@ -49,6 +49,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-tokens", type=int)
+    p.add_argument("--distributed", choices=["tensor", "pipeline"],
+                   help="under mlx.launch: split the model by tensor (default) or by pipeline")
     p.add_argument("--no-vision", action="store_true", help="do not load the vision model")
     p.add_argument("--log-level", default="info")
 
@@ -97,19 +99,35 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
+    from app.engine.distributed import launched_backend
     from app.main import build_state, create_app
 
     source = _models_file(args.models_file)
     overrides = {k: getattr(args, k) for k in (*PARAM_FLAGS, *SERVER_FLAGS)}
     overrides["api_key"] = _api_key(args)
     config = resolve(load_models_file(source), source=str(source), model=args.model, overrides=overrides)
-    state = build_state(config, load_vision=not args.no_vision)
+    worker, dist = None, None
+    if launched_backend() is not None:  # one rank of mlx.launch
+        from app.serve_distributed import exit_now, follow, join_launch
+
+        worker, dist = join_launch(config)
+        if dist is not None and dist.info.rank != 0:
+            exit_now(follow(config, worker, dist))
+    try:
+        state = build_state(config, load_vision=not args.no_vision, worker=worker, dist=dist)
+    except BaseException:
+        if dist is not None:  # the followers stop too
+            dist.close()
+        raise
     s = config.server
     server = DrainingServer(uvicorn_config(create_app(state), s, args.log_level), state)
     logging.getLogger("tandem").info("serving %s on http://%s:%d/v1", config.primary.name, s.host, s.port)
     with _exit_zero_after_drain():
         server.run()
     state.worker.stop()
+    if dist is not None:  # after the drain: the followers are no longer needed
+        dist.close()
+        exit_now(server.exit_code)
     return server.exit_code  # non-zero when the engine died, so a service manager restarts us
 
 

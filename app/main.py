@@ -31,6 +31,7 @@ from app.api.state import AppState
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_spec
 from app.config.schema import ModelEntry
+from app.engine.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
@@ -39,19 +40,26 @@ from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generat
 log = logging.getLogger("tandem")
 
 
-def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState:
-    """Start the MLX thread, load the default model (and ``preload`` ones), and return the
-    shared state; every other served model loads on its first request."""
+def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLXWorker | None = None,
+                dist: Distributed | None = None) -> AppState:
+    """Start the MLX thread (unless given one), load the default model (and ``preload`` ones),
+    and return the shared state; every other served model loads on its first request. With
+    ``dist`` (rank 0 of mlx.launch), the default model is this rank's shard, and the only chat model."""
     files = config.models_file
     primary = config.primary  # the default model, with the command line's overrides
     entries = [primary if e.name == primary.name else e for e in files.models]
     served = [e for e in entries if e.role in ("chat", "embedding", "rerank")]
+    if dist is not None:
+        served = distributed_entries(served, primary.name)
     specs = [model_spec(e, files.idle_unload_secs) for e in served]
-    log.info("model %s: LoadParams %s", primary.name, load_params(primary.params))
-    worker = MLXWorker()
-    worker.start()
+    log.info("model %s: LoadParams %s; distributed %s", primary.name, load_params(primary.params),
+             dist.info.as_dict() if dist else None)
+    if worker is None:
+        worker = MLXWorker()
+        worker.start()
     limit = config.server.memory_limit_mb
-    registry = Registry(worker, specs, memory_limit_bytes=limit * 2**20 if limit else None)
+    registry = Registry(worker, specs, memory_limit_bytes=limit * 2**20 if limit else None,
+                        load_chat=dist.load_engine if dist else None)
     try:
         registry.load_now(primary.name)
     except BaseException:
@@ -63,7 +71,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
     chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if e.role == "chat"}
     vision = {e.name: build_vision(config, e, worker, registry, load=load_vision) for e in served if e.role == "chat"}
     pipeline = Pipeline(registry, config.server, chats, vision)
-    state = AppState(config, worker, registry, pipeline, primary.name)
+    state = AppState(config, worker, registry, pipeline, primary.name, distributed=dist)
     registry.add_listener(state.metrics.on_generation)
     registry.add_listener(log_generation)
     state.metrics.watch(lambda: state)
@@ -73,6 +81,16 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True) -> AppState
                  profile.parser, profile.reasoning, profile.thinking_switch, profile.system_prompt)
     log.info("serving %s; memory limit %.0f MB", ", ".join(s.name for s in specs), registry.limit_bytes / 2**20)
     return state
+
+
+def distributed_entries(served: list[ModelEntry], primary: str) -> list[ModelEntry]:
+    """What rank 0 serves: the sharded default model, pinned (every rank holds it), as the only
+    chat model; embedding and rerank models on rank 0 alone."""
+    dropped = [e.name for e in served if e.role == "chat" and e.name != primary]
+    if dropped:
+        log.warning("distributed: only %s is served; chat models %s are not", primary, ", ".join(dropped))
+    return [e.model_copy(update={"pin": True, "idle_unload_secs": 0}) if e.name == primary else e
+            for e in served if e.role != "chat" or e.name == primary]
 
 
 def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, registry: Registry, *,

@@ -25,6 +25,8 @@ It measures, in this order (one server at a time, so they never compete):
   9. disk: the prefix cache's tiers on a ~1,500-token system prompt: TTFT cold,
      from memory, and from disk only (after a restart), and the decode rate of
      running streams while prefixes are written to disk, against no disk tier.
+ 10. distributed: per-step time and tokens/s of one process against two ranks of
+      mlx.launch on this machine, on seeded llamas (scripts/bench_distributed.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -452,7 +454,7 @@ def bench_compile(model_path: str) -> dict[str, float]:
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk")
+            "disk", "distributed")
 
 
 def main() -> None:
@@ -617,6 +619,14 @@ def main() -> None:
 
     if "disk" in run:
         ratios += bench_disk(serve, name, prof)
+
+    if "distributed" in run:
+        # Two ranks on one machine share its cores: slower, by the collectives' cost per step.
+        from bench_distributed import SHAPES, bench_distributed, build_llama, report
+
+        root = Path(tempfile.mkdtemp(prefix="tandem-bench-dist-"))
+        ratios.extend(report(bench_distributed({n: build_llama(root / n, s) for n, s in SHAPES.items()},
+                                               prof["stream_tokens"])))
 
     print("\n== ratios ==")
     for line in ratios:

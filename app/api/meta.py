@@ -70,6 +70,7 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     stats = asdict(engine.stats()) if engine is not None else None
     body["engine"] = {**(stats or {"alive": ok}), "error": repr(state.worker.dead) if state.worker.dead else None}
     body["vision"] = _vision(state, state.default_model)
+    body["distributed"] = state.distributed.health() if state.distributed is not None else None
     return body, 200 if ok else 503
 
 

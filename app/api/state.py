@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from app.api.metrics import Metrics
 from app.api.openai.response_store import ResponseStore
 from app.config.loader import ResolvedConfig
+from app.engine.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.types import Engine
 from app.engine.worker import MLXWorker
@@ -27,6 +28,8 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     # The Responses API's stored responses (server.responses_store_*).
     responses: ResponseStore = field(init=False)
+    # This process's part in an mlx.launch (rank 0), or None in one process.
+    distributed: Distributed | None = None
 
     def __post_init__(self) -> None:
         server = self.config.server

@@ -69,6 +69,7 @@ PARAM_FLAGS = {
     "max_queue": "max_queue",
     "temperature": "temperature",
     "max_tokens": "max_tokens",
+    "distributed": "distributed",
 }
 SERVER_FLAGS = ("host", "port", "api_key")
 

@@ -19,7 +19,7 @@ def model_source(entry: ModelEntry) -> ModelSource:
 def load_params(p: ModelParams) -> LoadParams:
     """How the weights are loaded."""
     return LoadParams(dtype=p.dtype, quantization=p.quantization, quantization_group_size=p.quantization_group_size,
-                      max_model_len=p.max_model_len, kv_cache_bits=p.kv_cache_bits)
+                      max_model_len=p.max_model_len, kv_cache_bits=p.kv_cache_bits, distributed=p.distributed)
 
 
 def engine_params(p: ModelParams) -> EngineParams:

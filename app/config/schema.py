@@ -46,6 +46,10 @@ class ModelParams(_Strict):
     kvcache_mem_cpu: int | None = Field(default=None, ge=0)
     # Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the model dtype.
     kv_cache_bits: Literal[4, 8] | None = None
+    # Under mlx.launch (several ranks): "tensor" splits every layer over the ranks (faster
+    # decoding), "pipeline" gives each rank a run of layers (a bigger model fits; mlx-lm supports it
+    # for a few model types). Ignored in one process. Also --distributed.
+    distributed: Literal["tensor", "pipeline"] = "tensor"
     # Sequences decoded together by the batch generator.
     max_num_seqs: int = Field(default=8, ge=1, le=256)
     # Largest prompt slice processed in one step, so decoding streams keep moving.
@@ -209,6 +213,10 @@ class ServerSettings(_Strict):
     backlog: int = Field(default=2048, ge=16)
     # On SIGTERM/SIGINT: seconds running requests get to finish before they end with an error event.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Distributed serving (mlx.launch): seconds a batch step, or a rank's answer to rank 0's ping,
+    # may take before rank 0 declares the rank lost and the engine dead (503). Long enough for the
+    # slowest step: a prefill chunk (prefill_chunk_size tokens) of the biggest model on the slowest rank.
+    distributed_timeout_s: float = Field(default=60.0, gt=0)
     # When the MLX engine thread dies: "exit" drains (running streams get their error event) and
     # exits with status 70, so launchd / systemd restart a fresh process; "stay" keeps the process
     # up, answering 503 until someone restarts it.

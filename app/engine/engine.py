@@ -36,17 +36,11 @@ import mlx.core as mx
 from app.engine.admission import Admission, Waiting, busy_error, sequence_width
 from app.engine.channel import OpenStreams, TokenChannel
 from app.engine.disk_cache import disk_root, open_disk_tier
-from app.engine.kv_quant import make_quantized_prompt_cache
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
-from app.engine.mlx_internals import (
-    BatchGenerator,
-    batch_kv_nbytes,
-    new_batch_generator,
-    new_detokenizer,
-    trim_prompt_cache,
-)
+from app.engine.mirror import LOCAL_OPS, BatchOps
+from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
 from app.engine.params import EngineParams
-from app.engine.prefix_cache import PrefixCache
+from app.engine.prefix_cache import UNBOUNDED, PrefixCache
 from app.engine.sampling import build_logits_processors, build_sampler, reset_random_state
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta, TokenLogprob
@@ -89,8 +83,12 @@ class _Seq:
 class TextEngine:
     """Continuous batching for one loaded chat model."""
 
-    def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams) -> None:
+    def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
+                 ops: BatchOps = LOCAL_OPS) -> None:
         self.worker = worker
+        # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
+        # (distributed, app.engine.mirror) made here and replayed by every other rank.
+        self.ops = ops
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
@@ -103,10 +101,12 @@ class TextEngine:
             starvation_s=params.starvation_s,
         )
         disk = None
-        if params.prompt_cache_disk_bytes:
+        # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
+        if params.prompt_cache_disk_bytes and not ops.replicated:
             disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
                                   params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20)
-        self.prompt_cache = PrefixCache(params.prompt_cache_entries, params.prompt_cache_bytes, disk)
+        self.prompt_cache = PrefixCache(ops.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
+                                        params.prompt_cache_bytes, disk)
         self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
@@ -130,7 +130,7 @@ class TextEngine:
 
     def _new_batch(self) -> BatchGenerator:
         p = self.params
-        return new_batch_generator(
+        return self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
@@ -353,7 +353,7 @@ class TextEngine:
             if len(tokens) < len(prompt):  # paused in prefill: the rest of the prompt
                 rest = prompt[len(tokens):]
             else:  # paused decoding: feed the last token again for the next one's logits
-                trim_prompt_cache(cache, 1)
+                self.ops.trim_cache(cache, 1)
                 rest, tokens = tokens[-1:], tokens[:-1]
             self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated)
 
@@ -398,10 +398,10 @@ class TextEngine:
         if use_cache:
             cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
             if cache is not None and not rest:  # exact hit: the last token must still run
-                trim_prompt_cache(cache, 1)
+                self.ops.trim_cache(cache, 1)
                 rest = prompt[-1:]
         if cache is None and self.loaded.kv_cache_bits is not None:
-            cache = make_quantized_prompt_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+            cache = self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
         cached = len(prompt) - len(rest)
         if cached:
             self.cache_hits += 1

@@ -198,7 +198,14 @@ def load_text_model_steps(entry: ModelSource, params: LoadParams) -> Generator[N
             batch, size = [], 0
             yield
     mx.eval(batch)
-    kv = kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
+    return loaded_model(entry, params, source, model, tokenizer, config)
+
+
+def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.Module, tokenizer: Any,
+                 config: dict[str, Any], kv: KVGeometry | None = None) -> LoadedModel:
+    """A loaded (and evaluated) model as the engine takes it; ``kv`` overrides the geometry
+    read from the config (a shard holds part of the KV)."""
+    kv = kv or kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
     if params.kv_cache_bits is not None:
         from app.engine.kv_quant import check_quantizable
 

@@ -33,6 +33,15 @@ mlx-lm
   ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
   batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
   ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
+- ``GenerationBatch._step`` (inside ``next()``): the rows' logits processors run in row
+  order, then the sampler once for the whole batch when every row has the same sampler
+  object (otherwise once per row), in the same step; ``mirror.TokenSync`` relies on it
+  (one all_sum per step, and a DesyncError if the counts ever disagree).
+- ``utils.sharded_load(path, pipeline_group=, tensor_group=, return_config=)``: loads
+  this rank's shard (tensor parallel through ``Model.shard(group)``, pipeline through
+  ``Model.model.pipeline(group)``, which needs ``model.safetensors.index.json``) and ends
+  with an ``all_sum`` barrier; ``utils._get_classes(config) -> (Model, ModelArgs)``, for
+  telling which of the two a model type supports before loading it.
 - ``TokenizerWrapper``: ``detokenizer`` (a fresh streaming detokenizer on each
   access), ``eos_token_ids``, ``has_thinking``; the streaming detokenizers drop
   the first token's leading space (``SPMStreamingDetokenizer.trim_space``;
@@ -95,6 +104,8 @@ __all__ = [
     "new_batch_generator",
     "new_detokenizer",
     "reset_vlm_stopping",
+    "sharded_load",
+    "sharding_support",
     "trim_prompt_cache",
     "vlm_clean_output",
     "vlm_image_limit",
@@ -125,6 +136,28 @@ def new_batch_generator(
 def batch_kv_nbytes(batch: BatchGenerator) -> int:
     """Bytes of KV the BatchGenerator's caches hold: queued, prefilling and decoding sequences."""
     return int(batch.prompt_cache_nbytes)
+
+
+def sharded_load(path: str, *, pipeline: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """This rank's shard of a model, its tokenizer and its config, split over the whole
+    distributed group (tensor parallel, or pipeline when ``pipeline``)."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load as load
+
+    group = mx.distributed.init()
+    model, tokenizer, config = load(path, pipeline_group=group if pipeline else None,
+                                    tensor_group=None if pipeline else group, return_config=True)
+    return model, tokenizer, config
+
+
+def sharding_support(config: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether mlx-lm can split this model type (tensor parallel, pipeline), as
+    ``sharded_load`` decides it: from a lazily built model, no weights read."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    return hasattr(model, "shard"), hasattr(getattr(model, "model", None), "pipeline")
 
 
 def eos_token_ids(tokenizer: Any) -> list[int]:

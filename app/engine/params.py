@@ -27,6 +27,10 @@ class LoadParams:
     max_model_len: int | None = None
     # Quantized KV cache (4 / 8 bits per element); None keeps the activation dtype.
     kv_cache_bits: Literal[4, 8] | None = None
+    # How the model is split over the ranks of a distributed launch (mlx.launch): "tensor", every
+    # rank holds a slice of every layer (decoding gets faster); "pipeline", each rank holds a run
+    # of layers (only a bigger model fits). Ignored in one process.
+    distributed: Literal["tensor", "pipeline"] = "tensor"
 
 
 @dataclass(frozen=True)

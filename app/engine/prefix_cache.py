@@ -17,23 +17,27 @@ from dataclasses import replace
 from typing import Any
 
 from app.engine.disk_cache import DiskEntry, DiskTier
-from app.engine.mlx_internals import LRUPromptCache
 from app.engine.types import CacheTierStats
 
 log = logging.getLogger("tandem.engine")
-# LRUPromptCache's own limits are set out of reach: this class applies them and counts evictions.
-_NO_LIMIT = 1 << 62
+# The memory tier's own limits are set out of reach: this class applies them and counts evictions.
+UNBOUNDED = 1 << 62
 
 
 class PrefixCache:
     """Memory tier over an optional disk tier, with per-tier counters."""
 
-    def __init__(self, max_entries: int, max_bytes: int, disk: DiskTier | None = None) -> None:
-        self.memory = LRUPromptCache(max_size=_NO_LIMIT, max_bytes=_NO_LIMIT)
+    def __init__(self, memory: Any, max_entries: int, max_bytes: int, disk: DiskTier | None = None) -> None:
+        # An LRUPromptCache made with UNBOUNDED limits (BatchOps.prompt_cache: local, or mirrored on every rank).
+        self.memory = memory
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.disk = disk
         self._mem = CacheTierStats(budget_bytes=max_bytes)
+
+    def __len__(self) -> int:
+        """Prefixes the memory tier holds."""
+        return len(self.memory)
 
     @property
     def nbytes(self) -> int:

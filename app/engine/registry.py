@@ -150,8 +150,12 @@ def estimate_weights_bytes(path: Path | None) -> int:
 class Registry:
     """Every served model by name and alias, its state, and the memory budget."""
 
-    def __init__(self, worker: MLXWorker, specs: list[ModelSpec], *, memory_limit_bytes: int | None = None) -> None:
+    def __init__(self, worker: MLXWorker, specs: list[ModelSpec], *, memory_limit_bytes: int | None = None,
+                 load_chat: Callable[[ModelSpec], tuple[Any, int]] | None = None) -> None:
         self.worker = worker
+        # How a text chat model loads when not by mlx-lm's load (distributed: this rank's shard,
+        # Distributed.load_engine): (engine, weights bytes). MLX thread.
+        self._load_chat = load_chat
         self.limit_bytes = memory_limit_bytes or int(physical_memory_bytes() * DEFAULT_MEMORY_SHARE)
         self._slots: dict[str, _Slot] = {}
         self._by_name: dict[str, _Slot] = {}
@@ -321,6 +325,8 @@ class Registry:
                            max_images=v.max_images)
             # The worst-case images' peak through the vision tower counts with the weights.
             return VlmEngine(self.worker, vlm, spec.engine), vlm.weights_bytes + vlm.profile_peak_bytes
+        if spec.role == "chat" and self._load_chat is not None:
+            return self._load_chat(spec)
         if spec.role == "chat":
             loaded = yield from load_text_model_steps(spec.source, spec.load)
             return TextEngine(self.worker, loaded, spec.engine), loaded.weights_bytes

@@ -39,6 +39,9 @@ class MLXWorker:
         # Told after every stepper's own hook (the process's exit on engine death).
         self._death_hooks: list[Callable[[BaseException], None]] = []
         self.dead: BaseException | None = None
+        # Set by kill() from another thread; the loop dies of it.
+        self._killed: BaseException | None = None
+        self._death_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -90,7 +93,34 @@ class MLXWorker:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            # A killed thread may be stuck for good (a collective whose peer hung): no long wait.
+            self._thread.join(timeout if self.dead is None else 0.5)
+
+    def kill(self, exc: BaseException, grace_s: float = 1.0) -> None:
+        """Declare the engine dead from another thread (the distributed watchdog). The loop
+        dies of ``exc`` at its next turn; if it does not get there within ``grace_s`` (stuck
+        in an MLX call that will not return), the death hooks run here instead, so waiting
+        requests fail and /health says so either way."""
+        if self.dead is not None:
+            return
+        self._killed = exc
+        self._stop.set()
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                log.error("the MLX thread is stuck; failing its work from %s", threading.current_thread().name)
+                self._die(exc)
+                self._fail_pending()
+
+    def _die(self, exc: BaseException) -> None:
+        """Record the death and tell every hook, once (the loop or kill(), whichever is first)."""
+        with self._death_lock:
+            if self.dead is not None:
+                return
+            self.dead = exc
+        for notify in [hook for _, hook in self._steppers] + self._death_hooks:
+            notify(exc)
 
     def _run_jobs(self) -> None:
         while self._jobs:
@@ -137,23 +167,27 @@ class MLXWorker:
                 if not busy and not self._jobs and not self._step_jobs:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
+            if self._killed is not None:
+                raise self._killed
         except BaseException as exc:  # noqa: BLE001 - recorded, reported, never silent
-            log.exception("MLX engine thread died")
-            self.dead = exc
-            for notify in [hook for _, hook in self._steppers] + self._death_hooks:
-                notify(exc)
+            if exc is not self._killed:
+                log.exception("MLX engine thread died")
+            self._die(exc)
         finally:
             # Streams belong to the thread that made them; left behind, they abort the
             # process at exit (mlx-vlm's atexit cleanup only clears the main thread's).
             import mlx.core as mx
 
             mx.clear_streams()
-            err = EngineDeadError("the MLX engine thread stopped")
-            while self._jobs:
-                _, fut = self._jobs.popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(err)
-            pending = [f for _, f in self._step_jobs] + ([self._current[1]] if self._current else [])
-            for fut in pending:
-                if not fut.done():
-                    fut.set_exception(err)
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        err = EngineDeadError("the MLX engine thread stopped")
+        while self._jobs:
+            _, fut = self._jobs.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
+        pending = [f for _, f in self._step_jobs] + ([self._current[1]] if self._current else [])
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(err)

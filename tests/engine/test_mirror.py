@@ -1,0 +1,101 @@
+"""Rank 0's record, replayed: a TextEngine on MirrorOps and a Follower in one process.
+
+The record goes through JSON as on the wire, and the follower replays it at once on its
+own batch and prefix cache over the same tiny model; it checks every step's tokens
+against rank 0's (a mismatch raises DesyncError and fails the request). In one process
+``all_sum`` is the identity, so the follower samples greedily itself instead of adding 0.
+After the work, the follower holds exactly the prefix cache rank 0 holds, and no other
+cache: every one rank 0 let go was dropped on the follower too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import mlx.core as mx
+import pytest
+
+from app.config.mapping import engine_params, load_params
+from app.config.schema import ModelParams
+from app.engine.engine import TextEngine
+from app.engine.loader import load_text_model
+from app.engine.mirror import Follower, MirrorOps
+from app.engine.params import ModelSource
+from app.engine.types import GenerationRequest
+from app.engine.worker import MLXWorker
+from tests.engine.engines import run
+
+
+class Watch:
+    def begin_step(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def mirrored(tiny_model_dir):
+    # Two prefix-cache entries at most, so evictions happen; 4 slots, so background work pauses.
+    p = ModelParams(mem=64, max_num_seqs=4, prefill_chunk_size=32, temperature=0.0, cache_min_tokens=8,
+                    prompt_cache_entries=2)
+    worker = MLXWorker()
+    worker.start()
+    loaded = worker.submit(lambda: load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)),
+                                                   load_params(p))).result()
+    follower = Follower(loaded.model, loaded.tokenizer, sampler=lambda lp: mx.argmax(lp, axis=-1))
+    messages = []
+
+    def send(msg):
+        messages.append(msg)
+        follower.apply(json.loads(json.dumps(msg)))
+
+    ops = MirrorOps(send, Watch())
+    worker.add_stepper(ops.flush_idle, lambda exc: None)
+    engine = TextEngine(worker, loaded, engine_params(p), ops=ops)
+    yield engine, follower, messages
+    worker.stop()
+
+
+def request(engine, text: str, max_tokens: int, **kw) -> GenerationRequest:
+    return GenerationRequest(engine.tokenizer.encode(text), max_tokens=max_tokens, **kw)
+
+
+def test_the_follower_keeps_in_step_and_holds_what_rank_0_holds(mirrored):
+    engine, follower, messages = mirrored
+    # A disk tier is on by default, but would make caches no follower replays: off on rank 0.
+    assert engine.params.prompt_cache_disk_bytes and engine.prompt_cache.disk is None
+    system = "You are a terse assistant. " * 6
+    prompts = [system + f"Question {i}?" for i in range(4)]
+
+    async def work():
+        prefixed = [request(engine, p, 12, cache_prefix_len=len(engine.tokenizer.encode(system))) for p in prompts]
+        texts = await asyncio.gather(*(run(engine, r) for r in prefixed))
+        again = await run(engine, prefixed[1])  # a prefix-cache hit
+        background = [request(engine, f"Title {i} " * 5, 40, priority="background") for i in range(3)]
+        interactive = request(engine, "An interactive question " * 10, 4)
+        started = asyncio.gather(*(run(engine, r) for r in background))
+        await asyncio.sleep(0.3)  # the background ones are decoding: the interactive one pauses them
+        texts += [await run(engine, interactive), *await started]
+        texts.append(await run(engine, request(engine, prompts[0], 12, stop=("Question",))))
+        cancelled = engine.stream(request(engine, "Cancel me " * 4, 200))
+        await cancelled.__anext__()
+        await cancelled.aclose()
+        return texts, again
+
+    pauses = engine.stats().background_pauses
+    texts, (again_text, again_last) = asyncio.run(work())
+    assert all(last.finish_reason in ("length", "stop") for _, last in texts)
+    assert again_last.cached_tokens > 0 and again_text == texts[1][0]
+    assert engine.stats().background_pauses > pauses
+    time.sleep(0.5)  # idle: pending drops go out
+
+    def compare():
+        return len(follower.caches), len(follower.prompt_cache), follower.prompt_cache.nbytes, \
+            len(engine.prompt_cache), engine.prompt_cache.nbytes
+
+    held, f_entries, f_bytes, entries, nbytes = engine.worker.submit(compare).result()
+    assert (f_entries, f_bytes) == (entries, nbytes) and entries == 2
+    assert held == 0, "the follower still holds caches rank 0 let go"
+    ops = {op[0] for m in messages for op in m["ops"]}
+    assert {"batch", "insert", "remove", "extract", "fetch", "store", "trim_kv", "finished", "drop"} <= ops
