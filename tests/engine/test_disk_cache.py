@@ -223,6 +223,23 @@ def test_a_conversation_continues_from_disk(tiny_model_dir, tmp_path):
         stop(eng)
 
 
+def test_an_unload_finishes_its_writes_and_the_next_load_hits_disk(tiny_model_dir, tmp_path):
+    """An idle unload (the registry calls ``close`` on the MLX thread) keeps what was cached."""
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    first = request(eng, " How many sheep?")
+    cold_text, _ = asyncio.run(run(eng, first))
+    eng.worker.submit(eng.close).result()  # at once: the writes may still be queued
+    eng.worker.stop()
+    assert len(files(tmp_path)) == 2  # the system prompt, and the whole conversation
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        text, last = asyncio.run(run(eng, first))
+        assert last.cached_tokens == first.cache_prefix_len and text == cold_text
+        assert eng.stats().prompt_cache_tiers["disk"].hits == 1
+    finally:
+        stop(eng)
+
+
 def test_quantized_kv_round_trips_through_disk(model_dir, tmp_path):  # noqa: F811
     cold_text, system_len = fill(tmp_path, model_dir, kv_cache_bits=8)
     eng = disk_engine(model_dir, tmp_path, kv_cache_bits=8)
