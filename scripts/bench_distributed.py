@@ -9,8 +9,8 @@ Each model is served twice, one server at a time: by ``tandem serve`` alone, the
 two ranks on this machine). At 1 and at 8 concurrent streams it measures the aggregate
 tokens/s and the median gap between a stream's tokens, which is the time of one batch step
 (one token per stream per step). On one machine two ranks share its cores and memory
-bandwidth and add collectives to every step (two all_sums per layer, one per sampled
-token), so they are slower: the difference is the collectives' cost per step. Across
+bandwidth and add collectives to every step (two all_sums per layer, and one that hands
+every rank the step's sampled tokens), so they are slower: the difference is the collectives' cost per step. Across
 machines, tensor parallelism divides each step's weight reads by the world size.
 
 The default models are seeded random llamas with the embedded demo model's tokenizer:
