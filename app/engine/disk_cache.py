@@ -269,6 +269,7 @@ class DiskTier:
         """Write the job at the head of the queue (it stays there, referenced, meanwhile)."""
         job = self._queue[0]
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # someone may have cleared the cache meanwhile
             size = write_file(self.dir, job.entry.path.name, job.meta, job.tensors)
         except Exception as exc:  # noqa: BLE001 - a failed write is counted; the writer goes on
             log.warning("prompt cache: could not write %s: %s", job.entry.path.name, exc)

@@ -141,8 +141,9 @@ def service_spec(args: argparse.Namespace, models_file: Path, log_path: Path) ->
         python=sys.executable, workdir=str(Path(app.__file__).resolve().parent.parent), models_file=str(source),
         host=config.server.host, port=config.server.port, model=args.model, no_vision=args.no_vision,
         env=units.passed_env(os.environ), log_path=log_path,
-        # uvicorn's drain takes up to shutdown_grace_s + 5 s; launchd / systemd wait a little longer.
-        stop_timeout_s=math.ceil(config.server.shutdown_grace_s) + 15)
+        # The drain takes up to shutdown_grace_s, then finishes the prompt caches' queued disk
+        # writes (up to max(grace, 10 s), app.main.drain); launchd / systemd wait a little longer.
+        stop_timeout_s=math.ceil(config.server.shutdown_grace_s + max(config.server.shutdown_grace_s, 10.0)) + 15)
 
 
 def _pull(args: argparse.Namespace, models_file: Path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import shutil
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -183,6 +184,22 @@ def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path):
     tier.close(30)
     stats = tier.stats()
     assert stats.writes + stats.write_drops == 20 and stats.writes >= 1
+
+
+def test_a_cache_cleared_while_serving_is_written_again(tmp_path):
+    """Deleting the directory (a user clearing the cache) costs the files, not later writes."""
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30)
+    tier.offer("k", [1] * 100, kv(100, 1))
+    tier.close(30)
+    shutil.rmtree(tmp_path / "m")
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30)
+    shutil.rmtree(tmp_path / "m")
+    entry = tier.lookup("k", [1] * 100)
+    assert entry is None or tier.load(entry, [1] * 100) is None  # gone: a miss
+    tier.offer("k", [2] * 100, kv(100, 2))
+    tier.close(30)
+    assert tier.stats().writes == 1 and tier.stats().write_errors == 0
+    assert tier.lookup("k", [2] * 100) is not None and len(list((tmp_path / "m").iterdir())) == 1
 
 
 # ---- engines: restart, identity, damage ------------------------------------------------------
