@@ -1,8 +1,10 @@
-"""Per-request samplers and logits processors, built from mlx-lm's own pieces."""
+"""Per-request samplers and logits processors, built from mlx-lm's own pieces, and the
+logprobs a request sees of what its sampler drew from."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -13,7 +15,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from app.engine.types import SamplingParams
+from app.engine.types import SamplingParams, TokenLogprob
 
 
 def build_sampler(p: SamplingParams):
@@ -77,3 +79,16 @@ def sampling_processor(sampler):
         return mx.where(chosen, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
 
     return process
+
+
+def token_logprob(token: int, logprobs: Any, top: int) -> TokenLogprob:
+    """The sampled token's log-probability in the distribution the sampler drew from (after
+    logit bias, penalties and constraints), and the ``top`` most likely tokens of that
+    distribution."""
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = mx.argpartition(-logprobs, top - 1)[:top]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        alternatives = tuple(zip(ids[order].tolist(), values[order].tolist(), strict=True))  # type: ignore[arg-type]
+    return TokenLogprob(token, float(logprobs[token].item()), alternatives)
