@@ -4,6 +4,7 @@ logprobs a request sees of what its sampler drew from."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import mlx.core as mx
@@ -79,6 +80,21 @@ def sampling_processor(sampler):
         return mx.where(chosen, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
 
     return process
+
+
+def logprob_tap(drawn_from: deque[mx.array]):
+    """A logits processor that changes nothing and appends to ``drawn_from`` the
+    log-probabilities of the logits it sees (one row): the distribution the row's
+    token is drawn from when it comes after every processor that shapes it (logit
+    bias, penalties, a constraint) and before a ``sampling_processor``, which leaves
+    only the drawn token for the batch's own logprobs. One entry per token the
+    batch draws, in order."""
+
+    def tap(tokens: mx.array, logits: mx.array) -> mx.array:
+        drawn_from.append((logits - mx.logsumexp(logits, axis=-1, keepdims=True)).reshape(-1))
+        return logits
+
+    return tap
 
 
 def token_logprob(token: int, logprobs: Any, top: int) -> TokenLogprob:

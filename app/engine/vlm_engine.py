@@ -4,7 +4,7 @@ The request lifecycle is ``BatchingEngine``'s (``app.engine.batching``), as for
 ``TextEngine``: admission under the KV budget with ``max_queue`` /
 ``queue_timeout``, a client that leaves cancels its sequence, one bad request
 fails alone, a ``GenerationRecord`` to the listeners whenever a generation ends,
-stop strings on the text, per-request sampling and seeds.
+stop strings on the text, per-request sampling and seeds, logprobs.
 
 A request's way through, on the MLX thread:
 
@@ -21,7 +21,10 @@ What is serialized: the vision tower, one request's images at a time between
 batch steps; its memory is what the load-time worst-case profile measured.
 Not here (``TextEngine`` has them): the prefix cache, pausing background work.
 Per-request sampling rides on mlx-vlm's per-row logits processors
-(``sampling_processor``), since its sampler is one for the whole batch.
+(``sampling_processor``), since its sampler is one for the whole batch. That
+processor leaves only the sampled token, so mlx-vlm's own logprobs would say
+nothing: a request with logprobs gets a ``logprob_tap`` just before it, which
+keeps the distribution the token is drawn from.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -43,7 +46,7 @@ from app.engine.mlx_internals import (
     vlm_prompt_inputs,
 )
 from app.engine.params import EngineParams
-from app.engine.sampling import build_logits_processors, build_sampler, sampling_processor
+from app.engine.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
@@ -59,6 +62,9 @@ log = logging.getLogger("tandem.engine")
 class _Seq(Seq):
     # The completion budget: what the context and the KV budget leave after the real prompt.
     max_tokens: int = 0
+    # With logprobs: the distribution each generated token is drawn from, in order
+    # (``logprob_tap``; mlx-vlm draws the next token before it returns this one).
+    drawn_from: deque[mx.array] = field(default_factory=deque)
 
 
 class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
@@ -165,6 +171,8 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             processors = build_logits_processors(req.sampling)
             if req.constraint is not None:  # masks before the sampling processor draws
                 processors.append(req.constraint.processor(len(ids)))
+            if req.logprobs is not None:  # after every processor that shapes the distribution
+                processors.append(logprob_tap(seq.drawn_from))
             if req.sampling.temperature > 0:
                 processors.append(sampling_processor(build_sampler(req.sampling)))
             (uid,) = self._bg.insert([ids], max_tokens=[seq.max_tokens], prompt_kwargs=[kwargs],
@@ -179,6 +187,9 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         seq.detok = new_vlm_detokenizer(self.loaded.processor)
         seq.stops = StopMatcher(req.stop)
         self._running[uid] = seq
+
+    def _distribution(self, seq: _Seq, r: Any) -> mx.array:
+        return seq.drawn_from.popleft()
 
 
 def check_images(req: GenerationRequest, max_images: int, image_token: str | None) -> None:
