@@ -41,6 +41,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import OpenStreams, TokenChannel
+from app.engine.loader import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.sampling import reset_random_state, token_logprob
 from app.engine.stops import StopMatcher
@@ -101,7 +102,7 @@ class LoadedInfo(Protocol):
     def tokenizer(self) -> Any: ...
 
     @property
-    def kv(self) -> Any: ...  # KVGeometry
+    def kv(self) -> KVGeometry: ...
 
 
 S = TypeVar("S", bound=Seq)
