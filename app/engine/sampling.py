@@ -1,8 +1,11 @@
-"""Per-request samplers and logits processors, built from mlx-lm's own pieces."""
+"""Per-request samplers and logits processors, built from mlx-lm's own pieces, and the
+logprobs a request sees of what its sampler drew from."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -13,7 +16,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from app.engine.types import SamplingParams
+from app.engine.types import SamplingParams, TokenLogprob
 
 
 def build_sampler(p: SamplingParams):
@@ -77,3 +80,31 @@ def sampling_processor(sampler):
         return mx.where(chosen, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
 
     return process
+
+
+def logprob_tap(drawn_from: deque[mx.array]):
+    """A logits processor that changes nothing and appends to ``drawn_from`` the
+    log-probabilities of the logits it sees (one row): the distribution the row's
+    token is drawn from when it comes after every processor that shapes it (logit
+    bias, penalties, a constraint) and before a ``sampling_processor``, which leaves
+    only the drawn token for the batch's own logprobs. One entry per token the
+    batch draws, in order."""
+
+    def tap(tokens: mx.array, logits: mx.array) -> mx.array:
+        drawn_from.append((logits - mx.logsumexp(logits, axis=-1, keepdims=True)).reshape(-1))
+        return logits
+
+    return tap
+
+
+def token_logprob(token: int, logprobs: Any, top: int) -> TokenLogprob:
+    """The sampled token's log-probability in the distribution the sampler drew from (after
+    logit bias, penalties and constraints), and the ``top`` most likely tokens of that
+    distribution."""
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = mx.argpartition(-logprobs, top - 1)[:top]
+        values = logprobs[ids]
+        order = mx.argsort(-values)
+        alternatives = tuple(zip(ids[order].tolist(), values[order].tolist(), strict=True))  # type: ignore[arg-type]
+    return TokenLogprob(token, float(logprobs[token].item()), alternatives)

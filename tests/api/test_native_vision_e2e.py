@@ -80,3 +80,14 @@ def test_a_proxy_model_captions_with_the_same_loaded_copy(native):
     assert set(models) == {"demo", "qwen"} and models["qwen"]["state"] == "loaded"  # one copy, not two
     listed = {m["id"]: m for m in native.get("/v1/models").json()["data"]}
     assert listed["qwen"]["capabilities"]["vision"]["mode"] == "native"
+
+
+def test_logprobs_with_an_image(native):
+    r = ask(native, data_url(striped_bytes(1)), logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens > 0
+    for entry in content:  # temperature 0: the chosen token is the most likely one
+        assert entry.logprob < 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert ask(native, data_url(striped_bytes(1))).choices[0].logprobs is None

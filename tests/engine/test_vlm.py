@@ -12,11 +12,13 @@ import asyncio
 import logging
 from io import BytesIO
 
+import mlx.core as mx
 import pytest
 from PIL import Image
 
+from app.engine.mlx_internals import reset_vlm_stopping
 from app.engine.params import EngineParams, LoadParams
-from app.engine.types import GenerationRecord, GenerationRequest, SamplingParams
+from app.engine.types import GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
 from app.engine.vlm import LoadedVlm, VlmEngine, load_vlm, render_vlm_prompt
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, ImageError, InvalidRequestError
@@ -248,3 +250,65 @@ def test_a_conversation_from_typed_messages(engine):
     assert prompt.index("What is it?") < prompt.index("And this one?") < prompt.rindex("<|image_pad|>")
     _, last = generate(engine, GenerationRequest([], max_tokens=6, prompt_text=prompt, images=tuple(images)))
     assert last.completion_tokens == 6 or last.finish_reason == "stop"
+
+
+def own_generate(worker, model_dir, req: GenerationRequest) -> list[tuple[int, mx.array]]:
+    """mlx-vlm's own single-sequence ``stream_generate`` at temperature 0, on a copy of
+    its own (it keeps M-RoPE state in the model): each token and the distribution it came from."""
+    from mlx_vlm import stream_generate
+
+    copy = load(worker, model_dir)
+
+    def steps():
+        reset_vlm_stopping(copy.processor, copy.model)
+        return [(r.token, r.logprobs) for r in stream_generate(
+            copy.model, copy.processor, req.prompt_text, image=list(req.images), max_tokens=req.max_tokens,
+            temperature=0.0)][:req.max_tokens]
+
+    return worker.submit(steps).result()
+
+
+def test_logprobs_are_mlx_vlms_own(engine, worker, model_dir):
+    """Batched with other rows (one sampled, one without logprobs), a greedy request's
+    logprobs equal what mlx-vlm's single-sequence generate computes for each token."""
+    greedy = request(engine, "What is this?", [image(1)], max_tokens=6, logprobs=3)
+    sampled = request(engine, "Describe it.", [image(2)], max_tokens=6, logprobs=3,
+                      sampling=SamplingParams(temperature=1.0, seed=5))
+    plain = request(engine, "What is this?", [image(1)], max_tokens=6)
+
+    async def together():
+        return await asyncio.gather(*(deltas(engine, r) for r in (greedy, sampled, plain)))
+
+    got, _, without = asyncio.run(together())
+    assert all(not d.logprobs for d in without)
+    lps = [lp for d in got for lp in d.logprobs]
+    reference = own_generate(worker, model_dir, greedy)
+    assert len(lps) == got[-1].completion_tokens == len(reference) == 6
+    for lp, (token, dist) in zip(lps, reference, strict=True):
+        top = mx.argsort(-dist)[:3].tolist()
+        assert lp.token == token == top[0]
+        assert lp.logprob == pytest.approx(dist[token].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == top
+        assert [v for _, v in lp.top] == pytest.approx([dist[t].item() for t in top], abs=1e-4)
+
+
+def test_sampled_logprobs_are_the_distribution_drawn_from(engine):
+    """Per-request sampling leaves mlx-vlm's batch only the drawn token (0 there, -inf
+    elsewhere); logprobs come from before that, where temperature is not yet applied."""
+    def logprobs(sampling: SamplingParams):
+        got = asyncio.run(deltas(engine, request(engine, "What?", [image(3)], max_tokens=8, logprobs=4,
+                                                 sampling=sampling)))
+        return [lp for d in got for lp in d.logprobs]
+
+    hot = logprobs(SamplingParams(temperature=1.0, seed=11))
+    assert hot == logprobs(SamplingParams(temperature=1.0, seed=11))
+    for lp in hot:
+        assert -30 < lp.logprob < 0 and all(-30 < v < 0 for _, v in lp.top)
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob <= lp.top[0][1] and dict(lp.top).get(lp.token, lp.logprob) == lp.logprob
+    # The first token is drawn from the prompt alone: the same distribution greedy sees.
+    assert hot[0].top == logprobs(SamplingParams(temperature=0.0))[0].top
+
+
+async def deltas(engine: VlmEngine, req: GenerationRequest) -> list[TokenDelta]:
+    return [d async for d in engine.stream(req)]
