@@ -241,7 +241,11 @@ class BatchingEngine(Generic[S, L]):
         raise NotImplementedError
 
     def _renew_batch(self) -> None:
-        """Replace the batch generator after a failed step."""
+        """Replace the batch generator after a failed step. The old one is closed first: on
+        Metal its close restores the wired limit, which a late garbage collection of it
+        would otherwise do under the new one."""
+        if self._bg is not None:
+            self._bg.close()
         self._bg = self._new_batch()
 
     def _drop_row(self, uid: int) -> None:

@@ -151,10 +151,6 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
 
-    def _renew_batch(self) -> None:
-        self._bg.close()
-        super()._renew_batch()
-
     def _drop_row(self, uid: int) -> None:
         self._bg.remove(uid)
 
