@@ -154,6 +154,13 @@ class ControlServer:
         with contextlib.suppress(ControlError):
             self.send({"t": "ping"})
 
+    def start_silence_clocks(self) -> None:
+        """Count the followers' silence from now (rank 0's engine exists): pongs that a
+        busy machine was slow to send while loading do not count against a follower."""
+        now = time.monotonic()
+        for peer in self._peers.values():
+            peer.last_pong = now
+
     def silent_for(self) -> tuple[int, float]:
         """The follower that answered last longest ago, and for how many seconds."""
         now = time.monotonic()

@@ -141,6 +141,10 @@ class Distributed:
         self._step_started: float | None = None
         self._closed = threading.Event()
         self._ops: MirrorOps | None = None
+        if server is not None:
+            # Pings from now on, so a follower hears rank 0 while rank 0 still loads (however
+            # long a big model takes); silence is judged once the engine exists (mirror_ops).
+            threading.Thread(target=self._watch, name="tandem-watchdog", daemon=True).start()
 
     # ---- rank 0 -----------------------------------------------------------------------------
 
@@ -151,7 +155,7 @@ class Distributed:
             self._ops = MirrorOps(self.server.send, self)
             self.worker.add_stepper(self._ops.flush_idle, lambda exc: None)
             self.server.on_lost = self._fail
-            threading.Thread(target=self._watch, name="tandem-watchdog", daemon=True).start()
+            self.server.start_silence_clocks()  # a slow load on a busy machine is not a hang
         return self._ops
 
     def load_engine(self, spec: ModelSpec) -> tuple[TextEngine, int]:
@@ -178,6 +182,8 @@ class Distributed:
             if now - last_ping >= HEARTBEAT_S:
                 self.server.ping()
                 last_ping = now
+            if self._ops is None:
+                continue  # still loading: pings go out, silence is not judged yet
             rank, silent = self.server.silent_for()
             if silent > self.timeout_s:
                 self._fail(f"rank {rank} has not answered for {silent:.0f}s (hung or unreachable)")

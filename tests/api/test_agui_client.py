@@ -159,6 +159,7 @@ def test_the_official_client_reads_a_whole_run(agui_client, demo_server):
     same_run(events, read_stream(demo_server.base_url, "/v1/agui", body))
 
 
+@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_the_official_client_reads_a_tool_call(agui_client, demo_server):
     body = agui_input(FEW_SHOT, ag_ui_tools(), max_tokens=40)
     events, result = run_to_result(agui_client, demo_server.base_url + "/v1/agui", body)

@@ -277,6 +277,7 @@ def tiny_ministral3_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir
     return out
 
 
+@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_pipeline_parallel_with_a_quantized_kv_cache_answers_as_one_process(tmp_path, tiny_ministral3_dir):
     models = tiny_models(tiny_ministral3_dir)
     models["models"][0]["params"] |= {"distributed": "pipeline", "kv_cache_bits": 8}
@@ -301,7 +302,7 @@ def test_embeddings_are_served_by_rank_0_alone(two_ranks, one_rank):
     assert chat_all(two_ranks, PROMPTS[:2]) == chat_all(one_rank.base_url, PROMPTS[:2])  # the chat still in step
 
 
-@pytest.mark.parametrize("case", ["heads", "native vlm"])
+@pytest.mark.parametrize("case", ["heads", pytest.param("native vlm", marks=pytest.mark.slow)])
 def test_a_model_that_cannot_be_split_is_refused_on_every_rank(tmp_path, demo_model_dir, tiny_model_dir, case):
     if case == "heads":
         models = {"models": [{"name": "demo", "local_path": str(demo_model_dir)}]}
@@ -321,7 +322,8 @@ def test_a_model_that_cannot_be_split_is_refused_on_every_rank(tmp_path, demo_mo
     assert "exited with code 2" in out
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)],
+                         ids=["killed", "hung"])
 def test_a_lost_rank_is_reported_and_requests_get_503(tmp_path, tiny_model_dir, how):
     timeout = 3.0
     models = tiny_models(tiny_model_dir, distributed_timeout_s=timeout, on_engine_death="stay")

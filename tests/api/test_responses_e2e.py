@@ -276,6 +276,7 @@ def codex_body(input_items: list[dict]) -> dict:
     }
 
 
+@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_codex_shaped_request_is_served(demo_server, demo_state):
     before = len(demo_state.responses)
     items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: none."}]},

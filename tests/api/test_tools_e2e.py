@@ -7,6 +7,8 @@ emit the format, and the real parser path runs on real generated text.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from ag_ui.core import EventType
@@ -92,6 +94,7 @@ def test_reasoning_streams_as_its_own_delta(client):
     assert r.model_extra["extensions"]["reasoning_chunks"]
 
 
+@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_agui_run_events_validate_in_legal_order(demo_server):
     import httpx
     from ag_ui.core import Event
