@@ -72,7 +72,6 @@ def test_every_entry_is_listed_and_only_the_default_is_loaded_at_start(both):
     assert states(both)["tiny"] == "unloaded"
 
 
-@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_answers_equal_served_alone_also_after_switching(both, alone):
     assert alone["demo"] != alone["tiny"]  # the two models really differ
     for name in ("tiny", "demo", "tiny", "demo"):
