@@ -125,7 +125,6 @@ def test_stream_frames_are_exact_named_events(demo_server):
                                    "cache_creation_input_tokens"}
 
 
-@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_thinking_blocks_on_and_off(claude):
     kw = dict(model="demo", max_tokens=30, messages=THINK_SHOT, **GREEDY)
     on = claude.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})
@@ -148,7 +147,6 @@ def test_thinking_blocks_on_and_off(claude):
     assert again.stop_reason in ("end_turn", "max_tokens")
 
 
-@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_tool_use_round_trip(claude):
     kw = dict(model="demo", max_tokens=40, messages=TOOL_SHOT, tools=[WEATHER], **GREEDY)
     msg = claude.messages.create(**kw)
