@@ -102,7 +102,6 @@ def test_openai_agents_output_type(base_url: str) -> None:
     assert isinstance(result.final_output, Weather)
 
 
-@pytest.mark.slow  # a sibling in the default suite covers the path
 def test_openai_agents_forced_tool_runs_the_tool(base_url: str) -> None:
     from agents import Agent, ModelSettings, Runner, function_tool
 

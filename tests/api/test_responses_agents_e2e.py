@@ -44,7 +44,7 @@ def model(base_url: str) -> OpenAIResponsesModel:
 SETTINGS = ModelSettings(temperature=0, max_tokens=40)
 
 
-@pytest.mark.slow  # a sibling in the default suite covers the path
+@pytest.mark.slow  # test_frameworks_e2e's openai-agents function tool covers the path
 def test_agent_calls_a_function_tool_and_answers_streamed(demo_server):
     asked: list[str] = []
 
