@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import threading
 import time
@@ -51,25 +50,9 @@ def minilm_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
     """A seeded random-init llama (hidden 64, 2 layers) with the demo tokenizer."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
+    from tests.fixtures.tiny_llama import build_tiny_llama
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 49152,
-        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
-    }
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (demo_model_dir / name).exists():
-            shutil.copy(demo_model_dir / name, out / name)
-    return out
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), demo_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 from pathlib import Path
 
 import jsonschema
@@ -75,27 +74,15 @@ def marker_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: P
     """A seeded tiny llama whose tokenizer is the demo one plus special tokens for reasoning
     and Mistral-style calls; its vocabulary (49,160) is wider than the tokenizer's (49,156),
     as Qwen's is, so the padding ids must never be sampled."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
     from tokenizers import AddedToken, Tokenizer
 
-    out = tmp_path_factory.mktemp("marker-llama")
-    config = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 49160,
-        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
-    }
-    mx.random.seed(1)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
+    from tests.fixtures.tiny_llama import TINY_LLAMA, build_tiny_llama
+
+    out = build_tiny_llama(tmp_path_factory.mktemp("marker-llama"), demo_model_dir,
+                           {**TINY_LLAMA, "vocab_size": 49160}, seed=1)
     tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in THINK_MARKERS])
     tok.save(str(out / "tokenizer.json"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(demo_model_dir / name, out / name)
     return out
 
 

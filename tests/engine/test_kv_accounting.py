@@ -13,17 +13,13 @@ within one allocation step per row of the bytes.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import threading
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
 from app.engine.admission import KV_STEP
 from app.engine.types import GenerationRequest
+from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.engine.engines import make_engine, run
 
 # 4 layers x 4 KV heads x head_dim 64: 8 KB a token in float32, 2.25 KB at 8 bits,
@@ -38,16 +34,7 @@ MEM_MB = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, demo_model_dir):
-    out = tmp_path_factory.mktemp("tiny-llama-kv")
-    mx.random.seed(1)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(CONFIG))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (demo_model_dir / name).exists():
-            shutil.copy(demo_model_dir / name, out / name)
-    return out
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv"), demo_model_dir, CONFIG, seed=1)
 
 
 class Sampler:

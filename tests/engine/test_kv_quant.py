@@ -8,19 +8,16 @@ this file builds its own: hidden 64, 2 layers, head_dim 64, GQA (2 query heads,
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from app.engine.params import LoadParams, ModelSource
 from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.loader import load_text_model
 from app.engine.types import GenerationRequest
+from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.engine.engines import make_engine, run
 from app.errors import ConfigError
 
@@ -33,16 +30,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, demo_model_dir):
-    out = tmp_path_factory.mktemp("tiny-llama-hd64")
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
-    model.update(tree_map(lambda p: p * 2 if p.ndim == 2 else p, model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(CONFIG))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (demo_model_dir / name).exists():
-            shutil.copy(demo_model_dir / name, out / name)
-    return out
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-hd64"), demo_model_dir, CONFIG,
+                            weights=lambda p: p * 2 if p.ndim == 2 else p)
 
 
 @pytest.fixture(scope="module")

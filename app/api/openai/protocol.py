@@ -8,11 +8,21 @@ as OpenAI clients send many (``user``, ``store``, ``metadata``, ...).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from app.pipeline import request as typed
+
+
+def _arguments_to_json(v: Any) -> Any:
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, ensure_ascii=False)
+    return "{}" if v is None else v
+
+
+# A tool call's arguments: a JSON string as OpenAI sends it; an object is accepted and serialized.
+JsonArguments = Annotated[str, BeforeValidator(_arguments_to_json)]
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -46,15 +56,7 @@ ContentPart = TextPart | ImagePart
 
 class FunctionCall(_Lenient):
     name: str = Field(min_length=1)
-    # A JSON string as OpenAI sends it; an object is accepted and serialized.
-    arguments: str = "{}"
-
-    @field_validator("arguments", mode="before")
-    @classmethod
-    def _object_to_json(cls, v: Any) -> Any:
-        if isinstance(v, (dict, list)):
-            return json.dumps(v, ensure_ascii=False)
-        return "{}" if v is None else v
+    arguments: JsonArguments = "{}"
 
 
 class ToolCall(_Lenient):

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
+from app.api.openai.protocol import JsonArguments
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -109,16 +109,8 @@ class FunctionCallItem(_Lenient):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    # A JSON string as OpenAI sends it; an object is accepted and serialized.
-    arguments: str = "{}"
+    arguments: JsonArguments = "{}"
     namespace: str | None = None
-
-    @field_validator("arguments", mode="before")
-    @classmethod
-    def _object_to_json(cls, v: Any) -> Any:
-        if isinstance(v, (dict, list)):
-            return json.dumps(v, ensure_ascii=False)
-        return "{}" if v is None else v
 
 
 class FunctionCallOutputItem(_Lenient):
