@@ -435,7 +435,8 @@ def render_endpoints(target: str) -> str:
     rows: dict[tuple[str, str], tuple[list[str], list[bool]]] = {}
     schema_paths: list[str] = []
     for route in app_with(ServerSettings()).routes:
-        for h in route.route_handlers:
+        # A route's handlers come in no fixed order (a set of methods each): sorted, the page is stable.
+        for h in sorted(route.route_handlers, key=lambda h: sorted(h.http_methods)):
             module = getattr(h.fn, "__module__", "") or ""
             methods = sorted(m for m in h.http_methods if m != "OPTIONS")
             path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
