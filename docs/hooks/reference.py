@@ -50,7 +50,7 @@ MARKER = re.compile(r"^<!--\s*generated:\s*(?P<kind>[\w-]+)\s+(?P<target>\S+)\s*
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if "<!-- generated:" not in markdown:
         return markdown
-    if str(ROOT) not in sys.path:
+    if sys.path[0] != str(ROOT):  # this checkout's app/, ahead of any installed copy
         sys.path.insert(0, str(ROOT))
 
     def replace(m: re.Match[str]) -> str:
