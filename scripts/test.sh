@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (first run only), lint and type-check app/, and run the test suite. Extra
+# Set up (first run only), build the docs site (--strict: a broken link or a reference table
+# the code cannot fill fails), lint and type-check app/, and run the test suite. Extra
 # arguments go to pytest (e.g. `scripts/test.sh -m slow -n 0` for the soak tests,
 # one at a time). Two workers by default (TANDEM_TEST_WORKERS), each taking whole
 # test files: most tests wait on a server's single MLX thread, so two overlap well
@@ -7,6 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
+site_dir="$(mktemp -d)"
+trap 'rm -rf "$site_dir"' EXIT
+# Not -q: it hides the warnings that --strict counts. The log is shown only when the build fails.
+if ! docs_log="$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$site_dir" 2>&1)"; then
+  echo "$docs_log" >&2
+  exit 1
+fi
+rm -rf "$site_dir"
 .venv/bin/ruff check app
 .venv/bin/mypy
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
