@@ -1,14 +1,16 @@
 """The direction of imports tells the design.
 
     api  ->  pipeline  ->  engine, parsers, vision, config
+                           engine, parsers  ->  families
 
 engine and parsers never import the API layer, the pipeline, Litestar or
-pydantic; the pipeline never imports the API layer or Litestar; vision never
-imports the API layer or Litestar, and of the pipeline only its typed request
-(which it rewrites); config reaches into the engine only for the frozen params
-types it builds; service (the CLI's service, pull, ps and models commands) talks to
-the server over HTTP, never through its modules. Every import counts,
-``if TYPE_CHECKING:`` ones included.
+pydantic; families (the model families' data, which the engine's grammar and
+the parsers both read) import nothing of the app; the pipeline never imports
+the API layer or Litestar; vision never imports the API layer or Litestar, and
+of the pipeline only its typed request (which it rewrites); config reaches into
+the engine only for the frozen params types it builds; service (the CLI's
+service, pull, ps and models commands) talks to the server over HTTP, never
+through its modules. Every import counts, ``if TYPE_CHECKING:`` ones included.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "engine": (("litestar", "pydantic", "app.api", "app.config", "app.parsers", "app.vision", "app.pipeline"), ()),
     "parsers": (("litestar", "pydantic", "app.api", "app.config", "app.engine", "app.vision", "app.pipeline", "mlx"),
                 ()),
+    "families": (("litestar", "pydantic", "app.api", "app.config", "app.engine", "app.parsers", "app.vision",
+                  "app.pipeline", "app.errors", "mlx", "llguidance"), ()),
     "vision": (("litestar", "pydantic", "app.api", "app.pipeline"), ("app.pipeline.request",)),
     "pipeline": (("litestar", "pydantic", "app.api"), ()),
     "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"),

@@ -128,7 +128,7 @@ class ModelCapabilities(_Strict):
     # straight in to a VLM served with mlx-vlm (native; its processor places the images).
     vision_mode: VisionMode = "disabled"
     vision_proxy: VisionProxyConfig | None = None
-    # Stream parser family for tool calls (app/parsers: qwen, mistral, llama, generic);
+    # Model family for tool calls (app/families: qwen, mistral, llama, generic);
     # None detects it from the chat template.
     tool_parser: str | None = None
     # The model reasons, with this family's markers ("none": it does not);

@@ -5,9 +5,9 @@ A request's constraint is one of ``JsonSchema`` (``response_format``
 or ``ToolCalls`` (``tool_choice`` required / named / Anthropic ``any`` /
 ``tool``), optionally after a free ``Reasoning`` block. ``to_lark`` writes it
 in llguidance's Lark dialect; JSON bodies are inline ``%json`` schemas, so no
-JSON grammar is written by hand here. Tool calls keep the family's own syntax,
-given as marker strings (the parsers own the families; the pipeline maps one
-to a ``CallSyntax``):
+JSON grammar is written by hand here. Tool calls keep the family's own syntax:
+the ``CallSyntax`` its module in ``app.families`` declares, the one its parser
+reads (the pipeline picks it per model: ``Family.call_syntax``):
 
     Mistral   [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]...
     Qwen      <tool_call>\\n{"name": "get_weather", "arguments": {...}}\\n</tool_call>\\n<tool_call>...
@@ -25,6 +25,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from app.families import BARE_JSON, CallSyntax
 
 # JSON whitespace allowed at each place JSON allows it: a few spaces, or one line
 # break and an indent. Bounded, so a small model cannot pad forever.
@@ -60,31 +62,6 @@ class Tool:
 
 
 @dataclass(frozen=True)
-class CallSyntax:
-    """How a model family writes a tool call, as marker strings.
-
-    ``args`` set: ``{begin}name{args}{arguments}{end}`` (Mistral, Llama's ``<function=``).
-    Unset: ``{begin}`` a JSON object ``{"name": ..., "arguments": {...}}`` ``{end}``
-    (Qwen, generic; Llama 3.1's own template says ``parameters``: ``arguments_key``).
-    Parallel calls are ``separator``-joined; with no ``begin`` marker and no
-    ``args`` they are a JSON list of call objects instead.
-    """
-
-    begin: str = ""
-    args: str | None = None
-    end: str = ""
-    separator: str = ""
-    arguments_key: str = "arguments"
-
-
-MISTRAL_CALLS = CallSyntax(begin="[TOOL_CALLS]", args="[ARGS]")
-QWEN_CALLS = CallSyntax(begin="<tool_call>\n", end="\n</tool_call>", separator="\n")
-LLAMA_CALLS = CallSyntax(begin="<function=", args=">", end="</function>")
-JSON_CALLS = CallSyntax()
-LLAMA_JSON_CALLS = CallSyntax(arguments_key="parameters")
-
-
-@dataclass(frozen=True)
 class ToolCalls:
     """Output is one or more calls (exactly one when not ``parallel``) of ``tools``.
 
@@ -94,7 +71,7 @@ class ToolCalls:
     """
 
     tools: tuple[Tool, ...]
-    syntax: CallSyntax = JSON_CALLS
+    syntax: CallSyntax = BARE_JSON
     parallel: bool = True
     answer: JsonSchema | JsonObject | None = None
 

@@ -1,14 +1,15 @@
-"""Stream parsers for reasoning and tool calls, one module per model family.
+"""Stream parsers for reasoning and tool calls, one state machine run by each model family's data.
 
 A parser turns a model's generated text, in chunks of any size, into events
 (``events.py``); non-streaming feeds the whole text, then ``collect`` folds
 the events. Nothing here imports the API, the engine, Litestar or MLX.
 
-    PARSERS["qwen"](reasoning=True)              # the family named in models.yaml
+    make_parser("qwen", reasoning=True)          # the family named in models.yaml
     make_parser(detect_parser(name, template), reasoning=True, tools_offered=True)
 
-A family's module name, registry key and ``tool_parser:`` value in models.yaml
-are one string; users type it, so a rename breaks configs.
+The families themselves (markers, call syntax, detection hints) are data in
+``app.families``; ``PARSERS`` is their registry, keyed by the ``tool_parser:``
+value users type in models.yaml.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.errors import ConfigError
-from app.parsers import generic, llama, mistral, qwen
-from app.parsers.base import REASONING_MARKERS, Family, StreamParser, new_call_id
+from app.families import FAMILIES, REASONING_MARKERS, Family, new_call_id
+from app.parsers.base import FamilyParser, StreamParser
 from app.parsers.detect import detect_parser, is_reasoning_model, template_opens_reasoning
 from app.parsers.events import (
     ContentDelta,
@@ -32,7 +33,8 @@ from app.parsers.events import (
     collect,
 )
 
-PARSERS: dict[str, Family] = {module.FAMILY.name: module.FAMILY for module in (generic, llama, mistral, qwen)}
+# A parser family's name is its tool_parser (and reasoning_parser) value.
+PARSERS: dict[str, Family] = FAMILIES
 
 
 def make_parser(
@@ -54,7 +56,8 @@ def make_parser(
     family = PARSERS.get(name)
     if family is None:
         raise ConfigError(f"unknown tool_parser {name!r}; known: {', '.join(sorted(PARSERS))}")
-    return family(
+    return FamilyParser(
+        family,
         reasoning=reasoning,
         starts_in_reasoning=starts_in_reasoning,
         tools_offered=tools_offered,

@@ -4,10 +4,11 @@
        │                    │
        └──── call start ────┴──▶ call reader ──call end──▶ (back where it was)
 
-A family declares its markers (``Family``); ``FamilyParser`` runs them. Text
-is scanned for the markers of the current state; a suffix that could begin a
-marker is held back until the next chunk shows what it is, so any chunking of
-the same text gives the same events, concatenated.
+A family declares its markers and call syntaxes (``app.families``);
+``FamilyParser`` runs them. Text is scanned for the markers of the current
+state; a suffix that could begin a marker is held back until the next chunk
+shows what it is, so any chunking of the same text gives the same events,
+concatenated.
 
 Choices where models or specs leave room:
 
@@ -26,29 +27,13 @@ Choices where models or specs leave room:
 
 from __future__ import annotations
 
-import secrets
-import string
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-from app.parsers.calls import BareJson, CallFormat, CallReader
+from app.families import REASONING_MARKERS, Family
+from app.parsers.calls import BareJson, CallReader, call_format
 from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
 from app.streamtext import split_marker
-
-REASONING_MARKERS: tuple[tuple[str, str], ...] = (
-    ("<think>", "</think>"),
-    ("[THINK]", "[/THINK]"),
-    ("<reasoning>", "</reasoning>"),
-    ("<thought>", "</thought>"),
-)
-
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_call_id() -> str:
-    """A fresh OpenAI-style tool call id: ``call_`` and 24 letters or digits."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 class StreamParser(Protocol):
@@ -59,41 +44,6 @@ class StreamParser(Protocol):
 
     def finish(self) -> list[Event]:
         """The output ended: release held-back text and close what is open."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family's output format; calling it makes a parser.
-
-    ``bare_json`` lets a ``{"name": ..., "arguments": ...}`` answer count as a
-    call when tools were offered: the API asks for that form when the chat
-    template cannot describe tools itself.
-    """
-
-    name: str
-    call_formats: tuple[CallFormat, ...] = ()
-    reasoning_markers: tuple[tuple[str, str], ...] = REASONING_MARKERS
-    bare_json: bool = True
-    # Makes tool call ids; a family whose chat template checks ids brings its own.
-    call_id: Callable[[], str] = new_call_id
-    # A conversation's call id (any client's) as the family's template accepts it.
-    fit_call_id: Callable[[str], str] = str
-
-    def __call__(
-        self,
-        *,
-        reasoning: bool,
-        starts_in_reasoning: bool = False,
-        tools_offered: bool = False,
-        id_factory: Callable[[], str] | None = None,
-    ) -> StreamParser:
-        return FamilyParser(
-            self,
-            reasoning=reasoning,
-            starts_in_reasoning=starts_in_reasoning,
-            tools_offered=tools_offered,
-            id_factory=id_factory,
-        )
 
 
 class _Channel:
@@ -138,7 +88,7 @@ class _Channel:
 
 
 class FamilyParser:
-    """The ``StreamParser`` for one response, run by a ``Family``'s markers."""
+    """The ``StreamParser`` for one response, run by a ``Family``'s markers and call syntaxes."""
 
     def __init__(
         self,
@@ -151,12 +101,13 @@ class FamilyParser:
     ) -> None:
         self._reasoning_on = reasoning
         self._in_reasoning = reasoning and starts_in_reasoning
-        self._bare_json = tools_offered and family.bare_json
-        self._new_id = id_factory or family.call_id
         # Calls are read only when the request offered tools (and allowed them), as OpenAI and
         # vLLM do; otherwise the model's call text stays content.
-        self._formats = {fmt.start: fmt for fmt in family.call_formats} if tools_offered else {}
-        self._closer_of = dict(family.reasoning_markers)
+        self._bare_json = tools_offered and any(syntax.bare for syntax in family.reads)
+        self._new_id = id_factory or family.call_id
+        formats = [call_format(syntax) for syntax in family.reads if not syntax.bare]
+        self._formats = {fmt.start: fmt for fmt in formats} if tools_offered else {}
+        self._closer_of = dict(REASONING_MARKERS)
         self._closers = frozenset(self._closer_of.values())
         starts, openers = tuple(self._formats), tuple(self._closer_of)
         self._reasoning_markers = starts + openers + tuple(self._closers)

@@ -1,6 +1,7 @@
 """Tool-call formats: how a call is read once its start marker is seen.
 
-A family module lists its formats by their markers; each format opens a
+A family (``app.families``) describes its calls as a ``CallSyntax``;
+``call_format`` turns one into the format that reads it. Each format opens a
 reader that takes the text after the marker and emits call events until the
 call ends, then hands back the text that follows. The formats:
 
@@ -21,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from app.families import CallSyntax
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from app.parsers.json_args import (
     HEAD,
@@ -76,6 +78,21 @@ class CallFormat(Protocol):
 
     def open(self, ctx: CallContext) -> CallReader:
         """A reader for one call whose start marker was just seen."""
+
+
+def call_format(syntax: CallSyntax) -> CallFormat:
+    """The format that reads ``syntax``, found by its markers without their edge whitespace.
+
+    Bare JSON has no marker: the parser opens ``BareJson`` itself, when tools were offered.
+    """
+    begin, end = syntax.begin.strip(), syntax.end.strip()
+    if not begin:
+        raise ValueError(f"a call syntax with markers needs a begin marker: {syntax}")
+    if syntax.args is not None:
+        return NamedTag(begin, syntax.args, end) if end else NameThenArgs(begin, syntax.args, syntax.id_marker)
+    if not end:
+        raise ValueError(f"a tagged call object needs an end marker: {syntax}")
+    return TaggedJson(begin, end)
 
 
 def emit_calls(ctx: CallContext, calls: list[CallSpec]) -> list[Event]:

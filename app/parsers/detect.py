@@ -3,35 +3,23 @@
 The chat template is the best witness: it renders past tool calls and
 reasoning in the model's own markers (mlx-lm's ``_infer_tool_parser`` reads
 it the same way). The model name is the fallback, with the reasoning-model
-name patterns of the streaming spec.
+name patterns of the streaming spec. The hints are each family's
+(``app.families``); this module only runs them.
 """
 
 from __future__ import annotations
 
 import re
 
-from app.parsers.base import REASONING_MARKERS
+from app.families import DEFAULT, FAMILIES, REASONING_MARKERS
 
-# First match wins: Hermes-style Llama fine-tunes say <tool_call>, so qwen
-# comes before the Llama header tokens.
-_TEMPLATE_HINTS = (
-    ("[TOOL_CALLS]", "mistral"),
-    ("[THINK]", "mistral"),
-    ("<tool_call>", "qwen"),
-    ("<function=", "llama"),
-    ("<|python_tag|>", "llama"),
-    ("<|start_header_id|>", "llama"),
-)
-_NAME_HINTS = (
-    # DeepSeek-R1 distills carry a Qwen or Llama name but DeepSeek's template.
-    (re.compile(r"deepseek"), "generic"),
-    (re.compile(r"mistral|ministral|magistral|devstral|mixtral|codestral|pixtral"), "mistral"),
-    (re.compile(r"qwen|qwq|hermes"), "qwen"),
-    (re.compile(r"llama"), "llama"),
-)
-# deepseek-r1*, qwq-*, *reasoning*, *thinking* (ministral-*-reasoning among them),
-# and Magistral, which always reasons.
-_REASONING_NAMES = re.compile(r"deepseek-r1|qwq|reasoning|thinking|magistral")
+# Each family's hints, in the registry's detection order (first match wins).
+_TEMPLATE_HINTS = tuple((hint, f.name) for f in FAMILIES.values() for hint in f.template_hints)
+_NAME_HINTS = tuple((re.compile(f.name_hint), f.name) for f in FAMILIES.values() if f.name_hint)
+# *reasoning*, *thinking* (ministral-*-reasoning among them), and each family's own:
+# deepseek-r1*, qwq-*, Magistral, which always reasons.
+_REASONING_NAMES = re.compile("|".join(["reasoning", "thinking",
+                                        *(f.reasoning_names for f in FAMILIES.values() if f.reasoning_names)]))
 _REASONING_TEMPLATE = (*(opener for opener, _ in REASONING_MARKERS), "enable_thinking")
 
 
@@ -44,7 +32,7 @@ def detect_parser(model_name: str, chat_template: str | None) -> str:
     for pattern, family in _NAME_HINTS:
         if pattern.search(name):
             return family
-    return "generic"
+    return DEFAULT
 
 
 def is_reasoning_model(model_name: str, chat_template: str | None) -> bool:

@@ -387,7 +387,7 @@ def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         return msgs, tools, None
     if profile.template_takes_tools:
         return msgs, tools, [t.as_dict() for t in tools]
-    note = tool_note(tools, req.tool_choice.mode == "required")
+    note = tool_note(tools, req.tool_choice.mode == "required", profile.call_syntax)
     if msgs and msgs[0].role == "system":
         msgs[0] = msgs[0].with_text(f"{msgs[0].text()}\n\n{note}")
     else:

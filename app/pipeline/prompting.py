@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config.schema import ModelCapabilities, ModelParams
-from app.engine import constraints
 from app.engine.mlx_internals import has_thinking, think_markers
 from app.errors import ConfigError, InvalidRequestError
-from app.parsers import PARSERS, REASONING_MARKERS, detect_parser, is_reasoning_model
+from app.families import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family
+from app.parsers import PARSERS, detect_parser, is_reasoning_model
 from app.pipeline.request import Message, Tool, ToolChoice
 
 _PROBE = "\u2063probe\u2063"
@@ -47,9 +47,9 @@ class ModelProfile:
     # Tokens the KV budget holds: prompt + completion never go beyond it.
     kv_budget_tokens: int | None = None
     # How the model writes a tool call when told about tools (forced calls are held to it).
-    call_syntax: constraints.CallSyntax = constraints.JSON_CALLS
+    call_syntax: CallSyntax = BARE_JSON
     # Its reasoning block's markers (a constrained request may reason inside them first).
-    reasoning_markers: tuple[str, str] = ("<think>", "</think>")
+    reasoning_markers: tuple[str, str] = THINK
     # Whether the opener is one token: a model trained to reason chooses it deliberately,
     # where a multi-token opener is reached by drifting through "<" (see constraining).
     reasoning_opener_is_token: bool = False
@@ -74,43 +74,28 @@ def make_profile(name: str, tokenizer: Any, params: ModelParams, max_model_len: 
     parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
     default_system = _default_system_prompt(tokenizer)
     takes_tools = "tools" in template
-    markers = _reasoning_markers(parser, template, think_markers(tokenizer))
+    family = PARSERS[parser]
+    markers = _reasoning_markers(family, template, think_markers(tokenizer))
     return ModelProfile(
         name, tokenizer, params, max_model_len, parser, reasoning, takes_tools,
         thinking_switch=_has_thinking_switch(tokenizer),
         default_system_prompt=default_system,
         system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
         vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
-        call_syntax=_call_syntax(parser, template, takes_tools),
+        call_syntax=family.call_syntax(template, takes_tools),
         reasoning_markers=markers,
         reasoning_opener_is_token=_is_one_token(tokenizer, markers[0]),
     )
 
 
-# A family's call syntax when its template renders tools (Llama 3.1's own template asks
-# for JSON with "parameters"; some Llama fine-tunes use <function=name>).
-_FAMILY_SYNTAX = {
-    "mistral": constraints.MISTRAL_CALLS, "qwen": constraints.QWEN_CALLS, "llama": constraints.LLAMA_JSON_CALLS,
-}
-
-
-def _call_syntax(parser: str, template: str, template_takes_tools: bool) -> constraints.CallSyntax:
-    """How this model writes a tool call when it is told about tools."""
-    if not template_takes_tools:
-        return constraints.JSON_CALLS  # what the compact tool note asks for
-    if parser == "llama" and "<function=" in template:
-        return constraints.LLAMA_CALLS
-    return _FAMILY_SYNTAX.get(parser, constraints.JSON_CALLS)
-
-
-def _reasoning_markers(parser: str, template: str, tokenizer_markers: tuple[str, str] | None) -> tuple[str, str]:
+def _reasoning_markers(family: Family, template: str, tokenizer_markers: tuple[str, str] | None) -> tuple[str, str]:
     """The reasoning block's markers for this model: the template's, mlx-lm's, else the family's."""
     for opener, closer in REASONING_MARKERS:
         if opener in template:
             return opener, closer
     if tokenizer_markers is not None:
         return tokenizer_markers
-    return ("[THINK]", "[/THINK]") if parser == "mistral" else ("<think>", "</think>")
+    return family.reasoning
 
 
 def _is_one_token(tokenizer: Any, text: str) -> bool:
@@ -197,17 +182,15 @@ def offered_tools(tools: tuple[Tool, ...], choice: ToolChoice, param: str = "too
     return tools
 
 
-def tool_note(tools: tuple[Tool, ...], required: bool) -> str:
-    """For templates with no tool support: the tools, one compact line each.
+def tool_note(tools: tuple[Tool, ...], required: bool, syntax: CallSyntax) -> str:
+    """For templates with no tool support: the tools, one compact line each, after the
+    sentence that asks for the family's ``syntax`` (``ModelProfile.call_syntax``).
 
     A name, the first sentence of the description and the parameter names with
     simple types, so the note grows slowly with the tool count (Open WebUI sends
     36 tools with every chat; their full schemas alone overflow an 8k context).
     """
-    lines = [
-        "You can call these functions. To call one, answer with only a JSON object "
-        '{"name": <function name>, "arguments": <arguments object>}.'
-    ]
+    lines = [f"You can call these functions. {syntax.note}"]
     if required:
         lines.append("You must call one of them.")
     lines += [f"- {_signature(t)}" + (f": {_first_sentence(t.description)}" if t.description else "") for t in tools]

@@ -21,7 +21,7 @@ from app.api.anthropic.protocol import (
 )
 from app.errors import InvalidRequestError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
-from app.parsers.mistral import mistral_call_id
+from app.families.mistral import mistral_call_id
 from app.pipeline import request as typed
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city",

@@ -14,12 +14,6 @@ import numpy as np
 import pytest
 
 from app.engine.constraints import (
-    JSON_CALLS,
-    LLAMA_CALLS,
-    LLAMA_JSON_CALLS,
-    MISTRAL_CALLS,
-    QWEN_CALLS,
-    CallSyntax,
     JsonObject,
     JsonSchema,
     Reasoning,
@@ -29,6 +23,7 @@ from app.engine.constraints import (
 from app.engine.grammar import Grammar, compiler_for
 from app.engine.types import GenerationRequest, SamplingParams
 from app.errors import InvalidRequestError
+from app.families import BARE_JSON, CallSyntax, llama, mistral, qwen
 from app.parsers import collect, make_parser
 from tests.engine.engines import make_engine, run
 
@@ -187,8 +182,8 @@ def test_whitespace_is_bounded(engine):
 # ---- tool calls -------------------------------------------------------------------------
 
 # Each syntax, and the parser family that reads it.
-SYNTAXES = {"mistral": ("mistral", MISTRAL_CALLS), "qwen": ("qwen", QWEN_CALLS), "generic": ("generic", JSON_CALLS),
-            "llama": ("llama", LLAMA_CALLS), "llama-json": ("llama", LLAMA_JSON_CALLS)}
+SYNTAXES = {"mistral": ("mistral", mistral.CALLS), "qwen": ("qwen", qwen.CALLS), "generic": ("generic", BARE_JSON),
+            "llama": ("llama", llama.FUNCTION_TAG), "llama-json": ("llama", llama.JSON_PARAMETERS)}
 
 
 @pytest.mark.parametrize("syntax", sorted(SYNTAXES))
@@ -218,7 +213,7 @@ def test_one_named_call_when_parallel_is_off(engine, syntax):
 
 
 def test_mistral_markers_are_special_tokens(marker_engine):
-    spec = ToolCalls((WEATHER, CLOCK), MISTRAL_CALLS)
+    spec = ToolCalls((WEATHER, CLOCK), mistral.CALLS)
     grammar = compiler_for(marker_engine.tokenizer).compile(spec)
     assert "<[49154]>" in grammar.lark and "<[49155]>" in grammar.lark  # [TOOL_CALLS], [ARGS]
     text, last = generate(marker_engine, spec, sampling=HOT, max_tokens=120)
@@ -229,7 +224,7 @@ def test_mistral_markers_are_special_tokens(marker_engine):
 
 def test_calls_or_an_answer(engine):
     """tool_choice auto with a response_format: call a tool, or answer in the schema."""
-    spec = ToolCalls((WEATHER,), QWEN_CALLS, parallel=False, answer=JsonSchema(TICKET))
+    spec = ToolCalls((WEATHER,), qwen.CALLS, parallel=False, answer=JsonSchema(TICKET))
     branches = set()
     for seed in range(4):  # seeds 0-3 of the tiny model take both branches
         text, last = generate(engine, spec, sampling=SamplingParams(temperature=1.5, seed=seed), max_tokens=200)
@@ -281,8 +276,8 @@ def test_only_eos_follows_a_complete_value(engine):
 def test_parallel_calls_may_go_on_and_single_calls_may_not(engine):
     tok = engine.tokenizer
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": {"utc": true}}}\n</tool_call>'
-    single = compiler_for(tok).compile(ToolCalls((CLOCK,), QWEN_CALLS, parallel=False))
-    parallel = compiler_for(tok).compile(ToolCalls((CLOCK,), QWEN_CALLS, parallel=True))
+    single = compiler_for(tok).compile(ToolCalls((CLOCK,), qwen.CALLS, parallel=False))
+    parallel = compiler_for(tok).compile(ToolCalls((CLOCK,), qwen.CALLS, parallel=True))
     assert allowed_after(single, tok, call) == set(tok.eos_token_ids)
     more = allowed_after(parallel, tok, call) - set(tok.eos_token_ids)
     assert more and all(tok.decode([t]).startswith("\n") for t in more)  # "\n<tool_call>" next
@@ -338,7 +333,7 @@ def test_unknown_format_is_ignored_when_not_strict(engine):
 def test_invalid_tool_parameters_name_the_tool(engine):
     bad = Tool("broken", {"type": "object", "properties": {"x": {"type": "nope"}}})
     with pytest.raises(InvalidRequestError, match="broken") as err:
-        compiler_for(engine.tokenizer).compile(ToolCalls((WEATHER, bad), QWEN_CALLS))
+        compiler_for(engine.tokenizer).compile(ToolCalls((WEATHER, bad), qwen.CALLS))
     assert err.value.param == "tools"
 
 

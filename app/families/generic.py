@@ -9,14 +9,18 @@ markers, and, when tools were offered, a bare JSON answer::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 or a list of them: ``[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]``.
+Forced calls are bare JSON, whatever the template.
 """
 
 from __future__ import annotations
 
-from app.parsers import llama, mistral, qwen
-from app.parsers.base import Family
+from app.families import llama, mistral, qwen
+from app.families.family import Family
 
 FAMILY = Family(
     "generic",
-    call_formats=qwen.FAMILY.call_formats + llama.FAMILY.call_formats + mistral.FAMILY.call_formats,
+    also_reads=(qwen.CALLS, llama.FUNCTION_TAG, mistral.CALLS),
+    # DeepSeek-R1 distills carry a Qwen or Llama name but DeepSeek's template.
+    name_hint=r"deepseek",
+    reasoning_names=r"deepseek-r1",
 )

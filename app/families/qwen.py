@@ -14,12 +14,20 @@ the opener is often missing from the output)::
     {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}
     </tool_call>
 
-The arguments stream as soon as ``{"name": ..., "arguments":`` is in.
+The arguments stream as soon as ``{"name": ..., "arguments":`` is in. Forced
+calls are written as the template shows them, one per line-wrapped tag.
 """
 
 from __future__ import annotations
 
-from app.parsers.base import Family
-from app.parsers.calls import TaggedJson
+from app.families.family import CallSyntax, Family
 
-FAMILY = Family("qwen", call_formats=(TaggedJson("<tool_call>", "</tool_call>"),))
+CALLS = CallSyntax(begin="<tool_call>\n", end="\n</tool_call>", separator="\n")
+
+FAMILY = Family(
+    "qwen",
+    templated=(("", CALLS),),
+    template_hints=("<tool_call>",),
+    name_hint=r"qwen|qwq|hermes",
+    reasoning_names=r"qwq",
+)

@@ -13,7 +13,9 @@ Some templates write a call id: ``[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 There is no end marker: the arguments end with their JSON value. These are
-the two shapes mlx-lm's ``tool_parsers/mistral.py`` reads whole.
+the two shapes mlx-lm's ``tool_parsers/mistral.py`` reads whole; forced calls
+are the first. ``[TOOL_CALLS]``, ``[ARGS]`` and ``[THINK]`` are special tokens
+in Mistral tokenizers, and the grammar forces the token, not its spelling.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import hashlib
 import secrets
 import string
 
-from app.parsers.base import Family
-from app.parsers.calls import NameThenArgs
+from app.families.family import CallSyntax, Family
 
 _ALNUM = string.ascii_letters + string.digits
+
+CALLS = CallSyntax(begin="[TOOL_CALLS]", args="[ARGS]", id_marker="[CALL_ID]")
 
 
 def mistral_call_id() -> str:
@@ -49,7 +52,11 @@ def fit_mistral_call_id(call_id: str) -> str:
 
 FAMILY = Family(
     "mistral",
-    call_formats=(NameThenArgs("[TOOL_CALLS]", "[ARGS]", id_marker="[CALL_ID]"),),
+    templated=(("", CALLS),),
+    reasoning=("[THINK]", "[/THINK]"),
+    template_hints=("[TOOL_CALLS]", "[THINK]"),
+    name_hint=r"mistral|ministral|magistral|devstral|mixtral|codestral|pixtral",
+    reasoning_names=r"magistral",  # always reasons
     call_id=mistral_call_id,
     fit_call_id=fit_mistral_call_id,
 )

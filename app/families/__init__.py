@@ -1,0 +1,45 @@
+"""Model families, one data module each: markers, call syntax, prompt note, detection hints.
+
+A family module (``qwen.py``) holds everything that depends on how that
+family's models write: their reasoning block, their tool-call syntax (the
+one ``CallSyntax`` the parser reads and the grammar forces), the sentence a
+tool note uses to ask for it, and the chat-template and model-name hints that
+detect it (``family.py`` draws how the parts use them). llama.cpp's
+``common_chat_params_init_*`` sets the prompt, parse format and grammar of a
+format together in the same way, so they cannot drift apart.
+
+Why a package of its own: the engine's grammar (``app.engine.constraints``)
+and the parsers both read the call syntax, and the engine must not import the
+parsers (nor they the engine). So families sit below both, a leaf that
+imports nothing of the app::
+
+    api -> pipeline -> engine, parsers, vision, config
+                       engine, parsers -> families
+
+A family's module name, registry key and the ``tool_parser:`` /
+``reasoning_parser:`` value in models.yaml are one string; users type it, so
+a rename breaks configs. Adding a family is its module, its line below, and
+its recorded outputs in ``tests/fixtures/parsers/<name>.json``.
+"""
+
+from __future__ import annotations
+
+from app.families import generic, llama, mistral, qwen
+from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family, new_call_id
+
+# In detection order, first match wins: generic's "deepseek" before the Qwen and Llama
+# names its distills carry, and qwen before llama (Hermes-style Llama fine-tunes say <tool_call>).
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (generic, mistral, qwen, llama)}
+# The family of a model nothing detects.
+DEFAULT = generic.FAMILY.name
+
+__all__ = [
+    "BARE_JSON",
+    "DEFAULT",
+    "FAMILIES",
+    "REASONING_MARKERS",
+    "THINK",
+    "CallSyntax",
+    "Family",
+    "new_call_id",
+]
