@@ -184,6 +184,10 @@ def test_each_role_gets_its_own_entry_and_params_type(tmp_path):
     assert spec.engine is None and spec.load is None and spec.kv_budget_bytes == 0
     assert (spec.max_queue, spec.queue_timeout_s) == (64, 120.0)
     assert model_spec(chat, None).encoder is None
+    # One table of roles: the Literal, the entry types and the union agree.
+    assert set(schema.ROLE_ENTRIES) == set(get_args(schema.Role))
+    for role, entry_type in schema.ROLE_ENTRIES.items():
+        assert get_args(entry_type.model_fields["role"].annotation) == (role,)
 
 
 # ---- each default once; descriptions for the generated docs and CLI --------------------------------
