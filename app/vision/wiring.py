@@ -98,7 +98,7 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = T
         return VisionProxy(None, cache, policy, unavailable_reason=reason), reason
 
     if found is not None and entry is None:
-        return unavailable(f"vision model {found.name!r} is a {found.role} model, not a VLM")
+        return unavailable(f"vision model {found.name!r} is not a VLM (role {found.role})")
     if proxy_config is None or entry is None:
         return unavailable("no vision model is configured")
     if not load:
