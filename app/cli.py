@@ -1,8 +1,9 @@
 """Command line: `tandem serve`, `tandem models [prepare-demo|prepare-embeddings|list]`, and the
 service commands (`tandem service ...`, `pull`, `ps`: app/service/cli.py).
 
-Flags override the served model's params from models.yaml; both resolve into
-one EngineParams, logged once at start-up.
+Flags override the served model's params (and server settings) from models.yaml;
+they are generated from the schema's fields (``app.config.loader.flag_arguments``),
+and both resolve into one EngineParams, logged once at start-up.
 """
 
 from __future__ import annotations
@@ -31,26 +32,15 @@ def _models_file(path: str | None) -> Path:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from app.config.loader import flag_arguments
+
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     p.add_argument("--models-file", help="models.yaml to read (default: the repo's models.yaml)")
     p.add_argument("--model", help="models.yaml entry to serve (default: default_model)")
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--api-key", help="require Authorization: Bearer <key> on /v1 and /metrics "
-                   "(visible in ps: prefer TANDEM_API_KEY or --api-key-file)")
-    p.add_argument("--api-key-file", help="read the API key from this file (its first line)")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
-    p.add_argument("--isq", choices=["q4", "q8"], help="quantize at load")
-    p.add_argument("--mem", type=int, help="KV-cache budget in MB")
-    p.add_argument("--kv-cache-bits", type=int, choices=[4, 8])
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--prefill-chunk-size", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-queue", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--distributed", choices=["tensor", "pipeline"],
-                   help="under mlx.launch: split the model by tensor (default) or by pipeline")
+    for flag, kwargs in flag_arguments():  # generated from the schema's fields
+        p.add_argument(f"--{flag.replace('_', '-')}", **kwargs)
+        if flag == "api_key":
+            p.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     p.add_argument("--no-vision", action="store_true", help="do not load the vision model")
     p.add_argument("--log-level", default="info")
 

@@ -30,7 +30,7 @@ from app.api.rerank import rerank
 from app.api.state import AppState
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_spec
-from app.config.schema import ModelEntry
+from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
@@ -48,7 +48,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     files = config.models_file
     primary = config.primary  # the default model, with the command line's overrides
     entries = [primary if e.name == primary.name else e for e in files.models]
-    served = [e for e in entries if e.role in ("chat", "embedding", "rerank")]
+    served: list[ModelEntry] = [e for e in entries if e.role in ("chat", "embedding", "rerank")]
     if dist is not None:
         served = distributed_entries(served, primary.name)
     specs = [model_spec(e, files.idle_unload_secs) for e in served]
@@ -68,8 +68,9 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     for entry in served:
         if entry.preload and entry.name != primary.name:
             registry.load_now(entry.name, required=False)
-    chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if e.role == "chat"}
-    vision = {e.name: build_vision(config, e, worker, registry, load=load_vision) for e in served if e.role == "chat"}
+    chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if isinstance(e, ChatEntry)}
+    vision = {e.name: build_vision(config, e, worker, registry, load=load_vision)
+              for e in served if isinstance(e, ChatEntry)}
     pipeline = Pipeline(registry, config.server, chats, vision)
     state = AppState(config, worker, registry, pipeline, primary.name, distributed=dist)
     registry.add_listener(state.metrics.on_generation)
@@ -93,7 +94,7 @@ def distributed_entries(served: list[ModelEntry], primary: str) -> list[ModelEnt
             for e in served if e.role != "chat" or e.name == primary]
 
 
-def build_vision(config: ResolvedConfig, chat: ModelEntry, worker: MLXWorker, registry: Registry, *,
+def build_vision(config: ResolvedConfig, chat: ChatEntry, worker: MLXWorker, registry: Registry, *,
                  load: bool = True) -> VisionState:
     """The vision side of a proxy-mode chat model; any failure (or ``--no-vision``) leaves
     text serving, with images replaced by placeholders and a warning."""

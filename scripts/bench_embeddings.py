@@ -80,13 +80,15 @@ def bench_embeddings(model_path: Path | None = None, seconds: float = 5.0) -> di
     import mlx.core as mx
     import mlx_embeddings.utils  # type: ignore[import-untyped]  # noqa: F401 - its import cost, apart from the load
 
+    from app.config.mapping import encoder_limits
+    from app.config.schema import EncoderParams
     from app.engine.builtin_models import ensure_minilm
     from app.engine.encoder import load_encoder
 
     imported, import_s = rss_mb(), time.perf_counter() - start
     path = model_path or ensure_minilm(progress=False)
     start = time.perf_counter()
-    encoder = load_encoder(path)
+    encoder = load_encoder(path, limits=encoder_limits(EncoderParams()))
     load_s, loaded = time.perf_counter() - start, rss_mb()
     texts = sentences(64 * 32)
     long_text = " ".join(sentences(200))

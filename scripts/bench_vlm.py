@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from PIL import Image  # noqa: E402
 
+from app.config.mapping import engine_params, load_params  # noqa: E402
+from app.config.schema import ChatParams  # noqa: E402
 from app.engine.mlx_internals import vlm_prompt_inputs  # noqa: E402
-from app.engine.params import EngineParams, LoadParams  # noqa: E402
 from app.engine.types import GenerationRequest  # noqa: E402
 from app.engine.vlm import VlmEngine, load_vlm, render_vlm_prompt  # noqa: E402
 from app.engine.worker import MLXWorker  # noqa: E402
@@ -90,7 +91,8 @@ def main() -> None:
 
     worker = MLXWorker()
     worker.start()
-    loaded = worker.submit(lambda: load_vlm(source, LoadParams(), name="bench-vlm", max_pixels=args.max_pixels,
+    load = load_params(ChatParams())
+    loaded = worker.submit(lambda: load_vlm(source, load, name="bench-vlm", max_pixels=args.max_pixels,
                                             min_pixels=28 * 28, max_images=args.max_images)).result()
     p = loaded.profile
     print(f"load_vlm: {loaded.load_s:.2f} s, weights {loaded.weights_bytes / 2**20:.1f} MB")
@@ -117,7 +119,7 @@ def main() -> None:
         worker.submit(lambda: vlm_prompt_inputs(loaded.model, loaded.processor, text, [image])).result()
     print(f"processor pass, 1 image at {side}x{side}: {(time.perf_counter() - started) * 100:.1f} ms")
 
-    engine = VlmEngine(worker, loaded, EngineParams(kv_mem_mb=256, max_num_seqs=max(args.streams)))
+    engine = VlmEngine(worker, loaded, engine_params(ChatParams(mem=256, max_num_seqs=max(args.streams))))
     images = [picture(10 + i, side) for i in range(max(args.streams))]
     for n in args.streams:
         # A random model may stop early (EOS), so the tokens that came are counted.

@@ -126,7 +126,6 @@ models:
   - name: vlm
     role: vision
     local_path: {vlm_path}
-    params: {temperature: 0.0}
 """
 
 

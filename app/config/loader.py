@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 
-from app.config.schema import ModelEntry, ModelsFile, ServerSettings
+from app.config.schema import ROLE_ENTRIES, ChatEntry, ChatParams, ModelEntry, ModelsFile, ServerSettings, role_params
 from app.errors import ConfigError
 
 
@@ -24,16 +26,53 @@ def _loc(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def format_validation_error(source: str, exc: ValidationError) -> str:
-    """One line per problem: file, key, what was wrong and what is allowed."""
+def _entry_loc(loc: tuple) -> tuple[tuple, str | None]:
+    """An entry's location without the role tag pydantic puts after ``models[i]``, and that role."""
+    if len(loc) > 2 and loc[0] == "models" and isinstance(loc[1], int) and loc[2] in ROLE_ENTRIES:
+        return loc[:2] + loc[3:], loc[2]
+    return loc, None
+
+
+def _wrong_role(loc: tuple, role: str, data: Any) -> str | None:
+    """Why a key is refused when another role's entries take it (``temperature`` on an embedding
+    model), naming the entry and what its role allows; None when no role takes it (a typo)."""
+    key, where = loc[-1], loc[3:-1]
+    if where == ("params",):
+        allowed = list(role_params(role).model_fields)
+        owners = [r for r in ROLE_ENTRIES if key in role_params(r).model_fields]
+        what = "params"
+    elif where == ():
+        allowed = list(ROLE_ENTRIES[role].model_fields)
+        owners = [r for r, cls in ROLE_ENTRIES.items() if key in cls.model_fields]
+        what = "keys"
+    else:
+        return None
+    if not owners:
+        return None
+    try:
+        name = repr(data["models"][loc[1]]["name"])
+    except (KeyError, IndexError, TypeError):
+        name = f"models[{loc[1]}]"
+    return (f"model {name} has role {role}, which takes no {key!r} (a key of {' and '.join(owners)} entries); "
+            f"{role} {what}: {', '.join(allowed)}")
+
+
+def format_validation_error(source: str, exc: ValidationError, data: Any = None) -> str:
+    """One line per problem: file, key, what was wrong and what is allowed. ``data``, the
+    validated input, lets a key of the wrong role name its entry."""
     lines = [f"{source}: invalid configuration"]
     for err in exc.errors():
-        where = _loc(tuple(p for p in err["loc"] if not str(p).startswith("function-")))
-        msg = err["msg"]
+        full = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+        loc, role = _entry_loc(full)
+        where, msg = _loc(loc), err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see the models.yaml reference in README.md)"
+            wrong = _wrong_role(full, role, data) if role else None
+            msg = wrong or "unknown key (check the spelling; see the models.yaml reference in README.md)"
         elif err["type"] == "literal_error":
             msg = f"got {err.get('input')!r}; allowed: {err['ctx']['expected']}"
+        elif err["type"] == "union_tag_invalid":  # the role, which picks the entry's type
+            where = f"{where}.role"
+            msg = f"got {err['ctx']['tag']!r}; allowed: {err['ctx']['expected_tags']}"
         elif "input" in err and not isinstance(err["input"], (dict, list)):
             msg = f"{msg} (got {err['input']!r})"
         lines.append(f"  {where}: {msg}")
@@ -54,10 +93,10 @@ def load_models_file(path: str | Path) -> ModelsFile:
     try:
         return ModelsFile.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(str(path), exc)) from exc
+        raise ConfigError(format_validation_error(str(path), exc, raw)) from exc
 
 
-# Command-line flag -> EngineParams field.
+# Command-line flag -> the served chat model's params field (ChatParams).
 PARAM_FLAGS = {
     "dtype": "dtype",
     "isq": "quantization",
@@ -71,7 +110,31 @@ PARAM_FLAGS = {
     "max_tokens": "max_tokens",
     "distributed": "distributed",
 }
+# Command-line flags that override the file's ServerSettings field of the same name.
 SERVER_FLAGS = ("host", "port", "api_key")
+
+
+def _flag_kwargs(info: FieldInfo, key: str) -> dict[str, Any]:
+    """argparse keywords for one field: type and choices from its annotation, help from its
+    description and default. The flag itself defaults to None: not given, the file decides."""
+    kinds = [a for a in get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    kind = kinds[0] if get_origin(info.annotation) in (Union, UnionType) else info.annotation
+    default = "" if info.default is None else f"; default {info.default}"
+    kwargs: dict[str, Any] = {"help": f"{info.description} (models.yaml {key}{default})".replace("%", "%%")}
+    if get_origin(kind) is Literal:
+        kwargs["choices"] = list(get_args(kind))
+        kwargs["type"] = type(kwargs["choices"][0])
+    else:
+        kwargs["type"] = str if kind is SecretStr else kind
+    return kwargs
+
+
+def flag_arguments() -> list[tuple[str, dict[str, Any]]]:
+    """The override flags as (name, argparse keywords), generated from the schema's fields
+    (as vLLM's ``get_kwargs`` builds its CLI from ``ModelConfig``): server flags first."""
+    server = [(f, _flag_kwargs(ServerSettings.model_fields[f], f"server.{f}")) for f in SERVER_FLAGS]
+    params = [(f, _flag_kwargs(ChatParams.model_fields[k], f"params.{k}")) for f, k in PARAM_FLAGS.items()]
+    return server + params
 
 
 @dataclass(frozen=True)
@@ -79,7 +142,7 @@ class ResolvedConfig:
     """What this process serves: the chat model, its vision helper, the server settings."""
 
     source: str
-    primary: ModelEntry
+    primary: ChatEntry
     vision: ModelEntry | None
     server: ServerSettings
     models_file: ModelsFile
@@ -107,7 +170,7 @@ def resolve(
     if name is None:
         name = next((m.name for m in models_file.models if m.role == "chat"), None)
     entry = models_file.find(name) if name else None
-    if entry is None or entry.role != "chat":
+    if not isinstance(entry, ChatEntry):
         chat = [m.name for m in models_file.models if m.role == "chat"]
         raise ConfigError(f"{source}: no chat model {name!r}; chat models: {', '.join(chat)}")
 

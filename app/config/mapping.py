@@ -1,13 +1,24 @@
 """models.yaml entries -> the engine's frozen parameter types.
 
 The one place where the pydantic schema (``schema``) meets the engine's own
-dataclasses (``app/engine/params.py``): the engine never imports pydantic.
+dataclasses (``app/engine/params.py``): the engine never imports pydantic. The
+dataclasses have no defaults for what models.yaml sets, so every value comes from
+the schema, defaults included; code and tests that need engine params build them
+here (``engine_params(ChatParams(mem=64))``).
 """
 
 from __future__ import annotations
 
-from app.config.schema import ModelEntry, ModelParams
-from app.engine.params import EncoderSpec, EngineParams, LoadParams, ModelSource, ModelSpec, VisionSpec
+from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionEntry
+from app.engine.params import (
+    EncoderLimits,
+    EncoderSpec,
+    EngineParams,
+    LoadParams,
+    ModelSource,
+    ModelSpec,
+    VisionSpec,
+)
 
 
 def model_source(entry: ModelEntry) -> ModelSource:
@@ -16,13 +27,13 @@ def model_source(entry: ModelEntry) -> ModelSource:
                        weight_file=entry.weight_file, hf_id=entry.hf_id)
 
 
-def load_params(p: ModelParams) -> LoadParams:
-    """How the weights are loaded."""
+def load_params(p: ChatParams) -> LoadParams:
+    """How a chat model's weights are loaded."""
     return LoadParams(dtype=p.dtype, quantization=p.quantization, quantization_group_size=p.quantization_group_size,
                       max_model_len=p.max_model_len, kv_cache_bits=p.kv_cache_bits, distributed=p.distributed)
 
 
-def engine_params(p: ModelParams) -> EngineParams:
+def engine_params(p: ChatParams) -> EngineParams:
     """How a loaded chat model is scheduled."""
     return EngineParams(
         kv_mem_mb=p.kv_mem_mb,
@@ -41,17 +52,27 @@ def engine_params(p: ModelParams) -> EngineParams:
     )
 
 
+def encoder_limits(p: EncoderParams) -> EncoderLimits:
+    """How an embedding or rerank model batches."""
+    return EncoderLimits(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
+                         max_length=p.max_model_len)
+
+
 def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:
-    """A served entry as the registry takes it."""
+    """A served entry (chat, embedding or rerank) as the registry takes it."""
+    if isinstance(entry, VisionEntry):
+        raise TypeError(f"model {entry.name!r}: a vision entry is loaded by the vision proxy, not the registry")
     idle = entry.idle_unload_secs if entry.idle_unload_secs is not None else file_idle_unload_secs
     p = entry.params
+    chat = entry if isinstance(entry, ChatEntry) else None
+    native = chat is not None and chat.capabilities.vision_mode == "native"
     return ModelSpec(
-        name=entry.name, role=entry.role, source=model_source(entry), load=load_params(p),
-        engine=engine_params(p),
-        encoder=EncoderSpec(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
-                            max_length=p.max_model_len),
-        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
-        if entry.capabilities.vision_mode == "native" else None,
-        aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,
-        idle_unload_s=float(idle) if idle else None,
+        name=entry.name, role=entry.role, source=model_source(entry), aliases=(entry.hf_id,) if entry.hf_id else (),
+        preload=entry.preload, pin=entry.pin, idle_unload_s=float(idle) if idle else None,
+        max_queue=p.max_queue, queue_timeout_s=p.queue_timeout_s,
+        load=load_params(chat.params) if chat else None,
+        engine=engine_params(chat.params) if chat else None,
+        vision=VisionSpec(chat.params.max_pixels, chat.params.min_pixels, chat.params.max_images_per_request)
+        if chat and native else None,
+        encoder=EncoderSpec(p.dtype, encoder_limits(p)) if isinstance(p, EncoderParams) else None,
     )

@@ -2,9 +2,15 @@
 
 Everything engine-related for a model lives in its entry: where the weights
 come from, how they are loaded, how much KV-cache memory it may use, how many
-sequences run at once, default sampling and capabilities. Command-line flags
-override a model's ``params``; ``mapping`` resolves both into the engine's frozen
-``LoadParams`` and ``EngineParams`` (``app/engine/params.py``), logged once at start-up.
+sequences run at once, default sampling and capabilities. An entry is one of a
+union keyed on ``role`` (``ROLE_ENTRIES``): each role has its own ``params`` model,
+so a key that belongs to another role (``temperature`` on an embedding model)
+stops start-up instead of being ignored. Command-line flags override the served
+chat model's ``params``; ``mapping`` resolves both into the engine's frozen
+``LoadParams`` / ``EngineParams`` / ``EncoderLimits`` (``app/engine/params.py``),
+which carry no defaults of their own: each default is written here, once, with its
+description; the CLI's flags and the docs' reference tables are generated from
+these fields.
 
 Every model is ``extra="forbid"``: a typo in models.yaml stops start-up with a
 message naming the file, the key and the allowed values (see ``loader``).
@@ -12,13 +18,13 @@ message naming the file, the key and the allowed values (see ``loader``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, SecretStr, Tag, model_validator
 
-Dtype = Literal["float16", "bfloat16", "float32"]
+from app.engine.params import Distributed, Dtype, KVBits, PromptCacheMode, Quantization
+
 VisionMode = Literal["disabled", "proxy", "native"]
-PromptCacheMode = Literal["off", "system", "first_message", "prefix"]
 BUILTIN_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")
 Role = Literal["chat", "vision", "embedding", "rerank"]
 
@@ -27,117 +33,164 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelParams(_Strict):
-    """A model entry's ``params``: how it is loaded and run. ``app.config.mapping`` turns it
-    into the engine's frozen ``LoadParams`` / ``EngineParams``."""
-
+class _Params(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Weight dtype for unquantized weights; None keeps the checkpoint's dtype.
-    dtype: Dtype | None = None
-    # Quantize at load ("q4" / "q8", also --isq). Already-quantized weights load as they are.
-    quantization: Literal["q4", "q8"] | None = None
-    # Quantization group size used with `quantization`.
-    quantization_group_size: Literal[32, 64, 128] = 64
-    # KV-cache memory budget in MB: admission and the prefix cache both live inside it.
-    mem: int = Field(default=1024, ge=16)
-    # Accepted for candle-vllm compatibility; on unified memory they add up to `mem` when set.
-    kvcache_mem_gpu: int | None = Field(default=None, ge=0)
-    kvcache_mem_cpu: int | None = Field(default=None, ge=0)
-    # Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the model dtype.
-    kv_cache_bits: Literal[4, 8] | None = None
-    # Under mlx.launch (several ranks): "tensor" splits every layer over the ranks (faster
-    # decoding), "pipeline" gives each rank a run of layers (a bigger model fits; mlx-lm supports it
-    # for a few model types). Ignored in one process. Also --distributed.
-    distributed: Literal["tensor", "pipeline"] = "tensor"
-    # Sequences decoded together by the batch generator.
-    max_num_seqs: int = Field(default=8, ge=1, le=256)
-    # Largest prompt slice processed in one step, so decoding streams keep moving.
-    prefill_chunk_size: int = Field(default=512, ge=16)
-    # Prompts prefilled together in one step (capped at max_num_seqs).
-    prefill_batch_size: int = Field(default=8, ge=1, le=256)
-    # Context length; None takes the model config's max_position_embeddings.
-    max_model_len: int | None = Field(default=None, ge=64)
-    # Requests waiting for KV budget; one more gets 429 with Retry-After.
-    max_queue: int = Field(default=64, ge=0)
-    # Seconds a request may wait for admission before a 503.
-    queue_timeout_s: float = Field(default=120.0, gt=0)
-    # Which prompt prefixes keep their KV cache for later requests.
-    prompt_cache: PromptCacheMode = "prefix"
-    # Prefixes shorter than this many tokens are not worth caching.
-    cache_min_tokens: int = Field(default=64, ge=1)
-    # MB of `mem` the prefix cache may hold (None: a quarter of `mem`); evicted LRU beyond it.
-    prompt_cache_mem: int | None = Field(default=None, ge=0)
-    # Most prefixes the prefix cache holds, whatever their size.
-    prompt_cache_entries: int = Field(default=256, ge=1)
-    # MB of disk for this model's prefixes (the disk tier, LRU-evicted beyond it); 0 turns it off.
-    prompt_cache_disk_mb: int = Field(default=4096, ge=0)
-    # The disk tier's directory; None: $TANDEM_PROMPT_CACHE_DIR, else <cache dir>/prompt-cache.
-    prompt_cache_disk_dir: str | None = None
-    # Share of max_num_seqs background requests (priority "background", Open WebUI's
-    # "### Task:" prompts) may hold while interactive requests wait for their first token.
-    background_share: float = Field(default=0.25, ge=0.0, le=1.0)
 
-    # Default sampling; each request may override these.
-    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    # 0 disables top-k.
-    top_k: int = Field(default=0, ge=0)
-    # 0 disables min-p.
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    # 1.0 disables the repetition penalty.
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=3.0)
-    # Completion length when a request names none.
-    max_tokens: int = Field(default=512, ge=1)
+# ---- params, in groups; each role's params model is the groups it uses ---------------------------
 
-    # Vision models only: pixel bounds the image is resized into before the VLM.
-    max_pixels: int = Field(default=448 * 448, ge=28 * 28)
-    min_pixels: int = Field(default=28 * 28, ge=1)
-    # Vision models only: images one request may carry.
-    max_images_per_request: int = Field(default=8, ge=1)
 
-    # Embedding and rerank models only: inputs encoded together, padded tokens in one batch (one
-    # engine step: this bounds how long chat decoding waits), and inputs one request may carry.
-    max_batch: int = Field(default=32, ge=1)
-    max_batch_tokens: int = Field(default=4096, ge=16)
-    max_inputs: int = Field(default=2048, ge=1)
+class _WeightParams(_Params):
+    dtype: Dtype | None = Field(
+        default=None, description="Weight dtype for unquantized weights; None keeps the checkpoint's dtype.")
+    max_model_len: int | None = Field(
+        default=None, ge=64, description="Context length in tokens (for an encoder: tokens per input); None takes "
+        "the model config's max_position_embeddings.")
+
+
+class _BatchParams(_Params):
+    quantization: Quantization | None = Field(
+        default=None, description="Quantize at load (also --isq); already-quantized weights load as they are.")
+    quantization_group_size: Literal[32, 64, 128] = Field(
+        default=64, description="Quantization group size used with `quantization`.")
+    kv_cache_bits: KVBits | None = Field(
+        default=None, description="Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the "
+        "model dtype.")
+    distributed: Distributed = Field(
+        default="tensor", description="Under mlx.launch (several ranks): \"tensor\" splits every layer over the "
+        "ranks (faster decoding), \"pipeline\" gives each rank a run of layers (a bigger model fits; mlx-lm "
+        "supports it for a few model types). Ignored in one process.")
+    mem: int = Field(
+        default=1024, ge=16, description="KV-cache memory budget in MB: admission and the prefix cache both live "
+        "inside it.")
+    kvcache_mem_gpu: int | None = Field(
+        default=None, ge=0, description="Accepted for candle-vllm compatibility: when `mem` is not set, "
+        "kvcache_mem_gpu + kvcache_mem_cpu is the budget (one unified memory).")
+    kvcache_mem_cpu: int | None = Field(
+        default=None, ge=0, description="See kvcache_mem_gpu.")
+    max_num_seqs: int = Field(
+        default=8, ge=1, le=256, description="Sequences decoded together by the batch generator.")
+    prefill_chunk_size: int = Field(
+        default=512, ge=16, description="Largest prompt slice prefilled in one step, so decoding streams keep moving.")
+    prefill_batch_size: int = Field(
+        default=8, ge=1, le=256, description="Prompts prefilled together in one step (capped at max_num_seqs).")
 
     @property
     def kv_mem_mb(self) -> int:
         """The KV budget: `mem`, or the gpu+cpu split when only that is given."""
-        if "mem" not in self.model_fields_set and (
-            self.kvcache_mem_gpu or self.kvcache_mem_cpu
-        ):
+        if "mem" not in self.model_fields_set and (self.kvcache_mem_gpu or self.kvcache_mem_cpu):
             return (self.kvcache_mem_gpu or 0) + (self.kvcache_mem_cpu or 0)
         return self.mem
 
 
+class _QueueParams(_Params):
+    max_queue: int = Field(
+        default=64, ge=0, description="Requests waiting for the model (its KV budget, or its load); one more gets "
+        "429 with Retry-After.")
+    queue_timeout_s: float = Field(
+        default=120.0, gt=0, description="Seconds a request may wait for admission (or the model's load) before a 503.")
+
+
+class _PromptCacheParams(_Params):
+    prompt_cache: PromptCacheMode = Field(
+        default="prefix", description="Which prompt prefixes keep their KV cache for later requests.")
+    cache_min_tokens: int = Field(
+        default=64, ge=1, description="Prefixes shorter than this many tokens are not worth caching.")
+    prompt_cache_mem: int | None = Field(
+        default=None, ge=0, description="MB of `mem` the prefix cache may hold (None: a quarter of `mem`); evicted "
+        "LRU beyond it.")
+    prompt_cache_entries: int = Field(
+        default=256, ge=1, description="Most prefixes the prefix cache holds, whatever their size.")
+    prompt_cache_disk_mb: int = Field(
+        default=4096, ge=0, description="MB of disk for this model's prefixes (the disk tier, LRU-evicted beyond "
+        "it); 0 turns it off.")
+    prompt_cache_disk_dir: str | None = Field(
+        default=None, description="The disk tier's directory; None: $TANDEM_PROMPT_CACHE_DIR, else "
+        "<cache dir>/prompt-cache.")
+    background_share: float = Field(
+        default=0.25, ge=0.0, le=1.0, description="Share of max_num_seqs that background requests (priority "
+        "\"background\", Open WebUI's \"### Task:\" prompts) may hold while interactive requests wait for their "
+        "first token.")
+
+
+class _DefaultSampling(_Params):
+    # The model's defaults for requests; each request may override them. (The engine's
+    # SamplingParams has none: the pipeline always fills it from these and the request.)
+    temperature: float = Field(
+        default=0.7, ge=0.0, le=2.0, description="Default sampling temperature; 0 picks the most likely token.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Default nucleus sampling; 1.0 disables it.")
+    top_k: int = Field(default=0, ge=0, description="Default top-k; 0 disables it.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Default min-p; 0 disables it.")
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Default frequency penalty (OpenAI's); 0 disables it.")
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Default presence penalty (OpenAI's); 0 disables it.")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=3.0, description="Default repetition penalty; 1.0 disables it.")
+    max_tokens: int = Field(default=512, ge=1, description="Completion length when a request names none.")
+
+
+class _ImageParams(_Params):
+    max_pixels: int = Field(
+        default=448 * 448, ge=28 * 28, description="Largest image (in pixels) the VLM sees: bigger ones are resized "
+        "into it.")
+    min_pixels: int = Field(
+        default=28 * 28, ge=1, description="Smallest image (in pixels) the VLM sees: smaller ones are resized up.")
+    max_images_per_request: int = Field(default=8, ge=1, description="Images one request may carry.")
+
+
+class ChatParams(_ImageParams, _DefaultSampling, _PromptCacheParams, _QueueParams, _BatchParams, _WeightParams):
+    """A chat entry's ``params`` (``role: chat``, the default): loading, KV memory, batching,
+    queueing, the prefix cache, default sampling, and image bounds for a native VLM
+    (``vision_mode: native``)."""
+
+
+class VisionParams(_ImageParams):
+    """A vision entry's ``params`` (``role: vision``: a VLM that captions images for
+    ``vision_mode: proxy`` models; captions are greedy)."""
+
+
+class EncoderParams(_QueueParams, _WeightParams):
+    """An embedding or rerank entry's ``params`` (``role: embedding`` / ``rerank``): loading,
+    queueing, and batching (one batch is one engine step: it bounds how long chat decoding waits)."""
+
+    max_batch: int = Field(default=32, ge=1, description="Inputs encoded together in one batch.")
+    max_batch_tokens: int = Field(
+        default=4096, ge=16, description="Padded tokens (inputs x longest) in one batch.")
+    max_inputs: int = Field(default=2048, ge=1, description="Inputs (or documents) one request may carry.")
+
+
+# ---- capabilities (chat entries) --------------------------------------------------------------------
+
+
 class VisionProxyConfig(_Strict):
-    # The vision model: a models.yaml entry name (or its hf_id).
-    model: str
-    # Prompt given to the VLM; {user_text} is replaced by the user's own words.
-    prompt_template: str | None = None
-    # Caption length limit in tokens.
-    max_tokens: int = Field(default=256, ge=1, le=4096)
+    """``capabilities.vision_proxy``: the VLM that captions a proxy-mode model's images."""
+
+    model: str = Field(description="The vision model: a models.yaml entry name (or its hf_id).")
+    prompt_template: str | None = Field(
+        default=None, description="Prompt given to the VLM; {user_text} is replaced by the user's own words. "
+        "None: the built-in captioning prompt.")
+    max_tokens: int = Field(default=256, ge=1, le=4096, description="Caption length limit in tokens.")
 
 
 class ModelCapabilities(_Strict):
-    # How images reach this model: refused (disabled), captioned by a VLM (proxy), or sent
-    # straight in to a VLM served with mlx-vlm (native; its processor places the images).
-    vision_mode: VisionMode = "disabled"
-    vision_proxy: VisionProxyConfig | None = None
-    # Model family for tool calls (app/families: qwen, mistral, llama, generic);
-    # None detects it from the chat template.
-    tool_parser: str | None = None
-    # The model reasons, with this family's markers ("none": it does not);
-    # None detects it from the chat template, then the model name.
-    reasoning_parser: str | None = None
-    # When the client sends a system prompt and the chat template has a default one (which it
-    # then drops): "append" keeps the default first, then the client's; "replace" sends the
-    # client's alone. None: "append" when the template has a default system prompt.
-    system_prompt: Literal["replace", "append"] | None = None
+    """A chat entry's ``capabilities``: images, tool calls, reasoning, system prompt."""
+
+    vision_mode: VisionMode = Field(
+        default="disabled", description="How images reach this model: refused (disabled), captioned by a VLM "
+        "(proxy), or sent straight in to a VLM served with mlx-vlm (native; its processor places the images).")
+    vision_proxy: VisionProxyConfig | None = Field(
+        default=None, description="The captioning VLM; needed with vision_mode proxy.")
+    tool_parser: str | None = Field(
+        default=None, description="Model family for tool calls (app/families: qwen, mistral, llama, "
+        "generic); None detects it from the chat template.")
+    reasoning_parser: str | None = Field(
+        default=None, description="The model reasons, with this family's markers (\"none\": it does not); None "
+        "detects it from the chat template, then the model name.")
+    system_prompt: Literal["replace", "append"] | None = Field(
+        default=None, description="When the client sends a system prompt and the chat template has a default one "
+        "(which it then drops): \"append\" keeps the default first, then the client's; \"replace\" sends the "
+        "client's alone. None: \"append\" when the template has a default system prompt.")
 
     @model_validator(mode="after")
     def _proxy_needs_model(self) -> ModelCapabilities:
@@ -146,118 +199,185 @@ class ModelCapabilities(_Strict):
         return self
 
 
-class ModelEntry(_Strict):
-    # The name clients send as "model".
-    name: str = Field(min_length=1)
-    # A Hugging Face repo id, loaded by mlx-lm / mlx-vlm (needs the hub or its cache).
-    hf_id: str | None = None
-    # A local mlx-lm / mlx-vlm model directory; wins over hf_id.
-    local_path: str | None = None
-    # A llama-architecture GGUF file, converted once into the cache directory.
-    weight_file: str | None = None
-    # A model shipped inside an installed package, prepared offline into the cache:
-    # "smollm2-135m-instruct" (chat) or "all-minilm-l6-v2" (embeddings).
-    builtin: Literal["smollm2-135m-instruct", "all-minilm-l6-v2"] | None = None
-    # What this entry is for: chat, a VLM that captions for others (vision), embeddings
-    # (/v1/embeddings and /v1/rerank by cosine), or a cross-encoder reranker (rerank).
-    role: Role = "chat"
-    # Load at start-up instead of on the first request.
-    preload: bool = False
-    # Never unload (idle or for room).
-    pin: bool = False
-    # Unload after this many seconds unused; overrides the file's idle_unload_secs (0: never).
-    idle_unload_secs: int | None = Field(default=None, ge=0)
-    params: ModelParams = ModelParams()
-    capabilities: ModelCapabilities = ModelCapabilities()
+# ---- entries: one per role, told apart by `role` ---------------------------------------------------
+
+
+class ModelEntryBase(_Strict):
+    """What every models.yaml entry has, whatever its role: a name, where its weights come
+    from, and when it is loaded."""
+
+    name: str = Field(min_length=1, description="The name clients send as \"model\".")
+    hf_id: str | None = Field(
+        default=None, description="A Hugging Face repo id, loaded by mlx-lm / mlx-vlm (needs the hub or its cache).")
+    local_path: str | None = Field(
+        default=None, description="A local mlx-lm / mlx-vlm model directory; wins over hf_id.")
+    weight_file: str | None = Field(
+        default=None, description="A llama-architecture GGUF file, converted once into the cache directory.")
+    builtin: Literal["smollm2-135m-instruct", "all-minilm-l6-v2"] | None = Field(
+        default=None, description="A model shipped inside an installed package, prepared offline into the cache: "
+        "\"smollm2-135m-instruct\" (chat) or \"all-minilm-l6-v2\" (embeddings).")
+    role: Role = Field(
+        default="chat", description="What this entry is for: chat, a VLM that captions for others (vision), "
+        "embeddings (/v1/embeddings and /v1/rerank by cosine), or a cross-encoder reranker (rerank). It decides "
+        "which params (and capabilities) the entry takes.")
+    preload: bool = Field(default=False, description="Load at start-up instead of on the first request.")
+    pin: bool = Field(default=False, description="Never unload (idle or for room).")
+    idle_unload_secs: int | None = Field(
+        default=None, ge=0, description="Unload after this many seconds unused; overrides the file's "
+        "idle_unload_secs (0: never).")
 
     @model_validator(mode="after")
-    def _has_source(self) -> ModelEntry:
+    def _has_source(self) -> ModelEntryBase:
         if not (self.hf_id or self.local_path or self.weight_file or self.builtin):
-            raise ValueError(
-                f"model {self.name!r} needs one of builtin, local_path, weight_file, hf_id"
-            )
+            raise ValueError(f"model {self.name!r} needs one of builtin, local_path, weight_file, hf_id")
         return self
 
 
-class ServerSettings(_Strict):
-    """Limits and security of the HTTP side."""
+class ChatEntry(ModelEntryBase):
+    """``role: chat`` (the default): a model served on the chat, completions, Responses and
+    Messages APIs."""
 
-    # Loopback only by default; set 0.0.0.0 deliberately to serve a LAN.
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    # When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>` (or
-    # `x-api-key`); a SecretStr, so printing the settings never shows it. Also TANDEM_API_KEY,
-    # or --api-key-file, so the key never shows in `ps`.
-    api_key: SecretStr | None = None
-    # Several named keys (name -> key), one per user or agent; any of them is accepted.
-    api_keys: dict[str, SecretStr] = {}
-    # per_key: requests with different keys never share prefix-cache entries (one user cannot
-    # probe another's prompts through cached_tokens or time to first token); shared: they do.
-    prompt_cache_scope: Literal["per_key", "shared"] = "per_key"
-    # Host names served besides loopback ones (DNS-rebinding guard; see README, Security).
-    allowed_hosts: list[str] = []
-    # Browser origins allowed by CORS; empty means CORS is off.
-    cors_origins: list[str] = []
-    # Largest request body in bytes (413 beyond).
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    # Messages one chat request may carry.
-    max_messages: int = Field(default=512, ge=1)
-    # Open HTTP connections. At the limit, the connections idle longest (fresh or kept alive, no
-    # byte of a request received) are closed to make room; when all are busy a request gets 503,
-    # except /health.
-    max_connections: int = Field(default=256, ge=1)
-    # Seconds a connection has to send a complete request head, from connecting or from the first
-    # byte of its next request; then it is closed (slowloris). Idle kept-alive connections close after 5 s.
-    header_timeout_s: float = Field(default=5.0, gt=0)
-    # Listen backlog, so a burst of connections is not reset.
-    backlog: int = Field(default=2048, ge=16)
-    # On SIGTERM/SIGINT: seconds running requests get to finish before they end with an error event.
-    shutdown_grace_s: float = Field(default=30.0, ge=0)
-    # Distributed serving (mlx.launch): seconds a batch step, or a rank's answer to rank 0's ping,
-    # may take before rank 0 declares the rank lost and the engine dead (503). Long enough for the
-    # slowest step: a prefill chunk (prefill_chunk_size tokens) of the biggest model on the slowest rank.
-    distributed_timeout_s: float = Field(default=60.0, gt=0)
-    # When the MLX engine thread dies: "exit" drains (running streams get their error event) and
-    # exits with status 70, so launchd / systemd restart a fresh process; "stay" keeps the process
-    # up, answering 503 until someone restarts it.
-    on_engine_death: Literal["exit", "stay"] = "exit"
-    # Which reasoning fields go out: OpenAI-compatible servers disagree on the name.
-    reasoning_fields: list[Literal["reasoning_content", "reasoning"]] = [
-        "reasoning_content",
-        "reasoning",
-    ]
-    # file:// image URLs are allowed only under this directory; None turns them off.
-    image_file_dir: str | None = None
-    # http(s) image URLs: off by default.
-    allow_remote_images: bool = False
-    remote_image_hosts: list[str] = []
-    allow_private_remote_images: bool = False
-    remote_image_timeout_s: float = Field(default=10.0, gt=0)
-    # Largest image in bytes, after base64 decoding or download.
-    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
-    # Largest decoded image in pixels (decompression-bomb guard).
-    max_image_pixels: int = Field(default=40_000_000, ge=1024)
-    # The process's memory budget in MB: weights plus KV budget (`mem`) of every loaded model
-    # must fit in it. None: 75% of physical memory (unified memory on a Mac).
-    memory_limit_mb: int | None = Field(default=None, ge=64)
-    # Cached captions, keyed by image hash, prompt and model.
-    caption_cache_entries: int = Field(default=512, ge=0)
-    # Responses API (/v1/responses): responses kept for previous_response_id and GET, in memory,
-    # least recently used out first; a restart forgets them, and `store: false` keeps nothing.
-    responses_store_entries: int = Field(default=1024, ge=0)
-    # ... and the JSON size they may take together, in MB.
-    responses_store_mb: int = Field(default=64, ge=0)
+    role: Literal["chat"] = Field(default="chat", description="chat (the default).")
+    params: ChatParams = Field(default=ChatParams(), description="How the model is loaded and run (ChatParams).")
+    capabilities: ModelCapabilities = Field(
+        default=ModelCapabilities(), description="Images, tool calls, reasoning (ModelCapabilities).")
+
+
+class VisionEntry(ModelEntryBase):
+    """``role: vision``: a VLM that captions images for ``vision_mode: proxy`` chat models."""
+
+    role: Literal["vision"] = Field(description="vision.")
+    params: VisionParams = Field(default=VisionParams(), description="Image bounds (VisionParams).")
+
+
+class EmbeddingEntry(ModelEntryBase):
+    """``role: embedding``: an embedding model for /v1/embeddings (and /v1/rerank by cosine)."""
+
+    role: Literal["embedding"] = Field(description="embedding.")
+    params: EncoderParams = Field(default=EncoderParams(), description="Loading and batching (EncoderParams).")
+
+
+class RerankEntry(ModelEntryBase):
+    """``role: rerank``: a cross-encoder for /v1/rerank."""
+
+    role: Literal["rerank"] = Field(description="rerank.")
+    params: EncoderParams = Field(default=EncoderParams(), description="Loading and batching (EncoderParams).")
+
+
+# The table of roles: each role's entry type (and through it, its params type).
+ROLE_ENTRIES: dict[str, type[ModelEntryBase]] = {
+    "chat": ChatEntry, "vision": VisionEntry, "embedding": EmbeddingEntry, "rerank": RerankEntry,
+}
+
+
+def _role_of(entry: Any) -> Any:
+    """The entry's role; an entry without one is a chat model."""
+    if isinstance(entry, dict):
+        return entry.get("role", "chat")
+    return getattr(entry, "role", None)
+
+
+ModelEntry = Annotated[
+    Annotated[ChatEntry, Tag("chat")]
+    | Annotated[VisionEntry, Tag("vision")]
+    | Annotated[EmbeddingEntry, Tag("embedding")]
+    | Annotated[RerankEntry, Tag("rerank")],
+    Discriminator(_role_of),
+]
+
+
+def role_params(role: str) -> type[BaseModel]:
+    """The params model of a role's entries."""
+    return ROLE_ENTRIES[role].model_fields["params"].annotation  # type: ignore[return-value]
+
+
+# ---- the HTTP side and the file ---------------------------------------------------------------------
+
+
+class ServerSettings(_Strict):
+    """The file's ``server``: limits and security of the HTTP side."""
+
+    host: str = Field(
+        default="127.0.0.1", description="Bind address: loopback only by default; set 0.0.0.0 deliberately to "
+        "serve a LAN.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    api_key: SecretStr | None = Field(
+        default=None, description="When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>` "
+        "(or `x-api-key`). Also TANDEM_API_KEY, or --api-key-file, so the key never shows in `ps`.")
+    api_keys: dict[str, SecretStr] = Field(
+        default={}, description="Several named keys (name -> key), one per user or agent; any of them is accepted.")
+    prompt_cache_scope: Literal["per_key", "shared"] = Field(
+        default="per_key", description="per_key: requests with different keys never share prefix-cache entries (one "
+        "user cannot probe another's prompts through cached_tokens or time to first token); shared: they do.")
+    allowed_hosts: list[str] = Field(
+        default=[], description="Host names served besides loopback ones (DNS-rebinding guard; see Security).")
+    cors_origins: list[str] = Field(default=[], description="Browser origins allowed by CORS; empty means CORS is off.")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="Largest request body in bytes (413 beyond).")
+    max_messages: int = Field(default=512, ge=1, description="Messages one chat request may carry.")
+    max_connections: int = Field(
+        default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
+        "kept alive, no byte of a request received) are closed to make room; when all are busy a request gets 503, "
+        "except /health.")
+    header_timeout_s: float = Field(
+        default=5.0, gt=0, description="Seconds a connection has to send a complete request head, from connecting or "
+        "from the first byte of its next request; then it is closed (slowloris). Idle kept-alive connections close "
+        "after 5 s.")
+    backlog: int = Field(default=2048, ge=16, description="Listen backlog, so a burst of connections is not reset.")
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM/SIGINT: seconds running requests get to finish before they end "
+        "with an error event.")
+    distributed_timeout_s: float = Field(
+        default=60.0, gt=0, description="Distributed serving (mlx.launch): seconds a batch step, or a rank's answer "
+        "to rank 0's ping, may take before rank 0 declares the rank lost and the engine dead (503). Long enough for "
+        "the slowest step: a prefill chunk of the biggest model on the slowest rank.")
+    on_engine_death: Literal["exit", "stay"] = Field(
+        default="exit", description="When the MLX engine thread dies: \"exit\" drains (running streams get their "
+        "error event) and exits with status 70, so launchd / systemd restart a fresh process; \"stay\" keeps the "
+        "process up, answering 503 until someone restarts it.")
+    reasoning_fields: list[Literal["reasoning_content", "reasoning"]] = Field(
+        default=["reasoning_content", "reasoning"], description="Which reasoning fields go out: OpenAI-compatible "
+        "servers disagree on the name.")
+    image_file_dir: str | None = Field(
+        default=None, description="file:// image URLs are allowed only under this directory; None turns them off.")
+    allow_remote_images: bool = Field(default=False, description="Allow http(s) image URLs.")
+    remote_image_hosts: list[str] = Field(
+        default=[], description="With allow_remote_images: the host names image URLs may use (exact, or "
+        "\"*.example.com\"); empty: any host.")
+    allow_private_remote_images: bool = Field(
+        default=False, description="With allow_remote_images: also fetch from hosts that resolve to loopback, private "
+        "or link-local addresses (off: the SSRF guard).")
+    remote_image_timeout_s: float = Field(
+        default=10.0, gt=0, description="Seconds one image download may take (lookup, connect, TLS, headers and "
+        "body together).")
+    max_image_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1024, description="Largest image in bytes, after base64 decoding or download.")
+    max_image_pixels: int = Field(
+        default=40_000_000, ge=1024, description="Largest decoded image in pixels (decompression-bomb guard).")
+    memory_limit_mb: int | None = Field(
+        default=None, ge=64, description="The process's memory budget in MB: weights plus KV budget (`mem`) of every "
+        "loaded model must fit in it. None: 75% of physical memory (unified memory on a Mac).")
+    caption_cache_entries: int = Field(
+        default=512, ge=0, description="Cached captions, keyed by image hash, prompt and model.")
+    responses_store_entries: int = Field(
+        default=1024, ge=0, description="Responses API (/v1/responses): responses kept for previous_response_id and "
+        "GET, in memory, least recently used out first; a restart forgets them, and `store: false` keeps nothing.")
+    responses_store_mb: int = Field(
+        default=64, ge=0, description="The JSON size the stored responses may take together, in MB.")
 
 
 class ModelsFile(_Strict):
-    # Unload any model after this many seconds unused (pinned ones never); it loads again on
-    # its next request. None: models stay loaded until memory is needed for another.
-    idle_unload_secs: int | None = Field(default=None, ge=1)
-    # The chat model /health and the CLI name first, loaded at start-up; None: the first
-    # chat entry. Every entry is served under its name whatever this says.
-    default_model: str | None = None
-    server: ServerSettings = ServerSettings()
-    models: list[ModelEntry] = Field(min_length=1)
+    """The whole models.yaml file."""
+
+    idle_unload_secs: int | None = Field(
+        default=None, ge=1, description="Unload any model after this many seconds unused (pinned ones never); it "
+        "loads again on its next request. None: models stay loaded until memory is needed for another.")
+    default_model: str | None = Field(
+        default=None, description="The chat model /health and the CLI name first, loaded at start-up; None: the "
+        "first chat entry. Every entry is served under its name whatever this says.")
+    server: ServerSettings = Field(default=ServerSettings(), description="Limits and security (ServerSettings).")
+    models: list[ModelEntry] = Field(
+        min_length=1, description="The models, each a ChatEntry, VisionEntry, EmbeddingEntry or RerankEntry by role.")
 
     @model_validator(mode="after")
     def _names_unique_and_linked(self) -> ModelsFile:
@@ -266,7 +386,7 @@ class ModelsFile(_Strict):
         if dupes:
             raise ValueError(f"duplicate model names: {', '.join(dupes)}")
         for m in self.models:
-            proxy = m.capabilities.vision_proxy
+            proxy = m.capabilities.vision_proxy if isinstance(m, ChatEntry) else None
             if proxy and self.find(proxy.model) is None:
                 raise ValueError(
                     f"model {m.name!r}: vision_proxy.model {proxy.model!r} is not an entry "
@@ -282,9 +402,3 @@ class ModelsFile(_Strict):
             if m.name == name:
                 return m
         return next((m for m in self.models if m.hf_id == name), None)
-
-    def capabilities_map(self) -> dict[str, ModelCapabilities]:
-        return {m.name: m.capabilities for m in self.models}
-
-    def params_map(self) -> dict[str, ModelParams]:
-        return {m.name: m.params for m in self.models}

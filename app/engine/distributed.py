@@ -161,6 +161,7 @@ class Distributed:
     def load_engine(self, spec: ModelSpec) -> tuple[TextEngine, int]:
         """Rank 0 (the registry's ``load_chat``): this rank's shard of the model, in an engine
         whose every batch and cache call the followers replay. MLX thread only."""
+        assert spec.load is not None and spec.engine is not None, "a chat model's spec"
         loaded = load_shard(spec.source, spec.load, self.info.world_size)
         return TextEngine(self.worker, loaded, spec.engine, ops=self.mirror_ops()), loaded.weights_bytes
 

@@ -45,6 +45,7 @@ from app.engine.encoder_inputs import (
     input_list,
     over_length,
 )
+from app.engine.params import EncoderLimits
 from app.errors import ConfigError, EngineError, InvalidRequestError
 
 log = logging.getLogger("tandem.engine")
@@ -61,18 +62,6 @@ _POOLING_MODES = {
     "pooling_mode_lasttoken": "lasttoken",
 }
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-@dataclass(frozen=True)
-class EncoderLimits:
-    """Batching and request limits of one encoder."""
-
-    max_batch: int = 32  # inputs per forward pass
-    # Padded tokens (inputs x longest) per forward pass: one engine step, so it bounds how long
-    # chat decoding waits behind an embeddings batch (seconds on a CPU: scripts/bench_embeddings.py).
-    max_batch_tokens: int = 4096
-    max_inputs: int = 2048  # inputs (or documents) per request, as OpenAI allows
-    max_length: int | None = None  # tokens per input; None: the model's own limit
 
 
 @dataclass(frozen=True)
@@ -284,7 +273,7 @@ def _drain(steps: Generator[None, None, Any]) -> Any:
 
 
 def load_encoder(
-    path: str | Path, *, name: str | None = None, limits: EncoderLimits | None = None, dtype: str | None = None
+    path: str | Path, *, limits: EncoderLimits, name: str | None = None, dtype: str | None = None
 ) -> Encoder:
     """Load an embedding model or cross-encoder directory with mlx-embeddings. MLX thread only.
 
@@ -294,7 +283,6 @@ def load_encoder(
     """
     path = Path(path).expanduser()
     name = name or path.name
-    limits = limits or EncoderLimits()
     config = _read_json(path / "config.json", name, required=True)
     model_type = str(config.get("model_type", "")).replace("-", "_")
     kind = _kind(config, model_type, name)

@@ -254,17 +254,17 @@ class Registry:
 
     async def _wait(self, slot: _Slot) -> None:
         """Wait for a load (or unload) in progress, under the model's queue limits."""
-        params = slot.spec.engine
-        if slot.waiting >= params.max_queue:
+        spec = slot.spec
+        if slot.waiting >= spec.max_queue:
             raise RateLimitError(f"model {slot.spec.name!r} is loading and {slot.waiting} requests wait for it; "
                                  "retry shortly", retry_after=2)
         slot.waiting += 1
         try:
             assert slot.transition is not None
-            await asyncio.wait_for(asyncio.shield(slot.transition), params.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(slot.transition), spec.queue_timeout_s)
         except TimeoutError as exc:
             raise EngineBusyError(f"model {slot.spec.name!r} did not finish loading within "
-                                  f"{params.queue_timeout_s:.0f}s; retry shortly", retry_after=5) from exc
+                                  f"{spec.queue_timeout_s:.0f}s; retry shortly", retry_after=5) from exc
         finally:
             slot.waiting -= 1
         if slot.state == "failed":
@@ -314,7 +314,7 @@ class Registry:
 
     def _load_steps(self, spec: ModelSpec) -> Generator[None, None, tuple[Any, int]]:
         """Load one model on the MLX thread, in slices."""
-        if spec.role == "chat" and spec.vision is not None:
+        if spec.role == "chat" and spec.load is not None and spec.engine is not None and spec.vision is not None:
             from app.engine.vlm import load_vlm
             from app.engine.vlm_engine import VlmEngine
 
@@ -327,22 +327,20 @@ class Registry:
             return VlmEngine(self.worker, vlm, spec.engine), vlm.weights_bytes + vlm.profile_peak_bytes
         if spec.role == "chat" and self._load_chat is not None:
             return self._load_chat(spec)
-        if spec.role == "chat":
+        if spec.role == "chat" and spec.load is not None and spec.engine is not None:
             loaded = yield from load_text_model_steps(spec.source, spec.load)
             return TextEngine(self.worker, loaded, spec.engine), loaded.weights_bytes
-        if spec.role in ("embedding", "rerank"):
-            from app.engine.encoder import EncoderLimits, load_encoder
+        if spec.role in ("embedding", "rerank") and spec.encoder is not None:
+            from app.engine.encoder import load_encoder
 
-            e = spec.encoder
-            limits = EncoderLimits(max_batch=e.max_batch, max_batch_tokens=e.max_batch_tokens,
-                                   max_inputs=e.max_inputs, max_length=e.max_length)
             path = model_source(spec.source)
             yield
-            encoder = load_encoder(path, name=spec.name, limits=limits, dtype=spec.load.dtype)
+            encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
             if spec.role == "embedding" and encoder.kind != "embedding":
                 raise InvalidRequestError(f"model {spec.name!r} is a cross-encoder: serve it with role: rerank")
             return encoder, encoder.weight_bytes
-        raise InvalidRequestError(f"model {spec.name!r}: role {spec.role!r} is not loaded by the registry")
+        raise InvalidRequestError(f"model {spec.name!r}: role {spec.role!r} (without its params) is not loaded by "
+                                  "the registry")
 
     # ---- memory -----------------------------------------------------------------------------
 

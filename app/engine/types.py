@@ -11,18 +11,29 @@ from typing import Any, Protocol
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling, already merged with the model's defaults."""
+    """Per-request sampling, already merged with the model's defaults.
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    No defaults here: a request's values come from the request, else from its model's
+    models.yaml params (``ChatParams``: temperature 0.7 unless the entry says), merged by
+    ``pipeline.sampling_for``. ``GREEDY`` names the neutral values, for generations that
+    no request or model default applies to (a caption)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    seed: int | None
     # Token id -> bias added to its logit before sampling.
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...]
+
+
+# Each transform off: temperature 0 takes the most likely token; top_p 1, top_k 0 and min_p 0 keep
+# every token; penalties 0 (repetition 1) change nothing.
+GREEDY = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, frequency_penalty=0.0,
+                        presence_penalty=0.0, repetition_penalty=1.0, seed=None, logit_bias=())
 
 
 class LogitsConstraint(Protocol):
@@ -39,7 +50,7 @@ class GenerationRequest:
 
     prompt_tokens: list[int]
     max_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = GREEDY
     # Generation ends just before the first of these strings; it is not emitted.
     stop: tuple[str, ...] = ()
     # Length of a prompt prefix (system prompt, first message) worth caching on its own.

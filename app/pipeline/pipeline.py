@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from app.config.schema import ModelCapabilities, ModelParams, ServerSettings
+from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
 from app.engine.encoder import Embeddings, Ranking
 from app.engine.grammar import Grammar
 from app.engine.registry import Lease, Registry
@@ -107,7 +107,7 @@ class Prepared:
 class ChatConfig:
     """What the pipeline knows of a chat entry before it loads: its models.yaml view."""
 
-    params: ModelParams
+    params: ChatParams
     caps: ModelCapabilities
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.config.schema import ModelCapabilities, ModelParams
+from app.config.schema import ChatParams, ModelCapabilities
 from app.engine.mlx_internals import has_thinking, think_markers
 from app.errors import ConfigError, InvalidRequestError
 from app.families import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family
@@ -31,7 +31,7 @@ class ModelProfile:
 
     name: str
     tokenizer: Any
-    params: ModelParams  # sampling defaults and max_tokens
+    params: ChatParams  # sampling defaults and max_tokens
     max_model_len: int
     parser: str
     reasoning: bool
@@ -55,7 +55,7 @@ class ModelProfile:
     reasoning_opener_is_token: bool = False
 
 
-def make_profile(name: str, tokenizer: Any, params: ModelParams, max_model_len: int, caps: ModelCapabilities, *,
+def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: int, caps: ModelCapabilities, *,
                  vocab_size: int | None = None, kv_budget_tokens: int | None = None) -> ModelProfile:
     """Probe the chat template once and settle the model's parser and prompt policies."""
     template = getattr(tokenizer, "chat_template", None) or ""

@@ -12,8 +12,9 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
+from app.engine.params import Quantization
 from app.errors import CommandError, ConfigError
 from app.service import status as st
 from app.service import units
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction, models: argparse.ArgumentParser) -
     pull.add_argument("--models-file")
     pull.add_argument("--revision", help="branch, tag or commit (default: main)")
     pull.add_argument("--role", choices=["chat", "vision"], help="for a repo id: what the model is (default chat)")
-    pull.add_argument("--isq", choices=["q4", "q8"], help="then convert it with mlx-lm to 4 or 8 bits")
+    pull.add_argument("--isq", choices=get_args(Quantization), help="then convert it with mlx-lm to 4 or 8 bits")
     pull.add_argument("--add", action="store_true", help="add an entry for it to models.yaml")
     pull.add_argument("--name", help="the added entry's name (default: from the repo id)")
 

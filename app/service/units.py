@@ -71,7 +71,9 @@ def passed_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def url_from_argv(argv: list[str]) -> str:
     """The base URL a ``tandem serve`` command line listens on (a wildcard host is reached on loopback)."""
-    host, port = "127.0.0.1", "8000"
+    from app.config.schema import ServerSettings
+
+    host, port = ServerSettings.model_fields["host"].default, str(ServerSettings.model_fields["port"].default)
     for flag, value in zip(argv, argv[1:]):
         if flag == "--host":
             host = value

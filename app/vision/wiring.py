@@ -26,14 +26,14 @@ from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
     from app.config.loader import ResolvedConfig
-    from app.config.schema import ModelEntry, ModelParams, ServerSettings
+    from app.config.schema import ChatEntry, ChatParams, ServerSettings, VisionParams
 
 logger = logging.getLogger("tandem.vision")
 # The user's words in a caption prompt are cut at this many characters.
 MAX_CONTEXT_CHARS = 2000
 
 
-def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
+def image_policy(server: ServerSettings, params: ChatParams | VisionParams) -> ImagePolicy:
     """The image limits: server-wide settings plus the vision model's per-request cap."""
     return ImagePolicy(
         max_image_bytes=server.max_image_bytes,
@@ -78,15 +78,18 @@ class LeasedCaptioner:
 
 
 def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True,
-                chat: ModelEntry | None = None, registry: Registry | None = None) -> tuple[VisionProxy, str | None]:
+                chat: ChatEntry | None = None, registry: Registry | None = None) -> tuple[VisionProxy, str | None]:
     """Load the vision model of ``chat`` (default: the primary model) on the MLX thread;
     return the proxy and why vision is off, if it is.
 
     With ``load=False`` (``--no-vision``) the proxy has no captioner: images are
     still checked, then replaced by placeholders with a warning."""
+    from app.config.schema import ChatEntry, VisionEntry
+
     chat = chat or config.primary
     proxy_config = chat.capabilities.vision_proxy
-    entry = config.models_file.find(proxy_config.model) if proxy_config else None
+    found = config.models_file.find(proxy_config.model) if proxy_config else None
+    entry = found if isinstance(found, (ChatEntry, VisionEntry)) else None  # an encoder cannot caption
     params = (entry or chat).params
     cache = CaptionCache(config.server.caption_cache_entries)
     policy = image_policy(config.server, params)
@@ -94,6 +97,8 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = T
     def unavailable(reason: str) -> tuple[VisionProxy, str]:
         return VisionProxy(None, cache, policy, unavailable_reason=reason), reason
 
+    if found is not None and entry is None:
+        return unavailable(f"vision model {found.name!r} is not a VLM (role {found.role})")
     if proxy_config is None or entry is None:
         return unavailable("no vision model is configured")
     if not load:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -98,14 +99,14 @@ def test_a_sampler_failing_mid_batch_leaves_the_engine_sampling(srv):
     unseeded sampling included (the global PRNG key the tracer left behind is replaced)."""
     import asyncio
 
-    from app.engine.types import GenerationRequest, SamplingParams
+    from app.engine.types import GREEDY, GenerationRequest
     from app.errors import EngineError
 
     engine = srv.state.engine
     tokens = engine.tokenizer.encode("Hello")
 
     async def generate(**sampling):
-        async for delta in engine.stream(GenerationRequest(tokens, max_tokens=2, sampling=SamplingParams(**sampling))):
+        async for delta in engine.stream(GenerationRequest(tokens, max_tokens=2, sampling=replace(GREEDY, **sampling))):
             if delta.finish_reason:
                 return delta.completion_tokens
 

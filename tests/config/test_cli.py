@@ -31,3 +31,14 @@ def test_bad_flag_value_names_the_flag(tmp_path):
 def test_models_list(tmp_path):
     r = run("models", "list")
     assert r.returncode == 0 and "smollm2-135m-instruct\tchat\tsmollm2-135m-instruct" in r.stdout
+
+
+def test_a_key_of_another_role_stops_startup(tmp_path):
+    """The acceptance test, end to end: an embedding entry with `temperature` fails at start-up."""
+    bad = tmp_path / "models.yaml"
+    bad.write_text("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n"
+                   "  - name: minilm\n    role: embedding\n    builtin: all-minilm-l6-v2\n    params: {temperature: 0.5}\n")
+    r = run("serve", "--models-file", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert str(bad) in r.stderr and "models[1].params.temperature" in r.stderr
+    assert "model 'minilm' has role embedding, which takes no 'temperature'" in r.stderr

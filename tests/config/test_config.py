@@ -1,16 +1,21 @@
-"""models.yaml -> pydantic -> the engine's frozen LoadParams / EngineParams, with CLI overrides."""
+"""models.yaml -> pydantic -> the engine's frozen LoadParams / EngineParams, with CLI overrides;
+one entry type per role, and each default written once."""
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import get_args
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from app.config.loader import load_models_file, resolve
-from app.config.mapping import engine_params, load_params
-from app.config.schema import ModelParams
-from app.engine.params import EngineParams
+from app.config import schema
+from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
+from app.config.mapping import engine_params, load_params, model_spec
+from app.config.schema import ChatEntry, ChatParams, EmbeddingEntry, EncoderParams, ModelsFile, VisionParams
+from app.engine.params import EncoderLimits, EngineParams, LoadParams, VisionSpec
+from app.engine.types import SamplingParams
 from app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +36,8 @@ def test_repo_models_yaml_is_valid():
 
 def test_engine_params_are_frozen_and_logged():
     with pytest.raises(ValidationError):
-        ModelParams().mem = 5  # type: ignore[misc]
-    p = engine_params(ModelParams(mem=300, max_num_seqs=4, prefill_batch_size=16))
+        ChatParams().mem = 5  # type: ignore[misc]
+    p = engine_params(ChatParams(mem=300, max_num_seqs=4, prefill_batch_size=16))
     with pytest.raises(AttributeError):
         p.kv_mem_mb = 5  # type: ignore[misc]
     assert p.prefill_batch_size == 4  # never more than the batch
@@ -41,16 +46,24 @@ def test_engine_params_are_frozen_and_logged():
                 "prompt_cache_entries=256", "background_share="):
         assert key in line
     assert p.prompt_cache_bytes == 75 * 2**20  # a quarter of mem unless prompt_cache_mem says
-    assert engine_params(ModelParams(mem=300, prompt_cache_mem=10)).prompt_cache_bytes == 10 * 2**20
-    assert load_params(ModelParams(dtype="bfloat16", quantization="q4")).quantization == "q4"
+    assert engine_params(ChatParams(mem=300, prompt_cache_mem=10)).prompt_cache_bytes == 10 * 2**20
+    assert load_params(ChatParams(dtype="bfloat16", quantization="q4")).quantization == "q4"
 
 
 def test_every_engine_knob_has_a_default_in_one_place():
-    """The engine's params type holds every knob; a models.yaml entry maps onto it."""
-    defaults = EngineParams()
-    mapped = engine_params(ModelParams())
-    assert mapped.prompt_cache_share == defaults.prompt_cache_share
-    assert mapped.starvation_s == defaults.starvation_s and mapped.channel_max_pending == defaults.channel_max_pending
+    """The engine's params type holds every knob; a models.yaml entry maps onto it. A knob that
+    models.yaml sets has its default on the schema only: the engine's field has none."""
+    mapped = engine_params(ChatParams())
+    internal = {f.name for f in fields(EngineParams) if f.default is not MISSING}
+    assert internal == {"starvation_s", "prompt_cache_share", "prompt_cache_disk_queue_mb", "channel_max_pending"}
+    assert mapped.prompt_cache_share == 0.25 and mapped.starvation_s == 5.0
+    for params_type in (LoadParams, EncoderLimits, VisionSpec, SamplingParams):
+        assert all(f.default is MISSING for f in fields(params_type)), params_type
+    # Renamed on the way: each engine field is a schema field, or says where it comes from.
+    schema = set(ChatParams.model_fields)
+    renamed = {"kv_mem_mb": "mem", "prompt_cache_mb": "prompt_cache_mem"}
+    for f in fields(EngineParams):
+        assert f.name in internal or renamed.get(f.name, f.name) in schema, f.name
 
 
 @pytest.mark.parametrize(
@@ -97,9 +110,9 @@ def test_cli_overrides_win_and_are_validated(tmp_path):
 
 
 def test_kv_split_adds_up_when_mem_not_given():
-    assert ModelParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100).kv_mem_mb == 400
-    assert ModelParams(mem=50, kvcache_mem_gpu=300).kv_mem_mb == 50
-    assert engine_params(ModelParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100)).kv_mem_mb == 400
+    assert ChatParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100).kv_mem_mb == 400
+    assert ChatParams(mem=50, kvcache_mem_gpu=300).kv_mem_mb == 50
+    assert engine_params(ChatParams(kvcache_mem_gpu=300, kvcache_mem_cpu=100)).kv_mem_mb == 400
 
 
 def test_unknown_served_model(tmp_path):
@@ -115,3 +128,113 @@ def test_native_vision_is_accepted_and_image_token_is_gone(tmp_path):
     old = text.replace("{vision_mode: native}", "{vision_mode: native, image_token: '<image>'}")
     with pytest.raises(ConfigError, match="image_token: unknown key"):
         load_models_file(write(tmp_path, old))
+
+
+# ---- one entry type per role ------------------------------------------------------------------------
+
+EMBEDDING = "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n  - name: minilm\n    role: embedding\n" \
+            "    builtin: all-minilm-l6-v2\n"
+
+
+def test_an_embedding_entry_with_temperature_fails_naming_entry_and_key(tmp_path):
+    """The acceptance test: a key of another role is a start-up error, not ignored."""
+    path = write(tmp_path, EMBEDDING + "    params: {max_inputs: 64, temperature: 0.5}\n")
+    with pytest.raises(ConfigError) as info:
+        load_models_file(path)
+    msg = info.value.message
+    assert str(path) in msg and "models[1].params.temperature" in msg
+    assert "model 'minilm' has role embedding, which takes no 'temperature' (a key of chat entries)" in msg
+    assert "embedding params: dtype, max_model_len, max_queue, queue_timeout_s, max_batch" in msg
+
+
+@pytest.mark.parametrize(
+    "entry, key, message",
+    [
+        ("  - name: v\n    role: vision\n    hf_id: x/y\n    params: {mem: 512}\n",
+         "models[1].params.mem", "model 'v' has role vision, which takes no 'mem' (a key of chat entries); "
+                                 "vision params: max_pixels, min_pixels, max_images_per_request"),
+        ("  - name: c\n    hf_id: x/y\n    params: {max_batch: 4}\n",
+         "models[1].params.max_batch", "model 'c' has role chat, which takes no 'max_batch' "
+                                       "(a key of embedding and rerank entries)"),
+        ("  - name: r\n    role: rerank\n    hf_id: x/y\n    params: {max_pixels: 4096}\n",
+         "models[1].params.max_pixels", "(a key of chat and vision entries); rerank params: dtype"),
+        ("  - name: e\n    role: embedding\n    hf_id: x/y\n    capabilities: {tool_parser: qwen}\n",
+         "models[1].capabilities", "model 'e' has role embedding, which takes no 'capabilities' (a key of chat "
+                                   "entries); embedding keys: name, hf_id"),
+        ("  - name: e\n    role: embedding\n    hf_id: x/y\n    params: {max_inputz: 3}\n",
+         "models[1].params.max_inputz", "unknown key"),
+        ("  - name: e\n    role: embeddings\n    hf_id: x/y\n",
+         "models[1].role", "got 'embeddings'; allowed: 'chat', 'vision', 'embedding', 'rerank'"),
+    ],
+)
+def test_keys_of_another_role_are_refused(tmp_path, entry, key, message):
+    path = write(tmp_path, "models:\n  - name: a\n    builtin: smollm2-135m-instruct\n" + entry)
+    with pytest.raises(ConfigError) as info:
+        load_models_file(path)
+    assert f"{key}: " in info.value.message and message in info.value.message
+
+
+def test_each_role_gets_its_own_entry_and_params_type(tmp_path):
+    mf = load_models_file(write(tmp_path, EMBEDDING + "    params: {max_inputs: 64, dtype: float16}\n"))
+    chat, minilm = mf.models
+    assert isinstance(chat, ChatEntry) and chat.role == "chat"  # no role: chat
+    assert isinstance(minilm, EmbeddingEntry) and isinstance(minilm.params, EncoderParams)
+    spec = model_spec(minilm, None)
+    assert spec.encoder is not None and spec.encoder.dtype == "float16" and spec.encoder.limits.max_inputs == 64
+    assert spec.engine is None and spec.load is None and spec.kv_budget_bytes == 0
+    assert (spec.max_queue, spec.queue_timeout_s) == (64, 120.0)
+    assert model_spec(chat, None).encoder is None
+    # One table of roles: the Literal, the entry types and the union agree.
+    assert set(schema.ROLE_ENTRIES) == set(get_args(schema.Role))
+    for role, entry_type in schema.ROLE_ENTRIES.items():
+        assert get_args(entry_type.model_fields["role"].annotation) == (role,)
+
+
+# ---- each default once; descriptions for the generated docs and CLI --------------------------------
+
+
+def _schema_models() -> list[type[BaseModel]]:
+    return [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, BaseModel)
+            and v.__module__ == schema.__name__]
+
+
+def test_every_config_field_has_a_description():
+    """The docs' reference tables and the CLI's help are generated from these."""
+    names = {m.__name__ for m in _schema_models()}
+    assert {"ChatParams", "VisionParams", "EncoderParams", "ModelCapabilities", "VisionProxyConfig",
+            "ModelEntryBase", "ChatEntry", "VisionEntry", "EmbeddingEntry", "RerankEntry", "ServerSettings",
+            "ModelsFile"} <= names
+    for model in _schema_models():
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}"
+
+
+def test_sampling_defaults_are_the_schemas():
+    """SamplingParams has no defaults of its own: every model-level knob comes from ChatParams."""
+    per_request = {"seed", "logit_bias"}
+    assert {f.name for f in fields(SamplingParams)} - per_request <= set(ChatParams.model_fields)
+    assert ChatParams().temperature == 0.7
+
+
+def test_cli_flags_are_generated_from_the_fields():
+    from app.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    actions = {a.dest: a for a in serve._actions}
+    for flag, key in [*PARAM_FLAGS.items(), *((f, f) for f in SERVER_FLAGS)]:
+        model = ChatParams if flag in PARAM_FLAGS else schema.ServerSettings
+        field = model.model_fields[key]
+        assert actions[flag].help.startswith(field.description.replace("%", "%%")), flag
+        assert actions[flag].default is None
+    assert actions["dtype"].choices == list(get_args(schema.Dtype))
+    assert actions["isq"].choices == ["q4", "q8"] and actions["kv_cache_bits"].choices == [4, 8]
+    assert actions["kv_cache_bits"].type is int and actions["mem"].type is int
+    assert actions["temperature"].type is float and actions["port"].type is int
+    args = build_parser().parse_args(["serve", "--isq", "q4", "--kv-cache-bits", "8", "--temperature", "0.2"])
+    assert (args.isq, args.kv_cache_bits, args.temperature, args.mem) == ("q4", 8, 0.2, None)
+
+
+def test_vision_params_are_image_bounds_only():
+    assert set(VisionParams.model_fields) == {"max_pixels", "min_pixels", "max_images_per_request"}
+    assert VisionParams.model_fields["max_pixels"].default == ChatParams.model_fields["max_pixels"].default
+    assert ModelsFile.model_fields["models"].description

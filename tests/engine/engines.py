@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.config.mapping import engine_params, load_params
-from app.config.schema import ModelParams
+from app.config.schema import ChatParams
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.params import ModelSource
@@ -14,7 +14,7 @@ from app.engine.worker import MLXWorker
 def make_engine(path, **params) -> TextEngine:
     """Its own MLX thread and model; stop it with ``engine.worker.stop()``. No disk tier
     unless ``prompt_cache_disk_mb`` says (then give it its own ``prompt_cache_disk_dir``)."""
-    p = ModelParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
+    p = ChatParams(**{"mem": 64, "max_num_seqs": 4, "prefill_chunk_size": 32, "temperature": 0.0,
                        "cache_min_tokens": 8, "prompt_cache_disk_mb": 0, **params})
     worker = MLXWorker()
     worker.start()

@@ -4,19 +4,22 @@ ModernBERT cross-encoder (the one cross-encoder kind mlx-embeddings loads)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from app.config.mapping import encoder_limits
+from app.config.schema import EncoderParams
 from app.engine.builtin_models import (
     MARKER_NAME,
     ensure_builtin,
     ensure_minilm,
     minilm_dir,
 )
-from app.engine.encoder import EncoderLimits, Ranking, load_encoder, plan_batches
+from app.engine.encoder import Ranking, load_encoder, plan_batches
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tests.fixtures.tiny_reranker import build_tiny_reranker
@@ -31,11 +34,14 @@ SENTENCES = [
     "Tomato soup needs salt.",
 ]
 
+# An embedding entry's limits with models.yaml's defaults.
+DEFAULT_LIMITS = encoder_limits(EncoderParams())
+
 
 @pytest.fixture(scope="module")
 def minilm(minilm_dir: Path):
     # A small max_batch so that a request of SENTENCES spans several padded batches.
-    return load_encoder(minilm_dir, name="minilm", limits=EncoderLimits(max_batch=3, max_inputs=16))
+    return load_encoder(minilm_dir, name="minilm", limits=encoder_limits(EncoderParams(max_batch=3, max_inputs=16)))
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +210,7 @@ def _count(gen, steps):
 @pytest.mark.parametrize(("max_batch", "max_tokens"), [(1, 10_000), (3, 10_000), (32, 40), (4, 1)])
 def test_plan_batches_respects_both_limits(max_batch, max_tokens):
     lengths = [5, 17, 3, 9, 9, 30, 1, 12, 8]
-    batches = plan_batches(lengths, EncoderLimits(max_batch=max_batch, max_batch_tokens=max_tokens))
+    batches = plan_batches(lengths, replace(DEFAULT_LIMITS, max_batch=max_batch, max_batch_tokens=max_tokens))
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) <= max_batch
@@ -217,7 +223,7 @@ def test_plan_batches_respects_both_limits(max_batch, max_tokens):
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, minilm_dir):
     out = build_tiny_reranker(tmp_path_factory.mktemp("tiny-reranker"), minilm_dir / "tokenizer.json")
-    return load_encoder(out, name="tiny-reranker", limits=EncoderLimits(max_batch=2))
+    return load_encoder(out, name="tiny-reranker", limits=encoder_limits(EncoderParams(max_batch=2)))
 
 
 def test_cross_encoder_scores_pairs_batched_as_alone(reranker):
@@ -243,13 +249,13 @@ def test_bert_cross_encoder_is_refused_with_the_reason(tmp_path):
     config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "id2label": {"0": "LABEL_0"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sequence-classification head for ModernBERT only"):
-        load_encoder(tmp_path)
+        load_encoder(tmp_path, limits=DEFAULT_LIMITS)
 
 
 def test_unknown_model_type_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="not a text embedding model"):
-        load_encoder(tmp_path)
+        load_encoder(tmp_path, limits=DEFAULT_LIMITS)
 
 
 # ---- the builtin ---------------------------------------------------------------------------

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from app.engine.types import GenerationRequest, SamplingParams
-from tests.engine.engines import make_engine, run
+from app.engine.types import GREEDY, GenerationRequest
 from app.errors import ContextLengthError, EngineError, RateLimitError, VisionNotSupportedError
-
-
+from tests.engine.engines import make_engine, run
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def test_images_are_refused(engine):
 
 
 def test_seeded_sampling_is_reproducible(engine):
-    s = SamplingParams(temperature=1.0, seed=1234)
+    s = replace(GREEDY, temperature=1.0, seed=1234)
     req = GenerationRequest(prompt(engine), max_tokens=8, sampling=s)
     a = asyncio.run(run(engine, req))[0]
     b = asyncio.run(run(engine, req))[0]
@@ -155,7 +154,7 @@ def test_failing_sampler_fails_one_request_only(engine, monkeypatch):
         return real(p)
 
     monkeypatch.setattr(mod, "build_sampler", sampler_for)
-    bad = GenerationRequest(prompt(engine), max_tokens=4, sampling=SamplingParams(seed=666, temperature=1.0))
+    bad = GenerationRequest(prompt(engine), max_tokens=4, sampling=replace(GREEDY, seed=666, temperature=1.0))
     with pytest.raises(EngineError, match="boom"):
         asyncio.run(run(engine, bad))
     _, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=3)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -21,7 +22,7 @@ from app.engine.constraints import (
     ToolCalls,
 )
 from app.engine.grammar import Grammar, compiler_for
-from app.engine.types import GenerationRequest, SamplingParams
+from app.engine.types import GREEDY, GenerationRequest
 from app.errors import InvalidRequestError
 from app.families import BARE_JSON, CallSyntax, llama, mistral, qwen
 from app.parsers import collect, make_parser
@@ -53,7 +54,7 @@ CLOCK = Tool("get_time", {
     "additionalProperties": False,
 })
 TOOLS = {t.name: t for t in (WEATHER, CLOCK)}
-HOT = SamplingParams(temperature=1.5, seed=7)
+HOT = replace(GREEDY, temperature=1.5, seed=7)
 THINK_MARKERS = ["<think>", "</think>", "[TOOL_CALLS]", "[ARGS]"]
 
 
@@ -92,7 +93,6 @@ def prompt(engine, text: str) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-GREEDY = SamplingParams()
 
 
 def generate(engine, spec, text="Fill in the form.", sampling=GREEDY, reasoning=None, max_tokens=160, wrap=None):
@@ -115,7 +115,7 @@ def parse_calls(family: str, text: str, complete: bool = True) -> list[tuple[str
 # ---- JSON ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), HOT], ids=["greedy", "hot"])
+@pytest.mark.parametrize("sampling", [GREEDY, HOT], ids=["greedy", "hot"])
 def test_json_schema_output_is_valid(engine, sampling):
     text, last = generate(engine, JsonSchema(TICKET, strict=True), sampling=sampling)
     assert last.finish_reason == "stop", text
@@ -187,7 +187,7 @@ SYNTAXES = {"mistral": ("mistral", mistral.CALLS), "qwen": ("qwen", qwen.CALLS),
 
 
 @pytest.mark.parametrize("syntax", sorted(SYNTAXES))
-@pytest.mark.parametrize("sampling", [SamplingParams(), HOT], ids=["greedy", "hot"])
+@pytest.mark.parametrize("sampling", [GREEDY, HOT], ids=["greedy", "hot"])
 def test_tool_calls_in_each_syntax(engine, syntax, sampling):
     family, call_syntax = SYNTAXES[syntax]
     spec = ToolCalls((WEATHER, CLOCK), call_syntax, parallel=True)
@@ -227,7 +227,7 @@ def test_calls_or_an_answer(engine):
     spec = ToolCalls((WEATHER,), qwen.CALLS, parallel=False, answer=JsonSchema(TICKET))
     branches = set()
     for seed in range(4):  # seeds 0-3 of the tiny model take both branches
-        text, last = generate(engine, spec, sampling=SamplingParams(temperature=1.5, seed=seed), max_tokens=200)
+        text, last = generate(engine, spec, sampling=replace(GREEDY, temperature=1.5, seed=seed), max_tokens=200)
         assert last.finish_reason == "stop", text
         if text.startswith("<tool_call>"):
             [(_, args)] = parse_calls("qwen", text)

@@ -13,13 +13,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from app.engine.params import LoadParams, ModelSource
+from app.config.mapping import load_params
+from app.config.schema import ChatParams
 from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.loader import load_text_model
+from app.engine.params import ModelSource
 from app.engine.types import GenerationRequest
-from tests.fixtures.tiny_llama import build_tiny_llama
-from tests.engine.engines import make_engine, run
 from app.errors import ConfigError
+from tests.engine.engines import make_engine, run
+from tests.fixtures.tiny_llama import build_tiny_llama
 
 CONFIG = {
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
@@ -188,4 +190,4 @@ def test_prefix_cache_reuse_gives_same_tokens(model_dir):
 
 def test_head_dim_not_a_multiple_of_the_group_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="head_dim"):
-        load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)), LoadParams(kv_cache_bits=8))
+        load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)), load_params(ChatParams(kv_cache_bits=8)))

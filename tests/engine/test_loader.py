@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 
 from app.config.mapping import engine_params, load_params
-from app.config.schema import ModelParams
+from app.config.schema import ChatParams
 from app.engine.engine import TextEngine
 from app.engine.loader import activation_dtype, load_text_model
 from app.engine.params import ModelSource
@@ -18,7 +18,7 @@ from app.errors import ConfigError
 
 
 def load(path, **params):
-    p = ModelParams(**params)
+    p = ChatParams(**params)
     return load_text_model(ModelSource("m", local_path=str(path)), load_params(p)), p
 
 
@@ -64,7 +64,7 @@ def test_kv_cache_bits_needs_a_head_dim_the_group_size_divides(tiny_model_dir):
 
 
 def test_engine_maps_batch_and_prefill_params(tiny_model_dir, caplog):
-    p = ModelParams(mem=32, max_num_seqs=3, prefill_chunk_size=48)
+    p = ChatParams(mem=32, max_num_seqs=3, prefill_chunk_size=48)
     worker = MLXWorker()
     worker.start()
     try:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from app.config.mapping import engine_params, load_params
-from app.config.schema import ModelParams
+from app.config.schema import ChatParams
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.mirror import Follower, MirrorOps
@@ -37,7 +37,7 @@ class Watch:
 @pytest.fixture(scope="module")
 def mirrored(tiny_model_dir):
     # Two prefix-cache entries at most, so evictions happen; 4 slots, so background work pauses.
-    p = ModelParams(mem=64, max_num_seqs=4, prefill_chunk_size=32, temperature=0.0, cache_min_tokens=8,
+    p = ChatParams(mem=64, max_num_seqs=4, prefill_chunk_size=32, temperature=0.0, cache_min_tokens=8,
                     prompt_cache_entries=2)
     worker = MLXWorker()
     worker.start()

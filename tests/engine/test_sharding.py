@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.params import LoadParams
+from app.config.mapping import load_params
+from app.config.schema import ChatParams
 from app.engine.sharding import check_params, check_splittable
 from app.errors import ConfigError
 from tests.fixtures.tiny_ministral import _config as ministral_config
@@ -55,6 +56,6 @@ def test_a_model_type_mlx_lm_cannot_split_is_refused():
 
 
 def test_load_time_quantization_is_refused():
-    check_params("m", LoadParams(kv_cache_bits=8))
+    check_params("m", load_params(ChatParams(kv_cache_bits=8)))
     with pytest.raises(ConfigError, match="serve a quantized checkpoint instead"):
-        check_params("m", LoadParams(quantization="q4"))
+        check_params("m", load_params(ChatParams(quantization="q4")))

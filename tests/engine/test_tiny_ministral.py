@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.config.mapping import load_params
-from app.config.schema import ModelParams
+from app.config.schema import ChatParams
 from app.engine.loader import load_text_model
 from app.engine.params import ModelSource
 from tests.fixtures.tiny_ministral import DEFAULT_SYSTEM_PROMPT, SPECIAL_TOKENS, build_tiny_ministral
@@ -47,7 +47,7 @@ def test_loads_with_mlx_lm_and_writes_its_scripts(scripted):
 
 
 def test_loads_with_the_servers_loader(scripted):
-    loaded = load_text_model(ModelSource("m", local_path=str(scripted)), load_params(ModelParams()))
+    loaded = load_text_model(ModelSource("m", local_path=str(scripted)), load_params(ChatParams()))
     assert loaded.config["model_type"] == "mistral3" and loaded.kv.layers == 2
     assert loaded.tokenizer.eos_token == "</s>" and loaded.tokenizer.bos_token == "<s>"
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from io import BytesIO
 
 import mlx.core as mx
 import pytest
 from PIL import Image
 
+from app.config.mapping import engine_params, load_params
+from app.config.schema import ChatParams
 from app.engine.mlx_internals import reset_vlm_stopping
-from app.engine.params import EngineParams, LoadParams
-from app.engine.types import GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
+from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
 from app.engine.vlm import LoadedVlm, VlmEngine, load_vlm, render_vlm_prompt
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, ImageError, InvalidRequestError
@@ -44,16 +46,16 @@ def worker():
     w.stop()
 
 
-def load(worker: MLXWorker, model_dir, **load_params) -> LoadedVlm:
+def load(worker: MLXWorker, model_dir, **params) -> LoadedVlm:
     return worker.submit(
-        lambda: load_vlm(str(model_dir), LoadParams(**load_params), name="tiny-vlm", max_pixels=448 * 448,
+        lambda: load_vlm(str(model_dir), load_params(ChatParams(**params)), name="tiny-vlm", max_pixels=448 * 448,
                          min_pixels=28 * 28, max_images=MAX_IMAGES)
     ).result()
 
 
 @pytest.fixture(scope="module")
 def engine(worker, model_dir):
-    eng = VlmEngine(worker, load(worker, model_dir), EngineParams(kv_mem_mb=16, max_num_seqs=4, prefill_chunk_size=32))
+    eng = VlmEngine(worker, load(worker, model_dir), engine_params(ChatParams(mem=16, max_num_seqs=4, prefill_chunk_size=32)))
     records: list[GenerationRecord] = []
     eng.add_listener(records.append)
     eng.records = records  # type: ignore[attr-defined]
@@ -138,7 +140,7 @@ def test_batched_equals_alone(engine):
 
 def test_seeded_sampling_is_reproducible(engine):
     def sampled(seed: int) -> str:
-        s = SamplingParams(temperature=1.0, seed=seed)
+        s = replace(GREEDY, temperature=1.0, seed=seed)
         return generate(engine, request(engine, "What?", [image(3)], max_tokens=12, sampling=s))[0]
 
     assert sampled(7) == sampled(7)
@@ -187,7 +189,7 @@ def test_a_bad_request_fails_alone(engine):
 
 def test_context_is_the_real_prompt_length(worker, model_dir):
     loaded = load(worker, model_dir, max_model_len=64)
-    eng = VlmEngine(worker, loaded, EngineParams(kv_mem_mb=16, max_num_seqs=2))
+    eng = VlmEngine(worker, loaded, engine_params(ChatParams(mem=16, max_num_seqs=2)))
     one = request(eng, "Hi", [image(1)], max_tokens=1000)
     _, last = generate(eng, one)
     assert last.finish_reason == "length" and last.prompt_tokens + last.completion_tokens == 64
@@ -273,7 +275,7 @@ def test_logprobs_are_mlx_vlms_own(engine, worker, model_dir):
     logprobs equal what mlx-vlm's single-sequence generate computes for each token."""
     greedy = request(engine, "What is this?", [image(1)], max_tokens=6, logprobs=3)
     sampled = request(engine, "Describe it.", [image(2)], max_tokens=6, logprobs=3,
-                      sampling=SamplingParams(temperature=1.0, seed=5))
+                      sampling=replace(GREEDY, temperature=1.0, seed=5))
     plain = request(engine, "What is this?", [image(1)], max_tokens=6)
 
     async def together():
@@ -300,14 +302,14 @@ def test_sampled_logprobs_are_the_distribution_drawn_from(engine):
                                                  sampling=sampling)))
         return [lp for d in got for lp in d.logprobs]
 
-    hot = logprobs(SamplingParams(temperature=1.0, seed=11))
-    assert hot == logprobs(SamplingParams(temperature=1.0, seed=11))
+    hot = logprobs(replace(GREEDY, temperature=1.0, seed=11))
+    assert hot == logprobs(replace(GREEDY, temperature=1.0, seed=11))
     for lp in hot:
         assert -30 < lp.logprob < 0 and all(-30 < v < 0 for _, v in lp.top)
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
         assert lp.logprob <= lp.top[0][1] and dict(lp.top).get(lp.token, lp.logprob) == lp.logprob
     # The first token is drawn from the prompt alone: the same distribution greedy sees.
-    assert hot[0].top == logprobs(SamplingParams(temperature=0.0))[0].top
+    assert hot[0].top == logprobs(replace(GREEDY, temperature=0.0))[0].top
 
 
 async def deltas(engine: VlmEngine, req: GenerationRequest) -> list[TokenDelta]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from app.api.openai.protocol import ChatCompletionRequest
-from app.config.schema import ModelCapabilities, ModelParams
+from app.config.schema import ChatParams, ModelCapabilities
 from app.pipeline.pipeline import build_chat
 from app.pipeline.prompting import make_profile
 from tests.fixtures.open_webui import OPEN_WEBUI_SYSTEM, OPEN_WEBUI_TOOLS
@@ -19,7 +19,7 @@ def profile(demo_model_dir):
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(demo_model_dir)
-    return make_profile("demo", tokenizer, ModelParams(), 8192, ModelCapabilities())
+    return make_profile("demo", tokenizer, ChatParams(), 8192, ModelCapabilities())
 
 
 def prompt_tokens(profile, tools: list[dict]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.api.openai.protocol import ChatCompletionRequest
-from app.config.schema import ModelCapabilities, ModelParams
+from app.config.schema import ChatParams, ModelCapabilities
 from app.errors import ConfigError, InvalidRequestError
 from app.pipeline.pipeline import build_chat
 from app.pipeline.prompting import make_profile
@@ -19,7 +19,7 @@ def tokenizer(demo_model_dir):
 
 
 def profile(tokenizer, **caps):
-    return make_profile("demo", tokenizer, ModelParams(max_tokens=64), 2048, ModelCapabilities(**caps))
+    return make_profile("demo", tokenizer, ChatParams(max_tokens=64), 2048, ModelCapabilities(**caps))
 
 
 def chat(**kw):
@@ -80,7 +80,7 @@ def test_max_tokens_and_max_completion_tokens(tokenizer):
 
 
 def test_default_max_tokens_is_capped_to_the_context(tokenizer):
-    p = make_profile("demo", tokenizer, ModelParams(max_tokens=4000), 100, ModelCapabilities())
+    p = make_profile("demo", tokenizer, ChatParams(max_tokens=4000), 100, ModelCapabilities())
     req = prepare_chat(p, chat())
     assert req.gen.max_tokens == 100 - len(req.gen.prompt_tokens)
 

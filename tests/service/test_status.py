@@ -100,7 +100,7 @@ def chat_and_vision_server(tmp_path_factory, tiny_model_dir):
     """Today's server with two models: the tiny chat model, and a tiny Qwen2-VL captioning for it."""
     tmp = tmp_path_factory.mktemp("ps-today")
     vlm = build_tiny_qwen2_vl(tmp / "vlm")
-    text = tiny_yaml(tiny_model_dir, vision={"temperature": 0.0}).replace(
+    text = tiny_yaml(tiny_model_dir, vision={}).replace(
         str(tiny_model_dir.parent / "no-such-vlm"), str(vlm))
     with serving(tmp, text) as served:
         assert served.state.vision.available, served.state.vision.reason

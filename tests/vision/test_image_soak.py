@@ -58,8 +58,7 @@ def serving(tmp: Path, vlm: Path, server: dict) -> Iterator[tuple[subprocess.Pop
              "params": {"mem": 64, "max_tokens": 2, "temperature": 0.0},
              "capabilities": {"vision_mode": "proxy",
                               "vision_proxy": {"model": "vlm", "max_tokens": 4}}},
-            {"name": "vlm", "role": "vision", "local_path": str(vlm),
-             "params": {"temperature": 0.0}},
+            {"name": "vlm", "role": "vision", "local_path": str(vlm)},
         ],
     }
     with server_process(tmp, models) as served:
