@@ -49,7 +49,7 @@ def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpe
         name=entry.name, role=entry.role, source=model_source(entry), load=load_params(p),
         engine=engine_params(p),
         encoder=EncoderSpec(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
-                            max_length=p.max_model_len),
+                            max_length=p.max_model_len, max_step_ms=p.max_step_ms),
         vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
         if entry.capabilities.vision_mode == "native" else None,
         aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,

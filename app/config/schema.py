@@ -103,6 +103,9 @@ class ModelParams(_Strict):
     max_batch: int = Field(default=32, ge=1)
     max_batch_tokens: int = Field(default=4096, ge=16)
     max_inputs: int = Field(default=2048, ge=1)
+    # Embedding and rerank models only: target milliseconds of one encoder batch; batches are cut
+    # below max_batch_tokens to stay near it, so chat streams keep getting tokens during a job.
+    max_step_ms: int = Field(default=200, ge=1)
 
     @property
     def kv_mem_mb(self) -> int:

@@ -116,6 +116,7 @@ class EncoderSpec:
     max_batch_tokens: int = 4096
     max_inputs: int = 2048
     max_length: int | None = None
+    max_step_ms: int = 200
 
 
 @dataclass(frozen=True)
