@@ -263,6 +263,33 @@ def test_cross_encoder_scores_pairs_batched_as_alone(reranker):
         reranker.embed("cats")
 
 
+def test_the_engine_runs_rerank_jobs_in_turns(reranker):
+    """EncoderEngine on a real worker: two cross-encoder jobs at once, each as ``rerank`` scores
+    it alone, their batches taking turns (max_batch 2: several batches each)."""
+    import asyncio
+
+    from app.engine.encoder_engine import EncoderEngine
+    from app.engine.params import EngineParams
+
+    docs = ["cats sleep a lot", "the market fell sharply", "a", "dogs bark at night", "rain", "sun and sea"]
+    worker = MLXWorker()
+    worker.start()
+    try:
+        engine = worker.submit(lambda: EncoderEngine(worker, reranker, EngineParams())).result(timeout=30)
+
+        async def both() -> list:
+            jobs = [engine.encode(lambda q=q: reranker.prepare_rerank(q, docs)) for q in ("cats?", "weather?")]
+            return [reranker.ranking(*r) for r in await asyncio.gather(*jobs)]
+
+        rankings = asyncio.run(both())
+        for query, ranking in zip(("cats?", "weather?"), rankings):
+            np.testing.assert_allclose(ranking.scores, reranker.rerank(query, docs).scores, atol=1e-5)
+        stats = engine.stats()
+        assert stats.jobs == {"done": 2} and stats.running == stats.waiting == 0 and stats.batches >= 6
+    finally:
+        worker.stop()
+
+
 def test_cross_encoder_over_length_pair(reranker):
     long_doc = "word " * 80
     with pytest.raises(ContextLengthError, match="query and document together have"):
