@@ -27,6 +27,9 @@ It measures, in this order (one server at a time, so they never compete):
      running streams while prefixes are written to disk, against no disk tier.
  10. distributed: per-step time and tokens/s of one process against two ranks of
       mlx.launch on this machine, on seeded llamas (scripts/bench_distributed.py).
+ 11. embedding_jobs: the time to first token of a chat right after a client sent a
+      512-input embeddings request (all-MiniLM-L6-v2) and hung up, against the same
+      chat alone: an abandoned job must stop, not hold the engine thread.
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -453,8 +456,34 @@ def bench_compile(model_path: str) -> dict[str, float]:
     return {"setup_s": t1 - t0, "cold_ms": (t2 - t1) * 1000, "cached_ms": (t3 - t2) * 1000}
 
 
+async def bench_embedding_jobs(base: str, model: str, embedder: str) -> tuple[float, float]:
+    """TTFT of a chat alone, then of one sent right after a 512-input embeddings request
+    whose client gave up once it was running. Medians of three each."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_embeddings import sentences
+
+    url = base + "/v1/chat/completions"
+    body = lambda q: {"model": model, "max_tokens": 1, "temperature": 0,  # noqa: E731
+                      "messages": [{"role": "user", "content": q}]}
+    questions = ["What should I pack for a week of walking in Lisbon?", "Name three rivers in France.",
+                 "How do I boil an egg?"]
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await one_stream(client, url, body("Hello, are you there?"))  # warm up
+        await client.post(base + "/v1/embeddings", json={"model": embedder, "input": "warm up"})
+        alone = [(await one_stream(client, url, body(q)))["ttft"] for q in questions]
+        busy = []
+        for i, q in enumerate(questions):
+            job = asyncio.create_task(client.post(base + "/v1/embeddings", json={
+                "model": embedder, "input": sentences(512, seed=i)}))
+            await asyncio.sleep(2.0)  # tokenized and running by now
+            job.cancel()  # the client hangs up
+            await asyncio.gather(job, return_exceptions=True)
+            busy.append((await one_stream(client, url, body(q)))["ttft"])
+    return statistics.median(alone), statistics.median(busy)
+
+
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed")
+            "disk", "distributed", "embedding_jobs")
 
 
 def main() -> None:
@@ -480,14 +509,15 @@ def main() -> None:
     if raw is not None:
         print(f"raw mlx-lm stream_generate decode: {raw:.1f} tok/s")
 
-    def serve(copies: int = 1, **params) -> tuple[subprocess.Popen, str]:
+    def serve(copies: int = 1, extra: list[dict] | None = None, **params) -> tuple[subprocess.Popen, str]:
         cfg = Path(tempfile.mkdtemp()) / "models.yaml"
         entry = {"local_path": args.model_path, "params": {
             "mem": prof["mem"], "max_num_seqs": max(prof["concurrency"]), "max_model_len": 8192,
             "prefill_chunk_size": 512, "cache_min_tokens": 32, "max_queue": 256,
             "prompt_cache_disk_mb": 0, **params}}  # a disk tier only where a section asks for one
         names = [name, f"{name}-cold", f"{name}-cold-again"][:copies]
-        cfg.write_text(json.dumps({"default_model": name, "models": [{"name": n, **entry} for n in names]}))
+        models = [{"name": n, **entry} for n in names] + (extra or [])
+        cfg.write_text(json.dumps({"default_model": name, "models": models}))
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         proc = start([sys.executable, "-m", "app", "serve", "--models-file", str(cfg), "--port", str(port),
@@ -619,6 +649,18 @@ def main() -> None:
 
     if "disk" in run:
         ratios += bench_disk(serve, name, prof)
+
+    if "embedding_jobs" in run:
+        # No prefix cache, so the chats after the job find no prompt of the ones before cached.
+        ours, base = serve(prompt_cache="off", extra=[{"name": "minilm", "role": "embedding",
+                                                        "builtin": "all-minilm-l6-v2"}])
+        try:
+            alone, busy = asyncio.run(bench_embedding_jobs(base, name, "minilm"))
+        finally:
+            stop(ours)
+        print(f"chat TTFT alone {alone:.2f}s, after an abandoned 512-input embedding job {busy:.2f}s")
+        ratios.append(f"chat TTFT after an abandoned 512-input embedding job / alone: {busy:.2f}s / {alone:.2f}s = "
+                      f"{busy / alone:.3f}   (target <= 1.5)")
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

@@ -32,10 +32,10 @@ def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
             caps.update(reasoning=profile.reasoning, tool_parser=profile.parser)
         entry["capabilities"] = caps
     else:
-        encoder = state.registry.loaded(spec.name)
-        if encoder is not None:
-            entry["max_model_len"] = encoder.max_length
-            entry["dimensions"] = encoder.dim
+        engine = state.registry.loaded(spec.name)
+        if engine is not None:
+            entry["max_model_len"] = engine.encoder.max_length
+            entry["dimensions"] = engine.encoder.dim
     return entry
 
 

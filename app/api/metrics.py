@@ -20,6 +20,9 @@ scrape time by a collector. Each app has its own registry.
     tandem_prompt_cache_tier_{hits,tokens,evictions}_total{model,tier}, ..._tier_{bytes,entries}{model,tier}
     tandem_prompt_cache_disk_writes_total{model,outcome}, tandem_prompt_cache_disk_damaged_total{model}
     tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
+    tandem_encoder_jobs_running{model}, tandem_encoder_jobs_waiting{model}   embedding / rerank jobs now
+    tandem_encoder_jobs_total{model,outcome}      ended jobs: done, cancelled (client gone), error
+    tandem_encoder_batches_total{model}, tandem_encoder_tokens_total{model}   batches run, tokens encoded
     tandem_model_loaded{model,role}, tandem_model_memory_bytes{model,part}
     tandem_memory_limit_bytes, tandem_memory_used_bytes
     tandem_mlx_active_memory_bytes, tandem_mlx_peak_memory_bytes, tandem_mlx_cache_memory_bytes
@@ -126,6 +129,8 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
         yield from _tier_metrics(engines)
+        encoders = [registry.loaded(spec.name) for spec in registry.specs if spec.role in ("embedding", "rerank")]
+        yield from _encoder_metrics([e for e in encoders if e is not None])
         yield from _model_metrics(registry.snapshot())
         proxy = state.vision.proxy
         if proxy is not None:
@@ -136,6 +141,26 @@ class _StateCollector(Collector):
                                       value=cache["misses"])
             yield GaugeMetricFamily("tandem_caption_cache_entries", "Captions held by the cache.",
                                     value=cache["entries"])
+
+
+def _encoder_metrics(engines: list[Any]) -> Iterator[Metric]:
+    """Each loaded encoder's jobs (``EncoderEngine.stats``)."""
+    stats = [(e.name, e.stats()) for e in engines]
+    running = GaugeMetricFamily("tandem_encoder_jobs_running", "Embedding and rerank jobs running.", labels=["model"])
+    waiting = GaugeMetricFamily("tandem_encoder_jobs_waiting", "Embedding and rerank jobs waiting (tokenizing "
+                                "or queued).", labels=["model"])
+    jobs = CounterMetricFamily("tandem_encoder_jobs", "Embedding and rerank jobs ended, by outcome (done, "
+                               "cancelled, error).", labels=["model", "outcome"])
+    batches = CounterMetricFamily("tandem_encoder_batches", "Encoder batches run.", labels=["model"])
+    tokens = CounterMetricFamily("tandem_encoder_tokens", "Tokens encoded (without padding).", labels=["model"])
+    for name, s in stats:
+        running.add_metric([name], s.running)
+        waiting.add_metric([name], s.waiting)
+        for outcome in ("done", "cancelled", "error"):
+            jobs.add_metric([name, outcome], s.jobs.get(outcome, 0))
+        batches.add_metric([name], s.batches)
+        tokens.add_metric([name], s.tokens)
+    yield from (running, waiting, jobs, batches, tokens)
 
 
 def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:

@@ -55,7 +55,7 @@ def engine_params(p: ChatParams) -> EngineParams:
 def encoder_limits(p: EncoderParams) -> EncoderLimits:
     """How an embedding or rerank model batches."""
     return EncoderLimits(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
-                         max_length=p.max_model_len)
+                         max_length=p.max_model_len, max_jobs=p.max_jobs, max_step_ms=p.max_step_ms)
 
 
 def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:

@@ -158,6 +158,13 @@ class EncoderParams(_QueueParams, _WeightParams):
     max_batch_tokens: int = Field(
         default=4096, ge=16, description="Padded tokens (inputs x longest) in one batch.")
     max_inputs: int = Field(default=2048, ge=1, description="Inputs (or documents) one request may carry.")
+    max_jobs: int = Field(
+        default=8, ge=1, le=256, description="Requests encoded at once, taking turns one batch at a time (more wait "
+        "in the queue, up to max_queue).")
+    max_step_ms: int = Field(
+        default=200, ge=1, description="Target milliseconds of one encoder batch: batches are cut below "
+        "max_batch_tokens to stay near it, so chat streams keep getting tokens during a job. One input that alone "
+        "takes longer still runs in one step.")
 
 
 # ---- capabilities (chat entries) --------------------------------------------------------------------

@@ -17,11 +17,19 @@ Inputs are strings (tokenized with the model's special tokens) or lists of
 token ids (used exactly as given). A request is sorted by length and cut into
 batches of at most ``max_batch`` inputs and ``max_batch_tokens`` padded tokens;
 each batch is right-padded under an attention mask, so an input's vector does
-not depend on its neighbours beyond float32 rounding. ``embed_steps`` and
-``rerank_steps`` are generators that run one batch per step, for
-``MLXWorker.submit_steps``: chat decoding goes on between the batches of a
-large request. ``tokenize`` is plain Python and may run on any thread; the rest
-makes MLX calls and belongs on the MLX-owner thread.
+not depend on its neighbours beyond float32 rounding.
+
+Two halves, two threads. ``prepare_embed`` / ``prepare_rerank`` check and
+tokenize a request: plain Python and the Rust tokenizer (which releases the
+GIL and is never reconfigured once loaded), so a server runs them in a worker
+thread, never on the MLX thread. ``forward`` runs one batch and belongs on the
+MLX-owner thread; ``app.engine.encoder_engine`` schedules a request's batches
+there between chat steps. ``embed`` / ``rerank`` do both in one go, in process
+(tests, benchmarks).
+
+A string far longer than the model takes is tokenized by a prefix cut at a
+word boundary (``_head``): a 1 MB input costs the tokens that can be kept, not
+a megabyte of tokenizing.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from app.engine.encoder_inputs import (
+    check_count,
     check_text,
     check_text_list,
     input_list,
@@ -49,6 +58,9 @@ from app.engine.params import EncoderLimits
 from app.errors import ConfigError, EngineError, InvalidRequestError
 
 log = logging.getLogger("tandem.engine")
+
+# Tokens beyond max_length a prefix of a long string must hold for its cut to be invisible.
+HEAD_MARGIN = 16
 
 # Bi-encoders whose forward is (input_ids, attention_mask=) -> text_embeds (batch, dim).
 EMBEDDING_TYPES = frozenset({"bert", "xlm_roberta", "modernbert", "qwen3", "gemma3_text", "llama_bidirec"})
@@ -109,6 +121,10 @@ class Encoder:
         # A second copy truncates; a Tokenizer is never reconfigured once shared.
         self._truncating = Tokenizer.from_str(tokenizer.to_str())
         self._truncating.enable_truncation(max_length)
+        # A string longer than this many characters holds more tokens than max_length (plus a
+        # margin) unless it is mostly whitespace: it is tokenized by a prefix (``_head``).
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        self._head_chars = 2 * (max_length + HEAD_MARGIN) * (longest + 1)
         self.dim = 0 if kind == "cross-encoder" else int(self._embed_batch([[pad_id]]).shape[1])
 
     @property
@@ -118,25 +134,79 @@ class Encoder:
         return sum(int(v.nbytes) for _, v in leaves)
 
     def tokenize(self, inputs: object, *, truncate: bool = False, param: str = "input") -> list[list[int]]:
-        """Token ids for each input (see ``input_list`` for the shapes taken).
+        """Token ids for each input (see ``input_list`` for the shapes taken). Any thread.
 
         Raises ``InvalidRequestError`` for a bad input and ``ContextLengthError``
         for one longer than ``max_length`` unless ``truncate``, which keeps its
         first ``max_length`` tokens (a string keeps its closing special token).
         """
         items = input_list(inputs, param=param, max_inputs=self.limits.max_inputs, vocab_size=self.vocab_size)
-        texts = [(i, s) for i, s in enumerate(items) if isinstance(s, str)]
         out: list[list[int]] = [s if isinstance(s, list) else [] for s in items]
-        for (i, _), enc in zip(texts, self._tokenizer.encode_batch([s for _, s in texts])):
+        # Index -> (the text tokenized, whether it is a cut prefix of the input).
+        texts = {i: self._head(s) for i, s in enumerate(items) if isinstance(s, str)}
+        encoded = self._tokenizer.encode_batch([t for t, _ in texts.values()])
+        for (i, (_, cut)), enc in zip(list(texts.items()), encoded):
             out[i] = enc.ids
+            if cut and len(enc.ids) <= self.max_length + HEAD_MARGIN:  # mostly whitespace: all of it
+                texts[i] = (cast(str, items[i]), False)
+                out[i] = self._tokenizer.encode(texts[i][0]).ids
         for i, ids in enumerate(out):
             if len(ids) <= self.max_length:
                 continue
+            text, cut = texts.get(i, ("", False))
             if not truncate:
-                raise over_length(self.name, f"{param}[{i}]" if len(items) > 1 else param, len(ids), self.max_length)
-            item = items[i]
-            out[i] = self._truncating.encode(item).ids if isinstance(item, str) else ids[: self.max_length]
+                where = f"{param}[{i}]" if len(items) > 1 else param
+                raise over_length(self.name, where, len(ids), self.max_length, at_least=cut)
+            # A prefix's first max_length tokens are the whole string's (it ends at a word boundary).
+            out[i] = self._truncating.encode(text).ids if i in texts else ids[: self.max_length]
         return out
+
+    def _head(self, text: str) -> tuple[str, bool]:
+        """``text``, or a prefix of it ending at whitespace, and whether it was cut."""
+        if len(text) <= self._head_chars:
+            return text, False
+        head = text[: self._head_chars]
+        space = max(head.rfind(c) for c in " \n\t")
+        if space < len(head) // 2:  # no word boundary to cut at: the whole string
+            return text, False
+        return head[:space], True
+
+    def check_size(self, inputs: object, param: str = "input") -> None:
+        """Refuse a request with more inputs than ``max_inputs`` at once, before it waits or
+        is tokenized (the rest of the checks come with ``tokenize``)."""
+        check_count(inputs, param=param, max_inputs=self.limits.max_inputs)
+
+    def prepare_embed(self, inputs: object, *, truncate: bool = False) -> list[list[int]]:
+        """The token ids to embed for ``inputs`` (any thread)."""
+        if self.kind != "embedding":
+            raise InvalidRequestError(f"model {self.name!r} is a reranker; it gives no embeddings", param="model")
+        return self.tokenize(inputs, truncate=truncate)
+
+    def prepare_rerank(self, query: object, documents: object, *, truncate: bool = False) -> list[list[int]]:
+        """The token ids ``forward`` scores for a rerank (any thread): for a cross-encoder one
+        (query, document) pair per document; for an embedding model the query, then each document."""
+        query = check_text(query, "query")
+        docs = check_text_list(documents, param="documents", max_inputs=self.limits.max_inputs)
+        if self.kind == "cross-encoder":
+            return self._pair_tokens(query, docs, truncate)
+        return self.tokenize([query], truncate=truncate, param="query") + self.tokenize(
+            docs, truncate=truncate, param="documents")
+
+    def ranking(self, tokens: list[list[int]], result: np.ndarray) -> Ranking:
+        """The ``Ranking`` of what ``forward`` gave for ``prepare_rerank``'s tokens."""
+        if self.kind == "cross-encoder":
+            return Ranking([float(s) for s in result], sum(len(p) for p in tokens))
+        # Unit vectors: the dot product is the cosine.
+        return Ranking([float(s) for s in result[1:] @ result[0]], sum(len(t) for t in tokens))
+
+    def forward(self, batch: list[list[int]]) -> np.ndarray:
+        """One batch through the model: unit vectors (embedding) or scores (cross-encoder). MLX thread."""
+        return self._score_batch(batch) if self.kind == "cross-encoder" else self._embed_batch(batch)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of one input's result from ``forward``."""
+        return () if self.kind == "cross-encoder" else (self.dim,)
 
     def embed(self, inputs: object, *, truncate: bool = False) -> Embeddings:
         """``embed_steps`` run to its end in one go."""
@@ -144,10 +214,8 @@ class Encoder:
 
     def embed_steps(self, inputs: object, *, truncate: bool = False) -> Generator[None, None, Embeddings]:
         """Embed ``inputs``, one batch per step; returns their ``Embeddings``."""
-        if self.kind != "embedding":
-            raise InvalidRequestError(f"model {self.name!r} is a reranker; it gives no embeddings", param="model")
-        tokens = self.tokenize(inputs, truncate=truncate)
-        vectors = yield from self._vector_steps(tokens)
+        tokens = self.prepare_embed(inputs, truncate=truncate)
+        vectors = yield from self._steps(tokens)
         return Embeddings(vectors, [len(t) for t in tokens])
 
     def rerank(self, query: object, documents: object, *, truncate: bool = False) -> Ranking:
@@ -162,38 +230,27 @@ class Encoder:
         An embedding model scores by cosine similarity (-1 to 1); a cross-encoder
         by its classifier's sigmoid (0 to 1). Higher is more relevant.
         """
-        query = check_text(query, "query")
-        docs = check_text_list(documents, param="documents", max_inputs=self.limits.max_inputs)
-        if self.kind == "cross-encoder":
-            pairs = self._pair_tokens(query, docs, truncate)
-            scores = yield from self._score_steps(pairs)
-            return Ranking([float(s) for s in scores], sum(len(p) for p in pairs))
-        tokens = self.tokenize([query], truncate=truncate, param="query")
-        tokens += self.tokenize(docs, truncate=truncate, param="documents")
-        vectors = yield from self._vector_steps(tokens)
-        # Unit vectors: the dot product is the cosine.
-        return Ranking([float(s) for s in vectors[1:] @ vectors[0]], sum(len(t) for t in tokens))
+        tokens = self.prepare_rerank(query, documents, truncate=truncate)
+        result = yield from self._steps(tokens)
+        return self.ranking(tokens, result)
 
     def _pair_tokens(self, query: str, docs: list[str], truncate: bool) -> list[list[int]]:
-        pairs = [enc.ids for enc in self._tokenizer.encode_batch([(query, d) for d in docs])]
+        # Cut texts keep more tokens than the pair can hold: the truncated pair is the same.
+        (query, q_cut), heads = self._head(query), [self._head(d) for d in docs]
+        pairs = [enc.ids for enc in self._tokenizer.encode_batch([(query, d) for d, _ in heads])]
         for i, ids in enumerate(pairs):
             if len(ids) > self.max_length:
                 if not truncate:
-                    raise over_length(self.name, f"documents[{i}]", len(ids), self.max_length, pair=True)
-                pairs[i] = self._truncating.encode(query, docs[i]).ids
+                    cut = q_cut or heads[i][1]
+                    raise over_length(self.name, f"documents[{i}]", len(ids), self.max_length, pair=True,
+                                      at_least=cut)
+                pairs[i] = self._truncating.encode(query, heads[i][0]).ids
         return pairs
 
-    def _vector_steps(self, tokens: list[list[int]]) -> Generator[None, None, np.ndarray]:
-        out = np.empty((len(tokens), self.dim), dtype=np.float32)
+    def _steps(self, tokens: list[list[int]]) -> Generator[None, None, np.ndarray]:
+        out = np.empty((len(tokens), *self.out_shape), dtype=np.float32)
         for batch in plan_batches([len(t) for t in tokens], self.limits):
-            out[batch] = self._embed_batch([tokens[i] for i in batch])
-            yield
-        return out
-
-    def _score_steps(self, pairs: list[list[int]]) -> Generator[None, None, np.ndarray]:
-        out = np.empty(len(pairs), dtype=np.float32)
-        for batch in plan_batches([len(p) for p in pairs], self.limits):
-            out[batch] = self._score_batch([pairs[i] for i in batch])
+            out[batch] = self.forward([tokens[i] for i in batch])
             yield
         return out
 

@@ -67,14 +67,23 @@ def check_text(value: object, where: str) -> str:
     return value
 
 
-def over_length(model: str, where: str, tokens: int, limit: int, *, pair: bool = False) -> ContextLengthError:
-    """The error for an input longer than the model takes (raise it)."""
+def over_length(model: str, where: str, tokens: int, limit: int, *, pair: bool = False,
+                at_least: bool = False) -> ContextLengthError:
+    """The error for an input longer than the model takes (raise it); ``at_least`` when only
+    a prefix of it was tokenized."""
     what = "query and document together have" if pair else "has"
+    count = f"at least {tokens}" if at_least else str(tokens)
     return ContextLengthError(
-        f"{where}: {what} {tokens} tokens; model {model!r} takes at most {limit} per input. "
+        f"{where}: {what} {count} tokens; model {model!r} takes at most {limit} per input. "
         'Shorten it, or send "truncate": true to cut it to the limit.',
         param=where.split("[", 1)[0],
     )
+
+
+def check_count(raw: object, *, param: str, max_inputs: int) -> None:
+    """Refuse more than ``max_inputs`` items at once, whatever else is wrong with them."""
+    if isinstance(raw, (list, tuple)) and len(raw) > max_inputs and not all(map(_is_token, raw)):
+        _check_count(raw, param, max_inputs)
 
 
 def _check_count(items: list[object] | tuple[object, ...], param: str, max_inputs: int) -> None:

@@ -100,6 +100,8 @@ class EncoderLimits:
     max_batch_tokens: int
     max_inputs: int
     max_length: int | None  # schema: max_model_len; None: the model's own limit
+    max_jobs: int
+    max_step_ms: int
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from app.engine.encoder_engine import EncoderEngine
 from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model_steps, model_source
 from app.engine.params import ModelSource, ModelSpec
@@ -67,7 +68,7 @@ IDLE_SWEEP_S = 1.0
 class _Slot:
     spec: ModelSpec
     state: str = "unloaded"
-    handle: Any = None  # TextEngine | Encoder
+    handle: Any = None  # TextEngine | VlmEngine | EncoderEngine
     weights_bytes: int = 0
     error: str | None = None
     leases: int = 0
@@ -204,10 +205,11 @@ class Registry:
         and in the snapshot; ``weights_bytes()`` is 0 while it is not loaded."""
         self._external.setdefault(name, (role, weights_bytes))
 
-    def stop_accepting(self) -> list[TextEngine]:
-        """Shutdown: no more loads, and every loaded chat engine refuses new requests."""
+    def stop_accepting(self) -> list[Any]:
+        """Shutdown: no more loads, and every loaded engine (chat or encoder) refuses new requests;
+        returns them, to drain."""
         self._closing = True
-        engines = [s.handle for s in self._slots.values() if _is_engine(s.handle)]
+        engines = [s.handle for s in self._slots.values() if s.handle is not None]
         for engine in engines:
             engine.stop_accepting()
         return engines
@@ -338,7 +340,8 @@ class Registry:
             encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
             if spec.role == "embedding" and encoder.kind != "embedding":
                 raise InvalidRequestError(f"model {spec.name!r} is a cross-encoder: serve it with role: rerank")
-            return encoder, encoder.weight_bytes
+            engine = EncoderEngine(self.worker, encoder, max_queue=spec.max_queue, queue_timeout_s=spec.queue_timeout_s)
+            return engine, encoder.weight_bytes
         raise InvalidRequestError(f"model {spec.name!r}: role {spec.role!r} (without its params) is not loaded by "
                                   "the registry")
 
@@ -384,8 +387,7 @@ class Registry:
         slot.transition = loop.create_future()
 
         def unload_on_mlx_thread() -> None:
-            if _is_engine(handle):
-                handle.close()
+            handle.close()
             gc.collect()
             mx.clear_cache()
             self._tune_mlx_memory()
@@ -443,14 +445,18 @@ class Registry:
         for slot in self._slots.values():
             stats = slot.handle.stats() if _is_engine(slot.handle) else None
             kv_used = stats.kv_reserved_tokens * _kv_bytes_per_token(slot.handle) / MB if stats else 0.0
+            if isinstance(slot.handle, EncoderEngine):
+                jobs = slot.handle.stats()
+                running, waiting = jobs.running, jobs.waiting
+            else:
+                running, waiting = (stats.active, stats.waiting + stats.paused) if stats else (0, 0)
             models[slot.spec.name] = {
                 "role": slot.spec.role, "state": slot.state, "pinned": slot.spec.pin,
                 "idle_s": None if slot.last_used is None else round(now - slot.last_used, 1),
                 "memory_mb": {"weights": round(slot.weights_bytes / MB, 1),
                               "kv_budget": round(slot.spec.kv_budget_bytes / MB, 1) if slot.state == "loaded" else 0.0,
                               "kv_used": round(kv_used, 1)},
-                "requests": {"running": stats.active if stats else 0,
-                             "waiting": (stats.waiting + stats.paused if stats else 0) + slot.waiting},
+                "requests": {"running": running, "waiting": waiting + slot.waiting},
                 "error": slot.error,
             }
         for name, (role, size) in self._external.items():

@@ -26,6 +26,7 @@ import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
 from app.engine.encoder import Embeddings, Ranking
+from app.engine.encoder_engine import EncoderEngine
 from app.engine.grammar import Grammar
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
@@ -331,12 +332,14 @@ class Pipeline:
         """The vectors of ``inputs`` from an embedding model, and their dimension."""
         lease = await self.registry.acquire(model, roles=("embedding",))
         try:
-            encoder = lease.handle
+            engine: EncoderEngine = lease.handle
+            encoder = engine.encoder
             if dimensions is not None and dimensions != encoder.dim:
                 raise InvalidRequestError(f"model {model!r} gives {encoder.dim}-dimensional vectors; "
                                           f"dimensions {dimensions} cannot be served", param="dimensions")
-            steps = self.registry.worker.submit_steps(lambda: encoder.embed_steps(inputs, truncate=truncate))
-            return await asyncio.wrap_future(steps), encoder.dim
+            encoder.check_size(inputs)
+            tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(inputs, truncate=truncate))
+            return Embeddings(vectors, [len(t) for t in tokens]), encoder.dim
         finally:
             lease.release()
 
@@ -345,9 +348,11 @@ class Pipeline:
         classifier's score with a cross-encoder (``role: rerank``)."""
         lease = await self.registry.acquire(model, roles=("embedding", "rerank"))
         try:
-            encoder = lease.handle
-            steps = self.registry.worker.submit_steps(lambda: encoder.rerank_steps(query, documents, truncate=truncate))
-            return await asyncio.wrap_future(steps)
+            engine: EncoderEngine = lease.handle
+            encoder = engine.encoder
+            encoder.check_size(documents, param="documents")
+            tokens, result = await engine.encode(lambda: encoder.prepare_rerank(query, documents, truncate=truncate))
+            return encoder.ranking(tokens, result)
         finally:
             lease.release()
 

@@ -22,9 +22,10 @@ from tests.api.serving import tiny_yaml
 from tests.conftest import REPO, free_port
 
 
-def start(tmp_path: Path, model_dir: Path, grace: float, procs: list) -> tuple[subprocess.Popen, str]:
+def start(tmp_path: Path, model_dir: Path, grace: float, procs: list,
+          text: str | None = None) -> tuple[subprocess.Popen, str]:
     models = tmp_path / "models.yaml"
-    models.write_text(tiny_yaml(model_dir, {"shutdown_grace_s": grace}))
+    models.write_text(text or tiny_yaml(model_dir, {"shutdown_grace_s": grace}))
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
@@ -71,7 +72,7 @@ def stream_then_signal(proc: subprocess.Popen, base: str, sig: int, max_tokens: 
 def server_process(tmp_path, tiny_model_dir):
     """Starts `python -m app serve` with a given grace period; kills what is left at the end."""
     procs: list[subprocess.Popen] = []
-    yield lambda grace: start(tmp_path, tiny_model_dir, grace, procs)
+    yield lambda grace, text=None: start(tmp_path, tiny_model_dir, grace, procs, text)
     for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -128,3 +129,32 @@ def test_a_long_engine_step_does_not_hold_the_shutdown(tmp_path, tiny_model_dir)
     last = json.loads(b"".join(raw).decode().strip().split("\n\n")[-1].removeprefix("data: "))
     assert "shutting down" in last["error"]["message"], last
     assert ended < 10, f"the stream waited {ended:.1f}s for the step"
+
+
+def test_sigterm_ends_an_embedding_job_with_a_503(server_process, tiny_model_dir):
+    """An embedding job past the grace period ends like a chat request: a 503 in OpenAI's
+    shape saying why, and the process exits 0 without running the job out."""
+    import threading
+
+    import yaml
+
+    models = [{"name": "tiny", "local_path": str(tiny_model_dir), "params": {"mem": 16}},
+              {"name": "minilm", "role": "embedding", "builtin": "all-minilm-l6-v2"}]
+    proc, base = server_process(0.5, yaml.safe_dump({"server": {"shutdown_grace_s": 0.5}, "models": models}))
+    inputs = [f"The quick brown fox jumps over the lazy dog, number {i}." for i in range(400)]
+    answer: list[httpx.Response] = []
+    job = threading.Thread(target=lambda: answer.append(httpx.post(
+        base + "/v1/embeddings", json={"model": "minilm", "input": inputs}, timeout=120)))
+    job.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(base + "/health", timeout=5).json()["models"]["minilm"]["requests"]["running"] != 1:
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    job.join(timeout=60)
+    assert answer and answer[0].status_code == 503, answer and answer[0].text
+    error = answer[0].json()["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"], error
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - started < 15

@@ -115,6 +115,38 @@ def test_truncate_keeps_the_first_tokens(minilm, wordpiece):
     np.testing.assert_allclose(cut_ids.vectors, minilm.embed(ids[:256]).vectors, atol=1e-6)
 
 
+def test_a_megabyte_input_is_tokenized_by_its_head(minilm, wordpiece):
+    """A 1 MB string costs the tokens that can be kept, and gives exactly what tokenizing
+    all of it and truncating gives."""
+    import time
+
+    huge = " ".join(f"word{i % 97} and more" for i in range(70_000))  # ~1 MB, ~280k tokens
+    started = time.perf_counter()
+    full = wordpiece.encode(huge).ids
+    whole_s = time.perf_counter() - started
+    started = time.perf_counter()
+    (ids,) = minilm.tokenize(huge, truncate=True)
+    head_s = time.perf_counter() - started
+    assert ids == full[:255] + full[-1:]
+    assert head_s < whole_s / 10, (head_s, whole_s)
+    with pytest.raises(ContextLengthError) as err:
+        minilm.tokenize(huge)
+    assert "has at least" in err.value.message and "256" in err.value.message
+    # Mostly whitespace: the head holds too few tokens, so all of it is read.
+    sparse = "cat" + " " * 50_000 + "dog"
+    assert minilm.tokenize(sparse, truncate=True) == [wordpiece.encode(sparse).ids]
+
+
+def test_tokenize_from_many_threads_at_once(minilm):
+    """Requests tokenize in a thread pool, concurrently, on one shared Tokenizer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = [[f"{s} {i} " * 8 for s in SENTENCES] * 2 for i in range(16)]
+    alone = [minilm.tokenize(b) for b in batches]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(minilm.tokenize, batches)) == alone
+
+
 @pytest.mark.parametrize(
     ("inputs", "fragment"),
     [
@@ -235,6 +267,32 @@ def test_cross_encoder_scores_pairs_batched_as_alone(reranker):
     np.testing.assert_allclose(ranking.scores, alone, atol=1e-5)
     with pytest.raises(InvalidRequestError, match="is a reranker"):
         reranker.embed("cats")
+
+
+def test_the_engine_runs_rerank_jobs_in_turns(reranker):
+    """EncoderEngine on a real worker: two cross-encoder jobs at once, each as ``rerank`` scores
+    it alone, their batches taking turns (max_batch 2: several batches each)."""
+    import asyncio
+
+    from app.engine.encoder_engine import EncoderEngine
+
+    docs = ["cats sleep a lot", "the market fell sharply", "a", "dogs bark at night", "rain", "sun and sea"]
+    worker = MLXWorker()
+    worker.start()
+    try:
+        engine = worker.submit(lambda: EncoderEngine(worker, reranker, max_queue=64, queue_timeout_s=120.0)).result(timeout=30)
+
+        async def both() -> list:
+            jobs = [engine.encode(lambda q=q: reranker.prepare_rerank(q, docs)) for q in ("cats?", "weather?")]
+            return [reranker.ranking(*r) for r in await asyncio.gather(*jobs)]
+
+        rankings = asyncio.run(both())
+        for query, ranking in zip(("cats?", "weather?"), rankings):
+            np.testing.assert_allclose(ranking.scores, reranker.rerank(query, docs).scores, atol=1e-5)
+        stats = engine.stats()
+        assert stats.jobs == {"done": 2} and stats.running == stats.waiting == 0 and stats.batches >= 6
+    finally:
+        worker.stop()
 
 
 def test_cross_encoder_over_length_pair(reranker):
