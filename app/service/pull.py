@@ -164,12 +164,18 @@ def list_files(repo_id: str, role: str, revision: str | None) -> tuple[str, list
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import filter_repo_objects
 
-    info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+    try:
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        siblings = {s.rfilename: s for s in info.siblings or []}
+        if not all(isinstance(name, str) for name in siblings):
+            raise TypeError("a file name that is not a string")
+    except (KeyError, TypeError, AttributeError) as exc:  # huggingface_hub reads the JSON as it comes
+        raise CommandError(f"the hub at {constants.ENDPOINT} answered a listing of {repo_id} that is not one "
+                           f"({type(exc).__name__}: {str(exc)[:80]}): refusing it") from exc
     commit = str(info.sha)
     if not COMMIT_ID.fullmatch(commit) or (revision and COMMIT_ID.fullmatch(revision) and commit != revision):
         raise CommandError(f"the hub at {constants.ENDPOINT} named {commit[:80]!r} as the commit of {repo_id}, "
                            "which is not a commit id: refusing it")
-    siblings = {s.rfilename: s for s in info.siblings or []}
     wanted = list(filter_repo_objects(list(siblings), allow_patterns=allow_patterns(role)))
     if not any(name.endswith(".safetensors") for name in wanted):
         raise CommandError(f"{repo_id} has no .safetensors weights for mlx to load (its files: "

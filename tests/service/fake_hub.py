@@ -13,7 +13,8 @@ Every request is recorded in ``requests`` as (method, path, Range header).
 
 A hostile mirror, for the tests that `tandem pull` refuses it: ``etags`` replaces a file's hash
 everywhere the hub names it (listing, tree, ETag headers; "" leaves it out), ``commit`` is the
-commit id it answers, and ``add_file`` serves a file under any name (``../../x.json``).
+commit id it answers, ``info_patch`` replaces fields of its listing, and ``add_file`` serves a
+file under any name (``../../x.json``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class FakeHub:
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     etags: dict[str, str] = field(default_factory=dict)  # file name -> the hash it claims instead
     commit: str = COMMIT
+    info_patch: dict = field(default_factory=dict)  # merged into model_info's answer
 
     def add_repo(self, repo_id: str, folder: Path) -> None:
         self.repos[repo_id] = {p.name: RepoFile(p.name, p.read_bytes()) for p in sorted(folder.iterdir())
@@ -123,7 +125,7 @@ class FakeHub:
             siblings.append({k: v for k, v in entry.items() if v != ""})
         return {"_id": repo, "id": repo, "modelId": repo, "sha": self.commit, "private": False, "gated": False,
                 "disabled": False, "downloads": 0, "likes": 0, "tags": [], "library_name": "mlx",
-                "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}
+                "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings, **self.info_patch}
 
     def _tree(self, repo: str) -> list[dict]:
         out = []

@@ -219,12 +219,16 @@ def name_absolute(fake: FakeHub, tmp_path: Path) -> None:
     fake.add_file(REPO_ID, str(tmp_path / "escaped.json"), b"{}")
 
 
+def listing_malformed(fake: FakeHub, tmp_path: Path) -> None:
+    fake.info_patch = {"siblings": [{"rfilename": 5, "size": 1}, {"size": 2}]}
+
+
 def wrong_hash(fake: FakeHub, tmp_path: Path) -> None:
     fake.etags = {"model.safetensors": hashlib.sha256(b"other weights").hexdigest()}
 
 
 HOSTILE = [escape_absolute, escape_upward, not_a_hash, lfs_without_sha256, no_blob_id, commit_upward, name_upward,
-           name_absolute, wrong_hash]
+           name_absolute, listing_malformed, wrong_hash]
 
 
 @pytest.mark.parametrize("hostile", HOSTILE, ids=lambda f: f.__name__)
