@@ -43,8 +43,8 @@ import mlx.core as mx
 from app.engine.admission import sequence_width
 from app.engine.batching import BatchingEngine, Seq
 from app.engine.disk_cache import disk_root, open_disk_tier
-from app.engine.kv_snapshot import DTYPE_NAMES, KVLayout
-from app.engine.loader import KV_GROUP_SIZE, LoadedModel, activation_dtype
+from app.engine.kv_snapshot import probe_layout
+from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mirror import LOCAL_OPS, BatchOps
 from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
 from app.engine.params import EngineParams
@@ -59,13 +59,6 @@ log = logging.getLogger("tandem.engine")
 
 # An unload waits this long for the prefix cache's queued disk writes.
 DISK_WRITES_WAIT_S = 30.0
-
-
-def kv_layout(loaded: LoadedModel) -> KVLayout:
-    """The tensors this model's KV is made of: what its disk tier reads and writes, nothing else."""
-    dtype = activation_dtype(loaded.model)
-    return KVLayout(loaded.kv.layers, loaded.kv.kv_heads, loaded.kv.head_dim, DTYPE_NAMES.get(dtype, str(dtype)),
-                    loaded.kv_cache_bits, KV_GROUP_SIZE)
 
 
 @dataclass(eq=False)
@@ -95,9 +88,14 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         disk = None
         # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
         if params.prompt_cache_disk_bytes and not ops.replicated:
-            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
-                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
-                                  kv_layout(loaded))
+            # The tensors this model's KV is made of: what its disk tier reads and writes, nothing else.
+            layout = probe_layout(loaded.model, loaded.kv_cache_bits, KV_GROUP_SIZE)
+            if layout is None:
+                log.info("model %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
+            else:
+                disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
+                                      params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
+                                      layout)
         self.prompt_cache = PrefixCache(ops.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
                                         params.prompt_cache_bytes, disk)
         self._kv_bytes = 0

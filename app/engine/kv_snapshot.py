@@ -7,7 +7,7 @@ must stay alive, and unchanged, while the buffers are read (``disk_cache`` keeps
 them). Restore copies the file's bytes into MLX arrays. Both run on the MLX thread.
 
 What a file may hold is the model's ``KVLayout`` (layers, KV heads, head_dim, dtype,
-KV bits): ``disk_cache`` reads only files whose tensors are exactly those, with
+KV bits; ``probe_layout`` reads it off the model): ``disk_cache`` reads only files whose tensors are exactly those, with
 finite values (``check_finite``, off the MLX thread), and writes only caches that
 fit it; so a forged or foreign file is refused before MLX sees it.
 
@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 
 from app.engine.kv_files import FORMAT, DamagedFileError, Tensor
 from app.engine.kv_quant import SeqQuantizedKVCache
-from app.engine.mlx_internals import KVCache
+from app.engine.mlx_internals import KVCache, make_prompt_cache
 
 DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32", mx.int32: "I32",
                mx.uint8: "U8"}
@@ -48,6 +48,9 @@ class KVLayout:
     dtype: str  # the KV's (activations') dtype, in safetensors' names: "BF16", "F16", "F32"
     bits: int | None = None  # quantized KV (kv_cache_bits): packed codes, scales, biases
     group_size: int = 64
+    # The values' heads and width where they differ from the keys' (MLA: DeepSeek-V2).
+    value_heads: int | None = None
+    value_dim: int | None = None
 
     @property
     def meta(self) -> dict[str, str]:
@@ -60,16 +63,39 @@ class KVLayout:
     def tensors(self, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         """name -> (dtype, shape) of every tensor in a file of ``n`` tokens, the tokens included."""
         out: dict[str, tuple[str, tuple[int, ...]]] = {"tokens": ("I32", (n,))}
-        rows = (1, self.kv_heads, n)
+        widths = {"keys": (self.kv_heads, self.head_dim),
+                  "values": (self.value_heads or self.kv_heads, self.value_dim or self.head_dim)}
         for i in range(self.layers):
-            for kv in ("keys", "values"):
+            for kv, (heads, dim) in widths.items():
                 if self.bits is None:
-                    out[f"{i}.{kv}"] = (self.dtype, (*rows, self.head_dim))
+                    out[f"{i}.{kv}"] = (self.dtype, (1, heads, n, dim))
                 else:
-                    out[f"{i}.{kv}.0"] = ("U32", (*rows, self.head_dim * self.bits // 32))
+                    out[f"{i}.{kv}.0"] = ("U32", (1, heads, n, dim * self.bits // 32))
                     for j in (1, 2):
-                        out[f"{i}.{kv}.{j}"] = (self.dtype, (*rows, self.head_dim // self.group_size))
+                        out[f"{i}.{kv}.{j}"] = (self.dtype, (1, heads, n, dim // self.group_size))
         return out
+
+
+def probe_layout(model: Any, bits: int | None, group_size: int) -> KVLayout | None:
+    """The layout of ``model``'s KV, from the cache of a one-token forward pass that is built
+    but never evaluated (MLX infers shapes and dtypes as it builds the graph): exact where the
+    config's figures are not (the activations' dtype, MLA's widths). None when its caches are
+    not plain ``KVCache`` layers of one shape (those are never written to disk). MLX thread."""
+    cache = make_prompt_cache(model)
+    if not cache or {type(c) for c in cache} != {KVCache}:
+        return None
+    model(mx.array([[0]]), cache=cache)
+    shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[1], c.values.shape[3], c.keys.dtype, c.values.dtype)
+              for c in cache}
+    if len(shapes) != 1:
+        return None
+    ((kh, kd, vh, vd, dtype, vdtype),) = shapes
+    if dtype != vdtype or dtype not in DTYPE_NAMES:
+        return None
+    if bits is not None and any(d * bits % 32 or d % group_size for d in (kd, vd)):
+        return None
+    return KVLayout(len(cache), kh, kd, DTYPE_NAMES[dtype], bits, group_size,
+                    vh if vh != kh else None, vd if vd != kd else None)
 
 
 # The exponent bits of each float format: all set is an infinity or a NaN.

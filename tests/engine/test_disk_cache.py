@@ -502,3 +502,19 @@ def test_a_file_holding_other_tensors_than_asked_is_refused_before_its_data_is_r
                   {**expected, "c": ("U8", (1,))}):
         with pytest.raises(DamagedFileError, match="not this model's KV"):
             read_file(path, wrong)
+
+
+def test_the_layout_is_read_off_the_model(demo_model_dir, tmp_path):
+    """The embedded SmolLM2's KV is not in the dtype of its first float weights: the layout the
+    files are checked against comes from the model's own cache, so its prefixes are still kept."""
+    for restart in range(2):
+        eng = disk_engine(demo_model_dir, tmp_path)
+        try:
+            head = eng.tokenizer.encode("You count sheep. " * 8)
+            req = GenerationRequest(head + eng.tokenizer.encode(" How many?"), max_tokens=2, cache_prefix_len=len(head))
+            _, last = asyncio.run(run(eng, req))
+            assert eng.finish_writes(30)
+            disk = eng.stats().prompt_cache_tiers["disk"]
+            assert (disk.writes, disk.hits, last.cached_tokens) == ((2, 0, 0) if restart == 0 else (0, 1, len(head)))
+        finally:
+            stop(eng)
