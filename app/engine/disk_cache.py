@@ -14,7 +14,12 @@ model's budget (``prompt_cache_disk_mb``), least recently used first out; the
 model's directories for other identities count against it too, and go first.
 
 Threads: ``lookup`` and ``load`` run on the MLX thread (a load replaces a much
-longer prefill; damaged files are dropped with a warning). ``offer`` runs there
+longer prefill). A load's file is read and checked on a reader thread that the MLX
+thread waits for, a bounded time (``READ_TIMEOUT_S``): the file must be a regular one
+(no link, no FIFO), the size its header says, hold exactly the tensors of the
+model's ``KVLayout``, the identity, key and tokens asked for, a valid checksum and
+finite values; a file that fails is removed, with one warning. Only then are its
+bytes copied into MLX arrays on the MLX thread. ``offer`` runs there
 too: it evaluates the arrays and exports their buffers without copying, and
 queues them (bounded; a full queue drops the write, it never waits). One writer
 thread writes, fsyncs, renames and evicts. The arrays it wrote are handed back
@@ -33,12 +38,15 @@ import threading
 import time
 from array import array
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv_snapshot import export_cache, restore_cache
+from app.engine.kv_snapshot import KVLayout, check_finite, export_cache, restore_cache
 from app.engine.types import CacheTierStats
 
 log = logging.getLogger("tandem.engine")
@@ -46,6 +54,9 @@ log = logging.getLogger("tandem.engine")
 _NAME = re.compile(r"([0-9a-f]{16})-(\d+)-([0-9a-f]{32})\.safetensors")
 # Temporary files older than this are a crash's leftovers; younger ones may be another process's write.
 STALE_TMP_S = 3600.0
+# How long the MLX thread waits for a file to be read and checked: this, plus a second per 64 MiB.
+# Past it (a hung filesystem), the load is a miss, and the tier is skipped until that read ends.
+READ_TIMEOUT_S = 10.0
 
 
 def _digest(data: bytes) -> str:
@@ -81,11 +92,13 @@ class _Job:
 class DiskTier:
     """One model's directory of cached prefixes, its index, and the writer thread."""
 
-    def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int, layout: KVLayout) -> None:
         self.dir = directory
         self.budget_bytes = budget_bytes
         self.identity = identity
         self.queue_bytes = queue_bytes
+        self.layout = layout
+        self._reading: Future[dict[str, Tensor]] | None = None
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._cv = threading.Condition()
         self._entries: dict[tuple[str, int, str], DiskEntry] = {}
@@ -96,6 +109,7 @@ class DiskTier:
         self._done: deque[_Job] = deque()
         self._closing = False
         self._unsupported_logged = False
+        self._stuck_logged = False
         self.counts = CacheTierStats(budget_bytes=budget_bytes)
         self._scan()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-writer", daemon=True)
@@ -105,19 +119,27 @@ class DiskTier:
 
     def _scan(self) -> None:
         now = time.time()
-        for path in self.dir.iterdir():
-            if path.name.startswith(TMP_PREFIX):
+        with os.scandir(self.dir) as found:
+            items = list(found)
+        for item in items:
+            path = Path(item.path)
+            if item.name.startswith(TMP_PREFIX):
                 try:  # a write a crash cut short: never read, removed once surely abandoned
-                    if now - path.stat().st_mtime > STALE_TMP_S:
-                        path.unlink()
+                    if now - item.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                        _remove(path)
                 except OSError:
                     pass
                 continue
-            match = _NAME.fullmatch(path.name)
+            match = _NAME.fullmatch(item.name)
             if match is None:
                 continue
             try:
-                st = path.stat()
+                if not item.is_file(follow_symlinks=False):
+                    log.warning("prompt cache: %s is not a regular file (a link, a directory or a FIFO); "
+                                "it is removed", item.name)
+                    _remove(path)
+                    continue
+                st = item.stat(follow_symlinks=False)
             except OSError:
                 continue
             self._add(DiskEntry(match[1], int(match[2]), match[3], path, st.st_size, st.st_mtime))
@@ -175,38 +197,59 @@ class DiskTier:
         return best
 
     def load(self, entry: DiskEntry, tokens: list[int]) -> list[Any] | None:
-        """The KV cache ``entry`` holds for ``tokens[:entry.n_tokens]``; None (with a warning)
-        when its file turns out damaged, or is gone."""
+        """The KV cache ``entry`` holds for ``tokens[:entry.n_tokens]``; None when its file is
+        gone, fails a check (removed, with a warning) or takes too long to read."""
+        if self._reading is not None and not self._reading.done():
+            return None  # an earlier read hangs (a stuck filesystem): a miss, never a wait
+        want = _tokens_bytes(tokens[: entry.n_tokens])
+        self._reading = _off_thread(lambda: self._read(entry, want), name="tandem-kv-reader")
+        timeout = READ_TIMEOUT_S + entry.size / 2**26
         try:
-            meta, tensors = read_file(entry.path)
-            expected = {"identity": self.identity, "key": entry.key, "tokens": str(entry.n_tokens),
-                        "digest": entry.digest}
-            wrong = [k for k, v in expected.items() if meta.get(k) != v]
-            if wrong:
-                raise DamagedFileError(f"written for another {', '.join(wrong)}")
-            if bytes(tensors["tokens"].data) != _tokens_bytes(tokens[: entry.n_tokens]):
-                raise DamagedFileError("its tokens are not this prompt's")
-            cache = restore_cache(meta, tensors, entry.n_tokens)
+            tensors = self._reading.result(timeout)
+            cache = restore_cache(self.layout, tensors, entry.n_tokens)
+        except FutureTimeout:
+            if not self._stuck_logged:
+                self._stuck_logged = True
+                log.warning("prompt cache: reading %s takes over %.0f s; the disk tier is skipped until "
+                            "it ends", entry.path, timeout)
+            return None
         except FileNotFoundError:
             with self._cv:
                 self._forget(entry)
             return None
-        except (DamagedFileError, KeyError, ValueError, TypeError) as exc:
-            log.warning("prompt cache: ignoring damaged file %s (%s); it is removed", entry.path.name, exc)
-            with self._cv:
-                self._forget(entry)
-                self.counts.damaged += 1
-            entry.path.unlink(missing_ok=True)
+        except (DamagedFileError, OSError, KeyError, ValueError, TypeError) as exc:
+            self._discard(entry, exc)
             return None
         entry.last_used = time.time()
         try:
-            os.utime(entry.path)  # the LRU order survives a restart
+            os.utime(entry.path, follow_symlinks=False)  # the LRU order survives a restart
         except OSError:
             pass
         with self._cv:
             self.counts.hits += 1
             self.counts.tokens += entry.n_tokens
         return cache
+
+    def _read(self, entry: DiskEntry, tokens: bytes) -> dict[str, Tensor]:
+        """``entry``'s tensors, once the file proved to be what the index says (reader thread)."""
+        meta, tensors = read_file(entry.path, self.layout.tensors(entry.n_tokens))
+        expected = {"identity": self.identity, "key": entry.key, "tokens": str(entry.n_tokens),
+                    "digest": entry.digest, **self.layout.meta}
+        wrong = [k for k, v in expected.items() if meta.get(k) != v]
+        if wrong:
+            raise DamagedFileError(f"written for another {', '.join(wrong)}")
+        if bytes(tensors["tokens"].data) != tokens:
+            raise DamagedFileError("its tokens are not this prompt's")
+        check_finite(tensors)
+        return tensors
+
+    def _discard(self, entry: DiskEntry, why: Exception) -> None:
+        """Drop a file that failed a check: out of the index (no lookup finds it again) and off disk."""
+        log.warning("prompt cache: ignoring damaged file %s (%s); it is removed", entry.path.name, why)
+        with self._cv:
+            if self._forget(entry):
+                self.counts.damaged += 1
+        _remove(entry.path)
 
     def offer(self, key: str, tokens: list[int], cache: list[Any]) -> None:
         """Queue ``cache`` (the KV of exactly ``tokens``) to be written, unless it is on disk
@@ -228,6 +271,12 @@ class DiskTier:
         meta, tensors, arrays = exported
         tokens_view = memoryview(data).cast("B")
         tensors.insert(0, Tensor("tokens", "I32", (n,), tokens_view))
+        if meta != self.layout.meta or {t.name: (t.dtype, t.shape) for t in tensors} != self.layout.tensors(n):
+            if not self._unsupported_logged:  # it would be refused when read: the model's KV is not as expected
+                self._unsupported_logged = True
+                log.info("prompt cache: this model's KV is not written to disk: its tensors are not those of %s",
+                         self.layout)
+            return
         size = sum(t.data.nbytes for t in tensors)
         entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time())
         meta.update(identity=self.identity, key=ns, tokens=str(n), digest=digest)
@@ -296,6 +345,33 @@ class DiskTier:
             return replace(self.counts, bytes=self._bytes, entries=len(self._entries), pending=len(self._queue))
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at ``path``: a file, a link (not its target), a FIFO, an empty directory."""
+    try:
+        path.unlink()
+    except (IsADirectoryError, PermissionError):  # a directory (EISDIR on Linux, EPERM on macOS)
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+    except OSError:
+        pass
+
+
+def _off_thread(fn: Callable[[], dict[str, Tensor]], *, name: str) -> Future[dict[str, Tensor]]:
+    """Run ``fn`` on a daemon thread of its own (one that may hang must not hold up the exit)."""
+    future: Future[dict[str, Tensor]] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def disk_root(configured: str | None) -> Path:
     """Where disk tiers live: the configured directory, $TANDEM_PROMPT_CACHE_DIR, or the cache dir's."""
     if configured:
@@ -307,7 +383,8 @@ def disk_root(configured: str | None) -> Path:
     return cache_root() / "prompt-cache"
 
 
-def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int, queue_bytes: int) -> DiskTier | None:
+def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int, queue_bytes: int,
+                   layout: KVLayout) -> DiskTier | None:
     """The model's disk tier; None, with a warning, when its directory cannot be used.
 
     The model's directories for other identities (older weights, other settings, perhaps
@@ -316,7 +393,7 @@ def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int
     slug = re.sub(r"[^A-Za-z0-9._]+", "_", model_name)[:64]
     directory = root / f"{slug}-{identity}"
     try:
-        tier = DiskTier(directory, budget_bytes, identity, queue_bytes)
+        tier = DiskTier(directory, budget_bytes, identity, queue_bytes, layout)
     except OSError as exc:
         log.warning("prompt cache: disk tier off, cannot use %s: %s", directory, exc)
         return None

@@ -43,6 +43,7 @@ import mlx.core as mx
 from app.engine.admission import sequence_width
 from app.engine.batching import BatchingEngine, Seq
 from app.engine.disk_cache import disk_root, open_disk_tier
+from app.engine.kv_snapshot import probe_layout
 from app.engine.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.mirror import LOCAL_OPS, BatchOps
 from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
@@ -87,8 +88,14 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         disk = None
         # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
         if params.prompt_cache_disk_bytes and not ops.replicated:
-            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
-                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20)
+            # The tensors this model's KV is made of: what its disk tier reads and writes, nothing else.
+            layout = probe_layout(loaded.model, loaded.kv_cache_bits, KV_GROUP_SIZE)
+            if layout is None:
+                log.info("model %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
+            else:
+                disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
+                                      params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
+                                      layout)
         self.prompt_cache = PrefixCache(ops.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
                                         params.prompt_cache_bytes, disk)
         self._kv_bytes = 0

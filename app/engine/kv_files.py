@@ -9,8 +9,11 @@ the token count, the cache class) and carries ``crc32``: a CRC-32 of the header
 without it (canonical JSON) followed by every data byte. A damaged or truncated
 file fails that check, or the layout checks before it, and is never used: CRC-32
 catches every burst under 32 bits and all but 1 in 4 billion other damage, at
-several GB/s; the directory is the user's own, so this guards against bit rot and
-torn writes, not against an attacker.
+several GB/s. The CRC guards against bit rot and torn writes; against a file made
+to pass it (the directory is 0700, but whoever can write there can forge one), the
+reader opens only a regular file, never a link or a FIFO, checks its size against
+its header before reading the data, and the caller names the tensors it must hold
+(``disk_cache`` checks them against the model, and their values, before use).
 
 A file is written under a temporary name (``.tmp-...``), fsynced, renamed into
 place and its directory fsynced: after a crash there is either the whole file
@@ -20,13 +23,16 @@ MLX here (``disk_cache`` turns arrays into buffers and back on the MLX thread).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from io import RawIOBase
 from pathlib import Path
 
 FORMAT = "tandem-kv/1"
@@ -117,29 +123,55 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_file(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
-    """The metadata and tensors of an intact file.
+def read_file(path: Path, expected: dict[str, tuple[str, tuple[int, ...]]] | None = None
+              ) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """The metadata and tensors of an intact file; with ``expected`` (name -> dtype, shape),
+    only a file that holds exactly those tensors.
 
-    Raises FileNotFoundError when it is gone (evicted meanwhile), DamagedFileError when
-    it is truncated, malformed or fails its checksum.
+    Only a regular file is opened, never through a symbolic link, and without blocking (a FIFO
+    in its place is refused, not waited on); its size must be the one its header describes, and
+    its tensors the expected ones, before its data is read. Raises FileNotFoundError when it is
+    gone (evicted meanwhile), DamagedFileError when it is anything else than what is asked for.
     """
-    with open(path, "rb") as f:
-        buf = f.read()
-    if len(buf) < 8:
-        raise DamagedFileError("shorter than a header")
-    (n,) = struct.unpack_from("<Q", buf)
-    if n > MAX_HEADER_BYTES or 8 + n > len(buf):
-        raise DamagedFileError(f"header length {n} does not fit a file of {len(buf)} bytes")
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
-        meta = header["__metadata__"]
-        crc = meta.pop("crc32")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DamagedFileError(f"unreadable header ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DamagedFileError(f"not a {FORMAT} file")
-    view = memoryview(buf)[8 + n :]
-    tensors = _layout(header, view)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DamagedFileError("a symbolic link, not a file") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DamagedFileError("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if st.st_size < 8:
+            raise DamagedFileError("shorter than a header")
+        (n,) = struct.unpack("<Q", _read_exact(f, 8))
+        if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
+            raise DamagedFileError(f"header length {n} does not fit a file of {st.st_size} bytes")
+        try:
+            header = json.loads(_read_exact(f, n))
+            meta = header["__metadata__"]
+            crc = meta.pop("crc32")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DamagedFileError(f"unreadable header ({exc})") from exc
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise DamagedFileError(f"not a {FORMAT} file")
+        table = _table(header)
+        size = table[-1][4] if table else 0
+        if 8 + n + size != st.st_size:
+            raise DamagedFileError(f"{st.st_size - 8 - n} data bytes, the header describes {size}")
+        if expected is not None:
+            found = {name: (dtype, shape) for name, dtype, shape, _, _ in table}
+            if found != expected:
+                wrong = sorted(k for k in found.keys() | expected.keys() if found.get(k) != expected.get(k))
+                raise DamagedFileError(f"not this model's KV (tensor {wrong[0]}: {found.get(wrong[0])}, "
+                                       f"expected {expected.get(wrong[0])})")
+        data = memoryview(_read_exact(f, size))
+    tensors = {name: Tensor(name, dtype, shape, data[begin:end]) for name, dtype, shape, begin, end in table}
     check = zlib.crc32(_canonical(header))
     for t in tensors.values():
         check = zlib.crc32(t.data, check)
@@ -148,9 +180,23 @@ def read_file(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
     return meta, tensors
 
 
-def _layout(header: dict, data: memoryview) -> dict[str, Tensor]:
-    """Tensors laid end to end from offset 0 to the end of the file, each the size its shape says."""
-    tensors: dict[str, Tensor] = {}
+def _read_exact(f: RawIOBase, size: int) -> bytes:
+    """``size`` bytes from ``f`` (one read, for a regular file under 2 GB: no zero-fill, no copy);
+    DamagedFileError when the file ends (or shrinks) first."""
+    parts, left = [], size
+    while left:
+        chunk = f.read(left)
+        if not chunk:
+            raise DamagedFileError(f"ends after {size - left} of {size} bytes")
+        parts.append(chunk)
+        left -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)  # b"" for size 0
+
+
+def _table(header: dict) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """(name, dtype, shape, begin, end) of each tensor, laid end to end from offset 0, each the
+    size its shape says."""
+    table = []
     offset = 0
     try:
         entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
@@ -163,10 +209,8 @@ def _layout(header: dict, data: memoryview) -> dict[str, Tensor]:
                 size *= dim
             if begin != offset or end - begin != size or any(d < 0 for d in shape):
                 raise DamagedFileError(f"tensor {name}: bad layout")
-            tensors[name] = Tensor(name, spec["dtype"], shape, data[begin:end])
+            table.append((name, spec["dtype"], shape, begin, end))
             offset = end
     except (KeyError, TypeError, ValueError) as exc:
         raise DamagedFileError(f"bad tensor table ({exc})") from exc
-    if offset != len(data):
-        raise DamagedFileError(f"{len(data)} data bytes, the header describes {offset}")
-    return tensors
+    return table

@@ -1,11 +1,20 @@
 """``tandem pull NAME|HF_ID``: a model's weights into the Hugging Face cache, with one progress bar.
 
 The files are the ones mlx-lm (a chat model) or mlx-vlm (a vision model) would fetch on first use,
-downloaded with ``huggingface_hub`` into its usual cache, so the server later finds them there as if
-it had downloaded them itself. One bar shows bytes, speed and ETA for the whole model; an interrupted
-pull leaves ``.incomplete`` files that the next one resumes with HTTP Range requests. With no
-network, or ``HF_HUB_OFFLINE=1``, it says so in one line (exit 1) instead of a traceback.
-``HF_ENDPOINT`` points it at a mirror (or, in the tests, a fake hub on loopback).
+laid out as ``huggingface_hub`` lays out its cache (``blobs/<hash>``, ``snapshots/<commit>/<name>``
+links, ``refs/<revision>``), so the server later finds them there as if it had downloaded them
+itself. One bar shows bytes, speed and ETA for the whole model; an interrupted pull leaves
+``.incomplete`` files that the next one resumes with HTTP Range requests. With no network, or
+``HF_HUB_OFFLINE=1``, it says so in one line (exit 1) instead of a traceback. ``HF_ENDPOINT``
+points it at a mirror (or, in the tests, a fake hub on loopback).
+
+The hub is not trusted with paths. huggingface_hub 2.4's own ``hf_hub_download`` names a blob
+after the ETag the server sends and writes it there unchecked (an absolute or ``../`` ETag
+writes outside the cache), and does not resume across runs; so this module fetches the files
+itself, and takes nothing from the hub as a path before checking it: the commit id must be 40
+hex digits, each file's hash a sha256 (LFS files) or git blob id (others) in hex, each file name
+a relative path that stays inside the snapshot. Every file is hashed before it is kept; a file
+whose hash the hub does not give is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +37,11 @@ CHAT_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.t
                  "*.txt", "*.jsonl", "*.jinja"]
 VISION_PATTERNS = ["*.json", "*.jsonl", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
+COMMIT_ID = re.compile(r"[0-9a-f]{40}")  # also a git blob id (sha1)
+SHA256 = re.compile(r"[0-9a-f]{64}")
+# One segment of a file name or revision: no separators, NUL or control characters; not "." or "..".
+_SEGMENT = re.compile(r"(?!\.\.?$)[^/\\\x00-\x1f\x7f]+")
+
 
 def allow_patterns(role: str) -> list[str]:
     """The files the server's loader needs for a model of ``role``."""
@@ -35,12 +50,32 @@ def allow_patterns(role: str) -> list[str]:
 
 @dataclass(frozen=True)
 class HubFile:
-    """One file to fetch: where its bytes are, its size, and its etag (the cache's blob name)."""
+    """One file to fetch: its name in the repo, where its bytes are, its size, and its hash (a
+    sha256 for LFS files, else the git blob id): the cache's blob name, checked before it is kept."""
 
     name: str
     url: str
     size: int
     etag: str
+
+
+def safe_relative(name: str) -> bool:
+    """``name`` is a relative ``/``-separated path that stays below the folder it is joined to."""
+    return bool(name) and len(name) <= 1024 and all(_SEGMENT.fullmatch(part) for part in name.split("/"))
+
+
+def check_repo_id(repo_id: str, revision: str | None = None) -> None:
+    """Refuse (exit 2) a repo id or revision that is not one, before it names a path or a URL."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise CommandError(f"{repo_id!r} is not a Hugging Face repo id (owner/name: letters, digits, "
+                           "'-', '_' and '.')", exit_code=2) from exc
+    if revision is not None and not safe_relative(revision):
+        raise CommandError(f"{revision!r} is not a revision (a branch, tag or commit)", exit_code=2)
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -59,6 +94,7 @@ def hub_errors(repo_id: str) -> Iterator[None]:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
@@ -84,6 +120,8 @@ def hub_errors(repo_id: str) -> Iterator[None]:
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "?"
         raise CommandError(f"the hub at {endpoint} answered {status} for {repo_id}; try again later") from exc
+    except HFValidationError as exc:  # a value huggingface_hub refuses (check_repo_id caught ours)
+        raise CommandError(f"{repo_id}: {' '.join(str(exc).split())}", exit_code=2) from exc
     except LocalEntryNotFoundError as exc:  # the hub could not be reached for a file's metadata
         raise CommandError(offline.format(why="")) from exc
     except _transport_errors() as exc:
@@ -98,7 +136,7 @@ def cached_snapshot(repo_id: str, role: str, revision: str | None = None) -> Pat
     try:
         path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
                                       allow_patterns=allow_patterns(role)))
-    except (LocalEntryNotFoundError, HFValidationError, OSError):  # IncompleteSnapshotError is an OSError
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):  # IncompleteSnapshotError: OSError
         return None
     return path if (path / "config.json").is_file() else None
 
@@ -108,43 +146,71 @@ def download(repo_id: str, *, role: str = "chat", revision: str | None = None, s
     progress bar on ``stream`` (stderr); returns the snapshot directory."""
     from huggingface_hub import constants
 
+    check_repo_id(repo_id, revision)
     stream = stream or sys.stderr
     if constants.HF_HUB_OFFLINE:
         if (path := cached_snapshot(repo_id, role, revision)) is not None:
             print(f"{repo_id} is already downloaded: {path}", file=stream)
             return path
     with hub_errors(repo_id):
-        files = list_files(repo_id, role, revision)
+        commit, files = list_files(repo_id, role, revision)
         fetch(repo_id, files, stream=stream)
-        return _record_snapshot(repo_id, role, revision)
+        return _record_snapshot(repo_id, role, revision, commit, files)
 
 
-def list_files(repo_id: str, role: str, revision: str | None) -> list[HubFile]:
-    """The files of ``revision`` the loader of ``role`` needs, with their size and etag."""
-    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+def list_files(repo_id: str, role: str, revision: str | None) -> tuple[str, list[HubFile]]:
+    """The commit ``revision`` is now, and the files of it the loader of ``role`` needs, with
+    their size and hash: all from one listing, each checked (``_hub_file``)."""
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import filter_repo_objects
 
-    info = HfApi().model_info(repo_id, revision=revision)
-    names = [s.rfilename for s in info.siblings or []]
-    wanted = list(filter_repo_objects(names, allow_patterns=allow_patterns(role)))
+    try:
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        siblings = {s.rfilename: s for s in info.siblings or []}
+        if not all(isinstance(name, str) for name in siblings):
+            raise TypeError("a file name that is not a string")
+    except (KeyError, TypeError, AttributeError) as exc:  # huggingface_hub reads the JSON as it comes
+        raise CommandError(f"the hub at {constants.ENDPOINT} answered a listing of {repo_id} that is not one "
+                           f"({type(exc).__name__}: {str(exc)[:80]}): refusing it") from exc
+    commit = str(info.sha)
+    if not COMMIT_ID.fullmatch(commit) or (revision and COMMIT_ID.fullmatch(revision) and commit != revision):
+        raise CommandError(f"the hub at {constants.ENDPOINT} named {commit[:80]!r} as the commit of {repo_id}, "
+                           "which is not a commit id: refusing it")
+    wanted = list(filter_repo_objects(list(siblings), allow_patterns=allow_patterns(role)))
     if not any(name.endswith(".safetensors") for name in wanted):
         raise CommandError(f"{repo_id} has no .safetensors weights for mlx to load (its files: "
-                           f"{', '.join(sorted(names)[:8])}...)", exit_code=2)
-    files = []
-    for name in wanted:  # pinned to the commit the hub just named, so every file is from one revision
-        meta = get_hf_file_metadata(hf_hub_url(repo_id, name, revision=info.sha))
-        files.append(HubFile(name, meta.location, int(meta.size or 0), str(meta.etag)))
+                           f"{', '.join(sorted(siblings)[:8])}...)", exit_code=2)
+    files = [_hub_file(repo_id, commit, siblings[name]) for name in wanted]
     # Small files first: an interrupted pull then leaves only the weights to resume.
-    return sorted(files, key=lambda f: (f.size, f.name))
+    return commit, sorted(files, key=lambda f: (f.size, f.name))
+
+
+def _hub_file(repo_id: str, commit: str, sibling: Any) -> HubFile:
+    """One listed file, refused unless its name is a safe relative path and its hash can be
+    checked: an LFS file's sha256, another file's git blob id."""
+    from huggingface_hub import constants, hf_hub_url
+
+    name = str(sibling.rfilename)
+    refuse = f"the hub at {constants.ENDPOINT} lists {name[:120]!r} in {repo_id}"
+    if not safe_relative(name):
+        raise CommandError(f"{refuse}, a name that leads out of the model's folder: refusing it")
+    lfs = sibling.lfs
+    etag, size = (lfs.sha256, lfs.size) if lfs is not None else (sibling.blob_id, sibling.size)
+    if not (SHA256 if lfs is not None else COMMIT_ID).fullmatch(str(etag)):
+        kind = "an LFS file without a sha256" if lfs is not None else "without a git blob id"
+        raise CommandError(f"{refuse} {kind} (it gives {str(etag)[:80]!r}): refusing a file whose checksum "
+                           "cannot be checked")
+    if not isinstance(size, int) or size < 0:
+        raise CommandError(f"{refuse} without a size: refusing it")
+    return HubFile(name, hf_hub_url(repo_id, name, revision=commit), size, str(etag))
 
 
 def fetch(repo_id: str, files: Sequence[HubFile], *, stream: Any) -> None:
     """Download ``files`` into the cache's blobs under one bar, resuming partial files.
 
-    A file goes to ``blobs/<etag>.incomplete`` (locked, so a second pull waits), is checked against
-    its etag (sha256 for LFS files) and renamed to ``blobs/<etag>``: huggingface_hub then finds it
-    and links it into the snapshot without fetching it again. (huggingface_hub itself downloads to a
-    process-unique temporary file that the next run cannot reuse, so it does not resume.)"""
+    A file goes to ``blobs/<hash>.incomplete`` (locked, so a second pull waits), is checked against
+    its hash and renamed to ``blobs/<hash>``. (huggingface_hub itself downloads to a process-unique
+    temporary file that the next run cannot reuse, so it does not resume.)"""
     from tqdm import tqdm
 
     blobs = cache_folder(repo_id) / "blobs"
@@ -180,7 +246,7 @@ def _complete(blob: Path, f: HubFile) -> bool:
 
 
 def _fetch_file(f: HubFile, blobs: Path, bar: Any) -> None:
-    """One file, from where its partial download stopped (HTTP Range), into ``blobs/<etag>``."""
+    """One file, from where its partial download stopped (HTTP Range), into ``blobs/<hash>``."""
     import fcntl
 
     from huggingface_hub import constants
@@ -196,6 +262,7 @@ def _fetch_file(f: HubFile, blobs: Path, bar: Any) -> None:
         headers = build_hf_headers()
         if offset:
             headers["Range"] = f"bytes={offset}-"
+        # From the hub's own URL: its redirect to a CDN drops the token (another origin).
         with get_session().stream("GET", f.url, headers=headers, follow_redirects=True,
                                   timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
             hf_raise_for_status(r)
@@ -214,36 +281,47 @@ def _fetch_file(f: HubFile, blobs: Path, bar: Any) -> None:
 
 
 def _matches(path: Path, f: HubFile) -> bool:
-    """The file has the hub's size and, where the etag is one, its sha256 (LFS) or git blob id."""
+    """The file has the hub's size and hash: its sha256 (LFS) or git blob id (``_hub_file``
+    admits no other kind)."""
     import hashlib
 
     size = path.stat().st_size
     if size != f.size:
         return False
-    if len(f.etag) == 64:
-        digest = hashlib.sha256()
-    elif len(f.etag) == 40:
-        digest = hashlib.sha1(b"blob %d\0" % size)
-    else:
-        return True
+    digest = hashlib.sha256() if len(f.etag) == 64 else hashlib.sha1(b"blob %d\0" % size)
     with open(path, "rb") as data:
         while chunk := data.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest() == f.etag
 
 
-def _record_snapshot(repo_id: str, role: str, revision: str | None) -> Path:
-    """Let huggingface_hub write what marks the snapshot complete (the ref and the tree listing),
-    as when mlx-lm downloads it: every file is cached by now, so nothing is fetched again."""
-    from huggingface_hub import snapshot_download
-    from tqdm import tqdm
+def _record_snapshot(repo_id: str, role: str, revision: str | None, commit: str, files: Sequence[HubFile]) -> Path:
+    """Link the verified blobs into ``snapshots/<commit>`` and point ``refs/<revision>`` at it, as
+    huggingface_hub does (its offline lookup, and mlx-lm's, then find them); only once every file
+    is there, so a snapshot is never partial. Nothing the hub says is asked again here."""
+    from huggingface_hub import constants
 
-    class Silent(tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **{**kwargs, "disable": True})
-
-    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns(role),
-                                  tqdm_class=Silent))
+    folder = cache_folder(repo_id)
+    snapshot = folder / "snapshots" / commit
+    for f in files:
+        pointer = snapshot / f.name  # safe_relative: below the snapshot
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(folder / "blobs" / f.etag, pointer.parent), tmp)
+        os.replace(tmp, pointer)
+    revision = revision or constants.DEFAULT_REVISION
+    if revision != commit:
+        ref = folder / "refs" / revision  # check_repo_id: below refs
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    path = cached_snapshot(repo_id, role, revision)
+    if path is None:
+        raise CommandError(f"{repo_id} was downloaded to {snapshot}, but it has no config.json for the loader",
+                           exit_code=2)
+    return path
 
 
 def converted_dir(repo_id: str, bits: int) -> Path:

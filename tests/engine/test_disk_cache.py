@@ -7,18 +7,23 @@ build KV caches directly (the test thread is then the only one using MLX).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import re
 import shutil
 import struct
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from app.engine.disk_cache import DiskTier, open_disk_tier
 from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv_snapshot import KVLayout
 from app.engine.mlx_internals import KVCache
 from app.engine.types import GenerationRequest
 from tests.engine.engines import make_engine, run
@@ -139,13 +144,14 @@ def kv(tokens: int, seed: int) -> list[KVCache]:
     return cache
 
 
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="BF16")  # what kv() makes
 # 100 tokens of bfloat16 K and V, 2 layers of 2 heads x 16, the tokens, and room for the header.
 PER_FILE = 2 * 2 * (2 * 100 * 16 * 2) + 400 + 2000
 
 
 def test_queued_writes_finish_on_close_and_the_budget_holds(tmp_path):
     budget = 10 * PER_FILE
-    tier = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     prompts = [[i] * 100 for i in range(30)]
     for i, tokens in enumerate(prompts):
         tier.offer("model\x00", tokens, kv(100, i))
@@ -156,18 +162,18 @@ def test_queued_writes_finish_on_close_and_the_budget_holds(tmp_path):
     on_disk = sum(p.stat().st_size for p in (tmp_path / "m").iterdir())
     assert on_disk == stats.bytes <= budget
     assert stats.entries == 10 and stats.evictions == 20
-    reopened = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30)
+    reopened = DiskTier(tmp_path / "m", budget_bytes=budget, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     kept = [i for i, tokens in enumerate(prompts) if reopened.lookup("model\x00", tokens + [7]) is not None]
     assert kept == list(range(20, 30))  # least recently used out: the last ten written stay
     reopened.close()
 
 
 def test_a_hit_keeps_an_entry_over_newer_ones(tmp_path):
-    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     for i in range(3):
         tier.offer("k", [i] * 100, kv(100, i))
     tier.close(30)
-    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     entry = tier.lookup("k", [0] * 100)
     assert entry is not None and tier.load(entry, [0] * 100) is not None  # the oldest, used again
     tier.offer("k", [9] * 100, kv(100, 9))
@@ -178,7 +184,7 @@ def test_a_hit_keeps_an_entry_over_newer_ones(tmp_path):
 
 
 def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path):
-    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1)
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1, layout=LAYOUT)
     for i in range(20):
         tier.offer("k", [i] * 100, kv(100, i))  # one is always taken; the rest only while it is empty
     tier.close(30)
@@ -188,11 +194,11 @@ def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path):
 
 def test_a_cache_cleared_while_serving_is_written_again(tmp_path):
     """Deleting the directory (a user clearing the cache) costs the files, not later writes."""
-    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     tier.offer("k", [1] * 100, kv(100, 1))
     tier.close(30)
     shutil.rmtree(tmp_path / "m")
-    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30)
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     shutil.rmtree(tmp_path / "m")
     entry = tier.lookup("k", [1] * 100)
     assert entry is None or tier.load(entry, [1] * 100) is None  # gone: a miss
@@ -352,9 +358,163 @@ def test_directories_of_other_identities_count_against_the_budget(tmp_path):
     old = root / f"m-{'a' * 20}"
     old.mkdir(parents=True)
     (old / "x.safetensors").write_bytes(b"0" * 4096)
-    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20)
+    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20, LAYOUT)
     assert keep is not None and old.exists()  # within the budget: left alone
     keep.close()
-    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20)
+    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20, LAYOUT)
     assert small is not None and not old.exists()
     small.close()
+
+
+# ---- files made to pass the checksum, and things that are not files --------------------------
+
+
+def forge(path: Path, change) -> None:
+    """Rewrite ``path`` with ``change(tensor) -> (dtype, shape, bytes)`` applied to each K/V tensor,
+    and a valid checksum: what someone who can write the cache directory could put there."""
+    meta, read = read_file(path)
+    out = []
+    for t in read.values():
+        dtype, shape, data = change(t) if t.name != "tokens" else (t.dtype, t.shape, bytes(t.data))
+        out.append(Tensor(t.name, dtype, shape, memoryview(data)))
+    path.unlink()
+    write_file(path.parent, path.name, meta, out)
+
+
+def head_dim_halved(t: Tensor):
+    return t.dtype, (*t.shape[:-1], t.shape[-1] // 2), bytes(t.data)[: t.data.nbytes // 2]
+
+
+def dtype_changed(t: Tensor):
+    """The same values in another float dtype (F32 <-> F16 / BF16): finite, and the right shape."""
+    if t.dtype == "F32":
+        return "F16", t.shape, np.frombuffer(t.data, np.float32).astype(np.float16).tobytes()
+    half = mx.array(np.frombuffer(t.data, np.uint16)).view(mx.bfloat16 if t.dtype == "BF16" else mx.float16)
+    return "F32", t.shape, np.array(half.astype(mx.float32)).tobytes()
+
+
+def not_finite(t: Tensor):
+    return t.dtype, t.shape, b"\xff" * t.data.nbytes if t.name == "0.keys" else bytes(t.data)
+
+
+@pytest.mark.parametrize("change", [head_dim_halved, dtype_changed, not_finite], ids=lambda f: f.__name__)
+def test_a_forged_file_with_a_valid_checksum_is_refused_and_removed(tiny_model_dir, tmp_path, caplog, change):
+    cold_text, _ = fill(tmp_path, tiny_model_dir)
+    path = min(files(tmp_path), key=lambda p: int(p.name.split("-")[1]))  # the system prefix
+    forge(path, change)
+    forged = path.read_bytes()
+    eng = disk_engine(tiny_model_dir, tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+            text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+        assert last.cached_tokens == 0 and text == cold_text  # served, from a prefill
+        assert eng.stats().prompt_cache_tiers["disk"].damaged == 1
+        assert eng.finish_writes(30)
+        assert not path.exists() or path.read_bytes() != forged  # removed (and written again, from this prefill)
+        warned = [r for r in caplog.records if path.name in r.getMessage()]
+        assert len(warned) == 1 and not [r for r in caplog.records if r.exc_info]
+    finally:
+        stop(eng)
+
+
+def swap_fifo(path: Path, tmp_path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def swap_symlink(path: Path, tmp_path: Path) -> None:
+    with open(tmp_path / "big", "wb") as f:  # 64 MiB, sparse: nothing of it may be read
+        f.truncate(64 * 2**20)
+    path.unlink()
+    path.symlink_to(tmp_path / "big")
+
+
+def swap_directory(path: Path, tmp_path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("swap", [swap_fifo, swap_symlink, swap_directory], ids=lambda f: f.__name__)
+def test_what_is_not_a_regular_file_is_never_read_nor_waited_on(tiny_model_dir, tmp_path, caplog, swap):
+    """Swapped in while the server runs (after the scan that would have dropped it)."""
+    cold_text, _ = fill(tmp_path / "cache", tiny_model_dir)
+    path = min(files(tmp_path / "cache"), key=lambda p: int(p.name.split("-")[1]))
+    eng = disk_engine(tiny_model_dir, tmp_path / "cache")
+    swap(path, tmp_path)
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+            req = request(eng, " How many sheep?")
+            text, last = asyncio.run(asyncio.wait_for(run(eng, req), 60))  # the MLX thread never blocks
+        peak = tracemalloc.get_traced_memory()[1]
+        assert last.cached_tokens == 0 and text == cold_text
+        assert peak < 16 * 2**20  # the 64 MiB behind a link were not read
+        assert eng.stats().prompt_cache_tiers["disk"].damaged == 1
+        assert eng.finish_writes(30)  # removed, and written again from this request's prefill
+        assert path.is_file() and not path.is_symlink() and read_file(path)
+        warned = [r for r in caplog.records if path.name in r.getMessage()]
+        assert len(warned) == 1 and not [r for r in caplog.records if r.exc_info]
+        if swap is swap_symlink:
+            assert (tmp_path / "big").stat().st_size == 64 * 2**20  # the link went, not its target
+    finally:
+        tracemalloc.stop()
+        with contextlib.suppress(OSError):  # the old code blocks on the FIFO: let it go
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        stop(eng)
+
+
+def test_what_is_not_a_regular_file_is_dropped_when_the_tier_opens(tmp_path, caplog):
+    tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
+    for i in range(3):
+        tier.offer("k", [i] * 100, kv(100, i))
+    tier.close(30)
+    fifo, link, folder = sorted((tmp_path / "m").iterdir())
+    for path, swap in [(fifo, swap_fifo), (link, swap_symlink), (folder, swap_directory)]:
+        swap(path, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+        tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
+    assert tier.stats().entries == 0 and list((tmp_path / "m").iterdir()) == []
+    assert len([r for r in caplog.records if "not a regular file" in r.getMessage()]) == 3
+    tier.close()
+
+
+def test_the_size_is_checked_against_the_header_before_the_data_is_read(tmp_path):
+    """A file with 64 MiB more than its header says: refused after reading the header alone."""
+    path = tmp_path / "x.safetensors"
+    write_file(tmp_path, path.name, {}, tensors())
+    with open(path, "ab") as f:
+        f.truncate(path.stat().st_size + 64 * 2**20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DamagedFileError, match="the header describes"):
+            read_file(path)
+        assert tracemalloc.get_traced_memory()[1] < 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_file_holding_other_tensors_than_asked_is_refused_before_its_data_is_read(tmp_path):
+    path = tmp_path / "x.safetensors"
+    write_file(tmp_path, path.name, {}, tensors())
+    expected = {t.name: (t.dtype, t.shape) for t in tensors()}
+    assert read_file(path, expected)[1].keys() == expected.keys()
+    for wrong in ({**expected, "b": ("BF16", (1, 3, 2, 2))}, {**expected, "b": ("F16", (1, 3, 4))},
+                  {**expected, "c": ("U8", (1,))}):
+        with pytest.raises(DamagedFileError, match="not this model's KV"):
+            read_file(path, wrong)
+
+
+def test_the_layout_is_read_off_the_model(demo_model_dir, tmp_path):
+    """The embedded SmolLM2's KV is not in the dtype of its first float weights: the layout the
+    files are checked against comes from the model's own cache, so its prefixes are still kept."""
+    for restart in range(2):
+        eng = disk_engine(demo_model_dir, tmp_path)
+        try:
+            head = eng.tokenizer.encode("You count sheep. " * 8)
+            req = GenerationRequest(head + eng.tokenizer.encode(" How many?"), max_tokens=2, cache_prefix_len=len(head))
+            _, last = asyncio.run(run(eng, req))
+            assert eng.finish_writes(30)
+            disk = eng.stats().prompt_cache_tiers["disk"]
+            assert (disk.writes, disk.hits, last.cached_tokens) == ((2, 0, 0) if restart == 0 else (0, 1, len(head)))
+        finally:
+            stop(eng)

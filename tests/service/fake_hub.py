@@ -10,6 +10,11 @@ Serves the few endpoints ``huggingface_hub`` uses to download a model, over a re
 ``*.safetensors`` files are LFS files (etag = sha256), the others plain git blobs (etag = git oid),
 as on the real hub. ``rate`` (bytes/s) slows file bodies down so a test can interrupt a download.
 Every request is recorded in ``requests`` as (method, path, Range header).
+
+A hostile mirror, for the tests that `tandem pull` refuses it: ``etags`` replaces a file's hash
+everywhere the hub names it (listing, tree, ETag headers; "" leaves it out), ``commit`` is the
+commit id it answers, ``info_patch`` replaces fields of its listing, and ``add_file`` serves a
+file under any name (``../../x.json``).
 """
 
 from __future__ import annotations
@@ -53,10 +58,19 @@ class FakeHub:
     repos: dict[str, dict[str, RepoFile]] = field(default_factory=dict)
     rate: float | None = None  # bytes per second for file bodies; None: as fast as it goes
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
+    etags: dict[str, str] = field(default_factory=dict)  # file name -> the hash it claims instead
+    commit: str = COMMIT
+    info_patch: dict = field(default_factory=dict)  # merged into model_info's answer
 
     def add_repo(self, repo_id: str, folder: Path) -> None:
         self.repos[repo_id] = {p.name: RepoFile(p.name, p.read_bytes()) for p in sorted(folder.iterdir())
                                if p.is_file()}
+
+    def add_file(self, repo_id: str, name: str, data: bytes) -> None:
+        self.repos[repo_id][name] = RepoFile(name, data)
+
+    def _hash(self, f: RepoFile, real: str) -> str:
+        return self.etags.get(f.name, real)
 
     def serve(self) -> tuple[ThreadingHTTPServer, str]:
         hub = self
@@ -105,18 +119,22 @@ class FakeHub:
         for f in self.repos[repo].values():
             entry: dict = {"rfilename": f.name, "size": len(f.data), "blobId": f.git_oid}
             if f.lfs:
-                entry["lfs"] = {"sha256": f.sha256, "size": len(f.data), "pointerSize": 134}
-            siblings.append(entry)
-        return {"_id": repo, "id": repo, "modelId": repo, "sha": COMMIT, "private": False, "gated": False,
+                entry["lfs"] = {"sha256": self._hash(f, f.sha256), "size": len(f.data), "pointerSize": 134}
+            else:
+                entry["blobId"] = self._hash(f, f.git_oid)
+            siblings.append({k: v for k, v in entry.items() if v != ""})
+        return {"_id": repo, "id": repo, "modelId": repo, "sha": self.commit, "private": False, "gated": False,
                 "disabled": False, "downloads": 0, "likes": 0, "tags": [], "library_name": "mlx",
-                "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}
+                "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings, **self.info_patch}
 
     def _tree(self, repo: str) -> list[dict]:
         out = []
         for f in self.repos[repo].values():
             entry: dict = {"type": "file", "path": f.name, "size": len(f.data), "oid": f.git_oid}
             if f.lfs:
-                entry["lfs"] = {"oid": f.sha256, "size": len(f.data), "pointerSize": 134}
+                entry["lfs"] = {"oid": self._hash(f, f.sha256), "size": len(f.data), "pointerSize": 134}
+            else:
+                entry["oid"] = self._hash(f, f.git_oid)
             out.append(entry)
         return out
 
@@ -138,10 +156,10 @@ class FakeHub:
         h.send_response(206 if start else 200)
         h.send_header("Content-Length", str(size - start))
         h.send_header("Accept-Ranges", "bytes")
-        h.send_header("X-Repo-Commit", COMMIT)
-        h.send_header("ETag", f'"{f.git_oid}"')
+        h.send_header("X-Repo-Commit", self.commit)
+        h.send_header("ETag", f'"{f.git_oid if f.lfs else self._hash(f, f.git_oid)}"')
         if f.lfs:
-            h.send_header("X-Linked-Etag", f'"{f.sha256}"')
+            h.send_header("X-Linked-Etag", f'"{self._hash(f, f.sha256)}"')
             h.send_header("X-Linked-Size", str(size))
         if start:
             h.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")

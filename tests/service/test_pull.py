@@ -179,3 +179,97 @@ def test_add_appends_an_hf_id_entry_once_and_models_sees_it_downloaded(tmp_path,
     rows = {m["name"]: m for m in json.loads(listed.stdout)["models"]}
     assert rows["tiny-llama"]["source"] == {"hf_id": REPO_ID} and rows["tiny-llama"]["downloaded"] is True
     assert rows["tiny-llama"]["loaded"] is None  # no server answers
+
+
+# ---- a hostile or compromised mirror ------------------------------------------------------------
+
+SHA1_LIKE = "a" * 40
+
+
+def escape_absolute(fake: FakeHub, tmp_path: Path) -> None:
+    (tmp_path / "outside").mkdir()
+    fake.etags = {name: str(tmp_path / "outside" / f"escaped-{i}") for i, name in enumerate(fake.repos[REPO_ID])}
+
+
+def escape_upward(fake: FakeHub, tmp_path: Path) -> None:
+    fake.etags = {"tokenizer.json": "../../../../escaped"}  # from blobs/ up to tmp_path
+
+
+def not_a_hash(fake: FakeHub, tmp_path: Path) -> None:
+    fake.etags = {"model.safetensors": "not-a-hash", "config.json": "W/not-a-hash"}
+
+
+def lfs_without_sha256(fake: FakeHub, tmp_path: Path) -> None:
+    fake.etags = {"model.safetensors": SHA1_LIKE}
+
+
+def no_blob_id(fake: FakeHub, tmp_path: Path) -> None:
+    fake.etags = {"config.json": ""}
+
+
+def commit_upward(fake: FakeHub, tmp_path: Path) -> None:
+    fake.commit = "../../../../escaped"  # snapshots/<commit>, trees/<commit>.json
+
+
+def name_upward(fake: FakeHub, tmp_path: Path) -> None:
+    fake.add_file(REPO_ID, "../../../../escaped.json", b"{}")  # matches *.json
+
+
+def name_absolute(fake: FakeHub, tmp_path: Path) -> None:
+    fake.add_file(REPO_ID, str(tmp_path / "escaped.json"), b"{}")
+
+
+def listing_malformed(fake: FakeHub, tmp_path: Path) -> None:
+    fake.info_patch = {"siblings": [{"rfilename": 5, "size": 1}, {"size": 2}]}
+
+
+def wrong_hash(fake: FakeHub, tmp_path: Path) -> None:
+    fake.etags = {"model.safetensors": hashlib.sha256(b"other weights").hexdigest()}
+
+
+HOSTILE = [escape_absolute, escape_upward, not_a_hash, lfs_without_sha256, no_blob_id, commit_upward, name_upward,
+           name_absolute, listing_malformed, wrong_hash]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=lambda f: f.__name__)
+def test_a_hostile_hub_is_refused_and_nothing_lands_outside_the_cache(tmp_path, hub, hostile):
+    fake, url = hub
+    hostile(fake, tmp_path)
+    r = run_pull(pull_env(tmp_path, url), REPO_ID)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and [x for x in lines if x.startswith("tandem: ")] == lines[-1:], r.stderr
+    if hostile is wrong_hash:  # well formed, so fetched, and then found out
+        assert "arrived corrupted" in lines[-1]
+    else:  # refused before anything is fetched
+        assert len(lines) == 1 and "refusing" in lines[-1], r.stderr
+    assert [str(p) for p in tmp_path.rglob("*escaped*")] == []
+    cache = tmp_path / "hf" / "hub" / f"models--{REPO_ID.replace('/', '--')}"
+    assert not (cache / "snapshots").exists()  # no snapshot: nothing for the loader to find
+    if (tmp_path / "outside").exists():
+        assert list((tmp_path / "outside").iterdir()) == []
+    # Every blob kept is one whose hash was checked: its name is its sha256 / git blob id.
+    for blob in (cache / "blobs").glob("*") if (cache / "blobs").exists() else []:
+        data = blob.read_bytes()
+        assert blob.name in (hashlib.sha256(data).hexdigest(),
+                             hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()), blob
+
+
+@pytest.mark.parametrize("repo_id", ["../..", "owner/..", "owner/../../x", "./x", "owner/na--me", "owner/x..y",
+                                     "owner/name\nsecond line", "owner/name?x=1", "owner/name#frag", "own er/name",
+                                     "owner/" + "x" * 200, "owner/ná.me", "owner/name.git", "owner\\name/x"])
+def test_hostile_repo_ids_are_one_line_and_exit_2(tmp_path, hub, repo_id):
+    fake, url = hub
+    r = run_pull(pull_env(tmp_path, url), repo_id)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("tandem: ")
+    assert not [req for req in fake.requests if "/resolve/" in req[1]]
+
+
+@pytest.mark.parametrize("revision", ["../../../../escaped", "/abs", "main\nx"])
+def test_hostile_revisions_are_refused(tmp_path, hub, revision):
+    _, url = hub
+    r = run_pull(pull_env(tmp_path, url), REPO_ID, "--revision", revision)
+    assert r.returncode == 2 and "is not a revision" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert [str(p) for p in tmp_path.rglob("*escaped*")] == []
