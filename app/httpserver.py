@@ -95,14 +95,23 @@ class GuardedH11Protocol(H11Protocol):
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         if not isinstance(config, ServerConfig):
             raise TypeError("GuardedH11Protocol is served through app.httpserver.ServerConfig")
-        super().__init__(config, server_state, app_state, _loop)
+        super().__init__(config, server_state, app_state, _loop)  # sets self.app: see the property
         self.max_connections = config.max_connections
         self.header_timeout_s = config.header_timeout_s
-        self._app: ASGI3Application = self.app
-        self.app = self._admit  # what uvicorn runs for each request
         # Since when this connection waits for a request with no byte of it received; None otherwise.
         self.idle_since: float | None = None
         self._head_deadline: asyncio.TimerHandle | None = None
+
+    # uvicorn runs ``self.app`` for each request. Handed out on each read, never stored: a bound
+    # ``self._admit`` kept on ``self`` made every connection a reference cycle, which kept its last
+    # request's scope (body and decoded JSON included) until a full collection, rarely run.
+    @property
+    def app(self) -> ASGI3Application:
+        return self._admit
+
+    @app.setter
+    def app(self, app: ASGI3Application) -> None:
+        self._app = app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -176,7 +185,12 @@ class GuardedH11Protocol(H11Protocol):
         ):
             await self._refuse(scope, send)
             return
-        await self._app(scope, receive, send)
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            # The request is over: its state (Litestar keeps the body there) goes now, whatever
+            # may still hold the scope (a traceback, uvicorn's last cycle on a kept-alive connection).
+            scope.get("state", {}).clear()
 
     async def _refuse(self, scope: Scope, send: ASGISendCallable) -> None:
         rid = request_id(scope)  # first: it puts the id on this log record and on the access log's

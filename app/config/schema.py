@@ -200,6 +200,10 @@ class ServerSettings(_Strict):
     cors_origins: list[str] = []
     # Largest request body in bytes (413 beyond).
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # JSON values a request body may hold (every array item, object member and container; 413
+    # beyond), counted before decoding: ~70 bytes each once decoded, so 1M is ~70 MB of Python
+    # objects, where 32 MB of `[{},{},...]` would be GBs. Room for a context's worth of token ids.
+    max_json_values: int = Field(default=1_000_000, ge=1000)
     # Messages one chat request may carry.
     max_messages: int = Field(default=512, ge=1)
     # Open HTTP connections. At the limit, the connections idle longest (fresh or kept alive, no

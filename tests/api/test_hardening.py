@@ -14,9 +14,11 @@ import logging
 import time
 
 import httpx
+import psutil
 import pytest
+import yaml
 
-from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.api.serving import assert_openai_error, server_process, serving, tiny_yaml
 
 HI = [{"role": "user", "content": "Hi"}]
 ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-5555555555"
@@ -165,6 +167,28 @@ def test_deeply_nested_json_is_a_400_without_a_traceback(srv, path, caplog):
                        headers={**auth(), "content-type": "application/json"})
     assert_openai_error(r, 400)
     assert not [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
+
+
+def test_request_bodies_do_not_outlive_their_requests(tmp_path, tiny_model_dir):
+    """Every request's scope (its body, its decoded JSON) stayed in a reference cycle until a full
+    collection, which a body of many small objects rarely sets off: 106 requests with 0.9 MB of
+    `{}` in an ignored field added 2.4 GB. Now RSS levels off after the first few."""
+    models = yaml.safe_load(tiny_yaml(tiny_model_dir))
+    body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 1, "x": [{}] * 225_000}).encode()
+    with server_process(tmp_path, models) as (proc, base):
+        rss = psutil.Process(proc.pid).memory_info
+
+        def send(n: int) -> int:
+            for _ in range(n):  # each on a connection of its own, as the red team sent them
+                r = httpx.post(base + "/v1/chat/completions", content=body, timeout=60,
+                               headers={"content-type": "application/json"})
+                assert r.status_code == 200, r.text
+            time.sleep(0.3)  # the last connection's close is handled
+            return rss().rss
+
+        early = send(8)
+        late = send(16)  # before the fix: +16 MB a request, 336 MB after 10 and 827 MB after 40
+    assert late / early <= 1.1, f"{early / 2**20:.0f} MB after 8 requests, {late / 2**20:.0f} MB after 24"
 
 
 @pytest.mark.parametrize("where", ["tool description", "tool-call arguments", "tool name in history"])

@@ -6,6 +6,7 @@ runs it (uvicorn's connection limit and backlog included).
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -15,10 +16,12 @@ import httpx
 import pytest
 
 from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.api.test_anthropic_e2e import assert_anthropic_error
 from tests.vision.sample_images import data_url, image_bytes, png_claiming_size
 
 BODY_LIMIT = 4 * 1024 * 1024
-SERVER = {"max_body_bytes": BODY_LIMIT, "max_messages": 4, "max_connections": 8,
+VALUE_LIMIT = 100_000
+SERVER = {"max_body_bytes": BODY_LIMIT, "max_json_values": VALUE_LIMIT, "max_messages": 4, "max_connections": 8,
           "max_image_bytes": 64 * 1024, "max_image_pixels": 1_000_000}
 # One sequence at a time and a queue of one: the third request finds the server full.
 PARAMS = {"max_num_seqs": 1, "max_queue": 1, "queue_timeout_s": 2.0}
@@ -50,6 +53,25 @@ def test_body_over_the_limit_is_413(srv):
     # Without a content-length the body is counted as it arrives.
     r = srv.post("/v1/chat/completions", content=iter([body[:1 << 20]] * 5), headers={"content-type": "application/json"})
     assert_openai_error(r, 413, "request_too_large")
+    assert_serving(srv)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                  "/v1/agui"])
+def test_a_body_of_too_many_json_values_is_413_before_decoding(srv, path):
+    """3 bytes a value on the wire, ~70 once decoded: an ignored field of `{}`s is refused by count."""
+    base = {"model": "tiny", "messages": HI, "prompt": "Hi", "input": "Hi", "max_tokens": 1}
+    over = json.dumps({**base, "x": [{}] * VALUE_LIMIT}).encode()
+    r = srv.post(path, content=over, headers={"content-type": "application/json"})
+    if path == "/v1/messages":
+        assert "max_json_values" in assert_anthropic_error(r, 413, "request_too_large")
+    else:
+        assert "max_json_values" in assert_openai_error(r, 413, "request_too_large")["message"]
+    # Commas and brackets inside strings are text: a long string of them is one value.
+    within = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": '"[{}],' * 200}],
+                         "max_tokens": 1, "x": [{}] * (VALUE_LIMIT - 20)}).encode()
+    r = srv.post("/v1/chat/completions", content=within, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
     assert_serving(srv)
 
 
