@@ -102,6 +102,25 @@ def test_megabyte_prompts_are_refused_before_tokenizing(srv):
     assert_serving(srv)
 
 
+def test_a_dense_script_under_the_character_cut_is_refused_at_a_context_worth_of_tokenizing(srv):
+    """330,000 CJK characters pass the character cut of the 2,048-token model (331,776) and were
+    ~900,000 tokens, seconds each; now tokenizing stops once the count is past the context."""
+    cjk = "".join(chr(0x4E00 + (i * 7919) % 0x5000) for i in range(330_000))
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": cjk}]}),
+                       ("/v1/completions", {"prompt": cjk}),
+                       ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": cjk}]})]:
+        started = time.monotonic()
+        r = srv.post(path, {"model": "tiny", **body})
+        took = time.monotonic() - started
+        if path == "/v1/messages":
+            assert "maximum context length is 2048 tokens" in assert_anthropic_error(r, 400, "invalid_request_error")
+        else:
+            err = assert_openai_error(r, 400, "context_length_exceeded")
+            assert "maximum context length is 2048 tokens" in err["message"], err
+        assert took < 1.5, (path, took)
+    assert_serving(srv)
+
+
 def test_max_tokens_beyond_the_context_is_clamped_and_a_prompt_beyond_it_refused(srv):
     """max_tokens is clamped to what the context leaves (clients routinely ask for more);
     only a prompt that does not fit is refused, naming the prompt."""
