@@ -212,6 +212,20 @@ def test_huge_tool_texts_are_refused_before_tokenizing(srv, where):
     assert chat(srv, {}).status_code == 200
 
 
+def test_responses_metadata_is_bounded_and_kept(srv):
+    """Metadata is echoed and stored with the response: OpenAI's bounds keep it small."""
+    def create(metadata: dict) -> httpx.Response:
+        return srv.post("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 1, "metadata": metadata},
+                        headers=auth())
+
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": [{}] * 100_000}):
+        assert assert_openai_error(create(metadata), 400)["param"].startswith("metadata")
+    fits = {f"{i:064d}": "v" * 512 for i in range(16)}
+    r = create(fits)
+    assert r.status_code == 200 and r.json()["metadata"] == fits, r.text
+    assert srv.get(f"/v1/responses/{r.json()['id']}", headers=auth()).json()["metadata"] == fits
+
+
 def test_a_huge_model_name_is_not_echoed_whole(srv):
     r = chat(srv, {"model": "m" * 1_000_000})
     err = assert_openai_error(r, 404, "model_not_found")
