@@ -5,13 +5,16 @@ Every route reads its JSON body through ``BoundedRequest.json`` (Litestar's
 
 - **Values.** ``"x": [{}, {}, ...]`` in a field the server ignores is 3 bytes a
   value on the wire and about 70 once decoded: 32 MB of it (``server.max_body_bytes``)
-  decodes to a few GB. The body's values are counted first, at C speed on its
-  bytes, and past ``server.max_json_values`` it is a 413 before anything is
-  decoded (as msgspec's own limit refuses a body nested too deeply).
+  decodes to a few GB. The body's values are counted first on its bytes, and past
+  ``server.max_json_values`` it is a 413 before anything is decoded (as msgspec's
+  own limit refuses a body nested too deeply).
 - **Lifetime.** Litestar keeps the decoded JSON on the request and in the ASGI
-  scope's state; anything that keeps the scope then keeps the whole body. The
-  route gets its typed model and nothing else keeps the decoded JSON, and the
-  scope's state is emptied when the request ends (``app.httpserver``).
+  scope's state, so whatever holds the scope past the request holds the body: a
+  reference cycle does, until a full collection, which bodies of many small
+  objects rarely set off. The route gets its typed model and nothing else keeps
+  the decoded JSON; the scope's state is emptied when the request ends
+  (``app.httpserver``), and the cycles that held it are broken where they began
+  (``app.httpserver``, ``app.api.streaming``, ``app.api.errors.release_frames``).
 """
 
 from __future__ import annotations
