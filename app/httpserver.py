@@ -5,7 +5,7 @@ no timer before a connection's first request, and cancels its keep-alive timer
 on the first byte of the next request: 256 silent sockets, or a request head
 trickled a byte at a time, lock every client out with a plain-text 503 for as
 long as the sockets stay open (tests/api/test_connections.py). ``GuardedH11Protocol``
-is uvicorn's h11 protocol with four changes:
+is uvicorn's h11 protocol with five changes:
 
 - A head deadline: a connection that has not sent a complete request head within
   ``server.header_timeout_s`` (from connecting, or from the first byte of its next
@@ -17,6 +17,9 @@ is uvicorn's h11 protocol with four changes:
 - Only when every connection is busy does a request get 503, in OpenAI's error
   shape (``too_many_connections``, with Retry-After and its request id).
 - ``/health`` is answered whatever the count, so a probe sees a busy server as up.
+- Nothing of a request outlives it: the protocol holds no reference cycle (which kept
+  each connection's last scope, body and decoded JSON until a full collection), and
+  the scope's state, where Litestar keeps the body, is emptied when the request ends.
 
 ``DrainingServer`` drains the engine while uvicorn drains its connections.
 """
