@@ -5,7 +5,7 @@ no timer before a connection's first request, and cancels its keep-alive timer
 on the first byte of the next request: 256 silent sockets, or a request head
 trickled a byte at a time, lock every client out with a plain-text 503 for as
 long as the sockets stay open (tests/api/test_connections.py). ``GuardedH11Protocol``
-is uvicorn's h11 protocol with four changes:
+is uvicorn's h11 protocol with five changes:
 
 - A head deadline: a connection that has not sent a complete request head within
   ``server.header_timeout_s`` (from connecting, or from the first byte of its next
@@ -17,6 +17,9 @@ is uvicorn's h11 protocol with four changes:
 - Only when every connection is busy does a request get 503, in OpenAI's error
   shape (``too_many_connections``, with Retry-After and its request id).
 - ``/health`` is answered whatever the count, so a probe sees a busy server as up.
+- Nothing of a request outlives it: the protocol holds no reference cycle (which kept
+  each connection's last scope, body and decoded JSON until a full collection), and
+  the scope's state, where Litestar keeps the body, is emptied when the request ends.
 
 ``DrainingServer`` drains the engine while uvicorn drains its connections.
 """
@@ -95,14 +98,23 @@ class GuardedH11Protocol(H11Protocol):
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         if not isinstance(config, ServerConfig):
             raise TypeError("GuardedH11Protocol is served through app.httpserver.ServerConfig")
-        super().__init__(config, server_state, app_state, _loop)
+        super().__init__(config, server_state, app_state, _loop)  # sets self.app: see the property
         self.max_connections = config.max_connections
         self.header_timeout_s = config.header_timeout_s
-        self._app: ASGI3Application = self.app
-        self.app = self._admit  # what uvicorn runs for each request
         # Since when this connection waits for a request with no byte of it received; None otherwise.
         self.idle_since: float | None = None
         self._head_deadline: asyncio.TimerHandle | None = None
+
+    # uvicorn runs ``self.app`` for each request. Handed out on each read, never stored: a bound
+    # ``self._admit`` kept on ``self`` made every connection a reference cycle, which kept its last
+    # request's scope (body and decoded JSON included) until a full collection, rarely run.
+    @property
+    def app(self) -> ASGI3Application:
+        return self._admit
+
+    @app.setter
+    def app(self, app: ASGI3Application) -> None:
+        self._app = app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -176,7 +188,12 @@ class GuardedH11Protocol(H11Protocol):
         ):
             await self._refuse(scope, send)
             return
-        await self._app(scope, receive, send)
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            # The request is over: its state (Litestar keeps the body there) goes now, whatever
+            # may still hold the scope (a traceback, uvicorn's last cycle on a kept-alive connection).
+            scope.get("state", {}).clear()
 
     async def _refuse(self, scope: Scope, send: ASGISendCallable) -> None:
         rid = request_id(scope)  # first: it puts the id on this log record and on the access log's

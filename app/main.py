@@ -18,6 +18,7 @@ from litestar.openapi import OpenAPIConfig
 from app.api import request_id
 from app.api.agui import agui
 from app.api.anthropic.messages import anthropic_router
+from app.api.body import BoundedRequest
 from app.api.errors import exception_handlers
 from app.api.guards import api_key_guard, api_keys, request_guard
 from app.api.meta import get_model, health, health_head, list_models
@@ -181,6 +182,7 @@ def create_app(state: AppState) -> Litestar:
         middleware=[request_guard(server)],
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
+        request_class=BoundedRequest,  # a body's JSON values are counted before it is decoded
         openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),
         before_request=request_id.before_request,
         # Every response, errors and SSE included, is tagged with its request id and counted.

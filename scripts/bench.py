@@ -30,6 +30,9 @@ It measures, in this order (one server at a time, so they never compete):
  11. embedding_jobs: the time to first token of a chat right after a client sent a
       512-input embeddings request (all-MiniLM-L6-v2) and hung up, against the same
       chat alone: an abandoned job must stop, not hold the engine thread.
+ 12. bodies: RSS after 100 requests whose body carries 0.9 MB of `{}` in a field
+     the server ignores, each on its own connection, against RSS after 10: what
+     a request leaves behind once answered (a plateau, not a climb).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -482,8 +485,26 @@ async def bench_embedding_jobs(base: str, model: str, embedder: str) -> tuple[fl
     return statistics.median(alone), statistics.median(busy)
 
 
+
+def bench_bodies(base: str, model: str, pid: int, total: int = 100, early: int = 10) -> tuple[float, float]:
+    """RSS after ``early`` and after ``total`` chat requests, each on a new connection, each with
+    0.9 MB of ``{}`` in an ignored field: a body must not outlive its request."""
+    ignored = [{}] * 225_000  # ~0.9 MB as JSON, a quarter of a million objects once parsed
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                       "temperature": 0, "x": ignored}).encode()
+    after: dict[int, float] = {}
+    for i in range(1, total + 1):
+        httpx.post(base + "/v1/chat/completions", content=body, timeout=600,
+                   headers={"content-type": "application/json"}).raise_for_status()
+        if i in (early, total):
+            time.sleep(0.5)  # the connection's close is handled
+            after[i] = rss_mb(pid)
+    return after[early], after[total]
+
+
+
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs")
+            "disk", "distributed", "embedding_jobs", "bodies")
 
 
 def main() -> None:
@@ -661,6 +682,15 @@ def main() -> None:
         print(f"chat TTFT alone {alone:.2f}s, after an abandoned 512-input embedding job {busy:.2f}s")
         ratios.append(f"chat TTFT after an abandoned 512-input embedding job / alone: {busy:.2f}s / {alone:.2f}s = "
                       f"{busy / alone:.3f}   (target <= 1.5)")
+
+    if "bodies" in run:
+        ours, base = serve()
+        try:
+            early, late = bench_bodies(base, name, ours.pid)
+        finally:
+            stop(ours)
+        ratios.append(f"RSS after 100 requests of 0.9 MB of {{}} / after 10: {late:.0f} MB / {early:.0f} MB = "
+                      f"{late / early:.3f}   (target <= 1.1)")
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

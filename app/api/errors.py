@@ -11,6 +11,7 @@ whose client has gone (``ClientGone``) gets nginx's 499 and no body.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -114,11 +115,32 @@ def exception_handlers(render: ErrorRenderer = openai_error) -> dict[Any, Callab
     """Litestar exception handlers that answer in ``render``'s format."""
 
     def handle(request: Request, exc: Exception) -> Response[Any]:
-        if isinstance(exc, ClientGone):
-            return Response(b"", status_code=499)  # nobody is listening; nginx's "client closed request"
-        return error_response(as_app_error(request, exc), render)
+        try:
+            if isinstance(exc, ClientGone):
+                return Response(b"", status_code=499)  # nobody is listening; nginx's "client closed request"
+            return error_response(as_app_error(request, exc), render)
+        finally:
+            release_frames(exc)
 
     return {Exception: handle, HTTPException: handle}
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames an answered exception passed through.
+
+    They often hold the decoded body (a validation error's frames do, as do the errors it
+    lists, whose own tracebacks lead back to them): in that reference cycle the body lives
+    until a full collection, which a body of many small objects rarely sets off.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # frames still running are skipped
+        stack += [e.__cause__, e.__context__]
 
 
 def stream_error(exc: BaseException, render: ErrorRenderer = openai_error) -> dict[str, Any]:

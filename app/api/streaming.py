@@ -86,10 +86,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     generating and frees its KV instead of running to max_tokens."""
     result: list[T] = []
     failed: list[Exception] = []
+    # Not the request: the cancelled watcher's frames stay in a reference cycle (anyio's
+    # task_done keeps the CancelledError it caught), and the request holds its body.
+    receive = request.receive
 
     async def watch() -> None:
         # The body is already read: the next ASGI message is the disconnect, if any.
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         tg.cancel_scope.cancel()
 
@@ -104,7 +107,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         tg.start_soon(watch)
         tg.start_soon(run)
     if failed:
-        raise failed[0]
+        raise failed.pop()  # not left in the list: run's closure holds it, its traceback holds run
     if not result:
         raise ClientGone
     return result[0]

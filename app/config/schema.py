@@ -321,6 +321,10 @@ class ServerSettings(_Strict):
     cors_origins: list[str] = Field(default=[], description="Browser origins allowed by CORS; empty means CORS is off.")
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest request body in bytes (413 beyond).")
+    max_json_values: int = Field(
+        default=1_000_000, ge=1000, description="JSON values a request body may hold (every array item, object member "
+        "and container; 413 beyond), counted before decoding: ~70 bytes each once decoded, so 1M is ~70 MB of Python "
+        "objects, where 32 MB of `[{},{},...]` would be GBs. Room for a context's worth of token ids.")
     max_messages: int = Field(default=512, ge=1, description="Messages one chat request may carry.")
     max_connections: int = Field(
         default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
@@ -370,7 +374,8 @@ class ServerSettings(_Strict):
         default=1024, ge=0, description="Responses API (/v1/responses): responses kept for previous_response_id and "
         "GET, in memory, least recently used out first; a restart forgets them, and `store: false` keeps nothing.")
     responses_store_mb: int = Field(
-        default=64, ge=0, description="The JSON size the stored responses may take together, in MB.")
+        default=64, ge=0, description="The memory the stored responses may take together, in MB (each is kept as "
+        "its JSON text).")
 
 
 class ModelsFile(_Strict):

@@ -408,7 +408,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
     dicts = [template_message(m, fit_id) for m in msgs]
     text = render(profile, dicts, template_tools, wanted)
-    tokens = encode(profile, text)
+    tokens = encode(profile, text, req.messages_param)
     gen = GenerationRequest(
         prompt_tokens=tokens,
         max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
@@ -432,7 +432,7 @@ def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list
         kwargs["enable_thinking"] = wanted
     text = render_vlm_prompt(vlm, vlm_messages(msgs), **kwargs)
     # Text tokens only: the engine counts the images' tokens and clamps again.
-    text_tokens = len(encode(profile, text))
+    text_tokens = len(encode(profile, text, req.messages_param))
     gen = GenerationRequest(
         prompt_tokens=[],
         max_tokens=completion_budget(profile, text_tokens, req.options, req.messages_param),
@@ -475,7 +475,7 @@ def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...]
 
 def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
     """Tokenize and bound a plain-text prompt."""
-    tokens = list(profile.tokenizer.encode(req.prompt))
+    tokens = encode(profile, req.prompt, "prompt", special_tokens=True)
     if not tokens:
         raise InvalidRequestError("prompt is empty", param="prompt")
     return GenerationRequest(

@@ -21,6 +21,7 @@ from app.errors import ConfigError, InvalidRequestError
 from app.families import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family
 from app.parsers import PARSERS, detect_parser, is_reasoning_model
 from app.pipeline.request import Message, Tool, ToolChoice
+from app.pipeline.tokenizing import encode_within
 
 _PROBE = "\u2063probe\u2063"
 
@@ -243,6 +244,7 @@ def render(profile: ModelProfile, messages: list[dict[str, Any]], tools: list[di
                                   param="messages") from exc
 
 
-def encode(profile: ModelProfile, text: str) -> list[int]:
-    """Token ids of a rendered prompt (its special tokens are already in the text)."""
-    return list(profile.tokenizer.encode(text, add_special_tokens=False))
+def encode(profile: ModelProfile, text: str, param: str | None = None, *, special_tokens: bool = False) -> list[int]:
+    """Token ids of a prompt (a rendered one has its special tokens in the text already); past the
+    context, ``ContextLengthError`` on ``param`` after about a context's worth of tokenizing."""
+    return encode_within(profile.tokenizer, text, profile.max_model_len, param, special_tokens=special_tokens)

@@ -14,9 +14,11 @@ import logging
 import time
 
 import httpx
+import psutil
 import pytest
+import yaml
 
-from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.api.serving import assert_openai_error, server_process, serving, tiny_yaml
 
 HI = [{"role": "user", "content": "Hi"}]
 ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-5555555555"
@@ -167,6 +169,28 @@ def test_deeply_nested_json_is_a_400_without_a_traceback(srv, path, caplog):
     assert not [rec for rec in caplog.records if rec.exc_info or "Traceback" in rec.getMessage()]
 
 
+def test_request_bodies_do_not_outlive_their_requests(tmp_path, tiny_model_dir):
+    """Every request's scope (its body, its decoded JSON) stayed in a reference cycle until a full
+    collection, which a body of many small objects rarely sets off: 106 requests with 0.9 MB of
+    `{}` in an ignored field added 2.4 GB. Now RSS levels off after the first few."""
+    models = yaml.safe_load(tiny_yaml(tiny_model_dir))
+    body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 1, "x": [{}] * 225_000}).encode()
+    with server_process(tmp_path, models) as (proc, base):
+        rss = psutil.Process(proc.pid).memory_info
+
+        def send(n: int) -> int:
+            for _ in range(n):  # each on a connection of its own, as the red team sent them
+                r = httpx.post(base + "/v1/chat/completions", content=body, timeout=60,
+                               headers={"content-type": "application/json"})
+                assert r.status_code == 200, r.text
+            time.sleep(0.3)  # the last connection's close is handled
+            return rss().rss
+
+        early = send(8)
+        late = send(16)  # before the fix: +16 MB a request, 336 MB after 10 and 827 MB after 40
+    assert late / early <= 1.1, f"{early / 2**20:.0f} MB after 8 requests, {late / 2**20:.0f} MB after 24"
+
+
 @pytest.mark.parametrize("where", ["tool description", "tool-call arguments", "tool name in history"])
 def test_huge_tool_texts_are_refused_before_tokenizing(srv, where):
     """A 20 MB tool description took 17 s of CPU and 2.6 GB before its 400."""
@@ -186,6 +210,20 @@ def test_huge_tool_texts_are_refused_before_tokenizing(srv, where):
     assert_openai_error(r, 400, "context_length_exceeded")
     assert took < 5, took
     assert chat(srv, {}).status_code == 200
+
+
+def test_responses_metadata_is_bounded_and_kept(srv):
+    """Metadata is echoed and stored with the response: OpenAI's bounds keep it small."""
+    def create(metadata: dict) -> httpx.Response:
+        return srv.post("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 1, "metadata": metadata},
+                        headers=auth())
+
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": [{}] * 100_000}):
+        assert assert_openai_error(create(metadata), 400)["param"].startswith("metadata")
+    fits = {f"{i:064d}": "v" * 512 for i in range(16)}
+    r = create(fits)
+    assert r.status_code == 200 and r.json()["metadata"] == fits, r.text
+    assert srv.get(f"/v1/responses/{r.json()['id']}", headers=auth()).json()["metadata"] == fits
 
 
 def test_a_huge_model_name_is_not_echoed_whole(srv):

@@ -6,6 +6,7 @@ runs it (uvicorn's connection limit and backlog included).
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -15,10 +16,12 @@ import httpx
 import pytest
 
 from tests.api.serving import assert_openai_error, serving, tiny_yaml
+from tests.api.test_anthropic_e2e import assert_anthropic_error
 from tests.vision.sample_images import data_url, image_bytes, png_claiming_size
 
 BODY_LIMIT = 4 * 1024 * 1024
-SERVER = {"max_body_bytes": BODY_LIMIT, "max_messages": 4, "max_connections": 8,
+VALUE_LIMIT = 100_000
+SERVER = {"max_body_bytes": BODY_LIMIT, "max_json_values": VALUE_LIMIT, "max_messages": 4, "max_connections": 8,
           "max_image_bytes": 64 * 1024, "max_image_pixels": 1_000_000}
 # One sequence at a time and a queue of one: the third request finds the server full.
 PARAMS = {"max_num_seqs": 1, "max_queue": 1, "queue_timeout_s": 2.0}
@@ -53,6 +56,25 @@ def test_body_over_the_limit_is_413(srv):
     assert_serving(srv)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                  "/v1/agui"])
+def test_a_body_of_too_many_json_values_is_413_before_decoding(srv, path):
+    """3 bytes a value on the wire, ~70 once decoded: an ignored field of `{}`s is refused by count."""
+    base = {"model": "tiny", "messages": HI, "prompt": "Hi", "input": "Hi", "max_tokens": 1}
+    over = json.dumps({**base, "x": [{}] * VALUE_LIMIT}).encode()
+    r = srv.post(path, content=over, headers={"content-type": "application/json"})
+    if path == "/v1/messages":
+        assert "max_json_values" in assert_anthropic_error(r, 413, "request_too_large")
+    else:
+        assert "max_json_values" in assert_openai_error(r, 413, "request_too_large")["message"]
+    # Commas and brackets inside strings are text: a long string of them is one value.
+    within = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": '"[{}],' * 200}],
+                         "max_tokens": 1, "x": [{}] * (VALUE_LIMIT - 20)}).encode()
+    r = srv.post("/v1/chat/completions", content=within, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert_serving(srv)
+
+
 def test_too_many_messages(srv):
     err = assert_openai_error(chat(srv, HI * 5), 400)
     assert err["param"] == "messages" and "at most 4" in err["message"]
@@ -77,6 +99,25 @@ def test_megabyte_prompts_are_refused_before_tokenizing(srv):
         err = assert_openai_error(r, 400, "context_length_exceeded")
         assert "characters" in err["message"]
         assert took < 2.0, took
+    assert_serving(srv)
+
+
+def test_a_dense_script_under_the_character_cut_is_refused_at_a_context_worth_of_tokenizing(srv):
+    """330,000 CJK characters pass the character cut of the 2,048-token model (331,776) and were
+    ~900,000 tokens, seconds each; now tokenizing stops once the count is past the context."""
+    cjk = "".join(chr(0x4E00 + (i * 7919) % 0x5000) for i in range(330_000))
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": cjk}]}),
+                       ("/v1/completions", {"prompt": cjk}),
+                       ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": cjk}]})]:
+        started = time.monotonic()
+        r = srv.post(path, {"model": "tiny", **body})
+        took = time.monotonic() - started
+        if path == "/v1/messages":
+            assert "maximum context length is 2048 tokens" in assert_anthropic_error(r, 400, "invalid_request_error")
+        else:
+            err = assert_openai_error(r, 400, "context_length_exceeded")
+            assert "maximum context length is 2048 tokens" in err["message"], err
+        assert took < 1.5, (path, took)
     assert_serving(srv)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from app.api.openai.response_store import ResponseStore
 from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
@@ -120,15 +123,52 @@ def test_store_evicts_least_recently_used_by_count():
 
 def test_store_bounds_bytes_and_refuses_what_cannot_fit():
     store = ResponseStore(max_entries=100, max_bytes=1000)
-    assert store.put(response("a", 400), [])
-    assert store.put(response("b", 400), [])
-    assert store.put(response("c", 400), [])  # a goes
+    assert store.put(response("a", 300), [])
+    assert store.put(response("b", 300), [])
+    assert store.put(response("c", 300), [])  # a goes
     assert store.nbytes <= 1000 and len(store) == 2
     assert not store.put(response("huge", 2000), [])
     assert len(store) == 2
     store.delete("b")
     assert len(store) == 1 and store.nbytes == store.get("c").nbytes
     assert not ResponseStore(0, 1000).put(response("x"), [])
+
+
+def test_the_store_bound_counts_the_memory_held():
+    """Two responses with 24 MB of `{}` each held ~880 MB in a "64 MB" store: the bound counted
+    JSON characters and the store held Python objects. Now it holds the JSON text it counts."""
+    store = ResponseStore(max_entries=10, max_bytes=64 * 2**20)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for rid in ("a", "b"):
+            # As a decoded body holds them: a million distinct objects, 3 MB as JSON.
+            body = {**response(rid), "metadata": {"x": [{} for _ in range(1_000_000)]}}
+            assert store.put(body, [{"type": "message", "role": "user", "content": [{} for _ in range(100_000)]}])
+            del body
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store) == 2 and held <= 1.1 * store.nbytes, (held, store.nbytes)
+    assert store.get("a").response["metadata"]["x"][:2] == [{}, {}]
+    assert store.get("b").items[0]["content"][-1] == {}
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({f"k{i}": "v" for i in range(17)}, "at most 16 keys"),
+    ({"k" * 65: "v"}, "keys are at most 64 characters"),
+    ({"k": "v" * 513}, "values are at most 512 characters"),
+    ({"k": [{}] * 1000}, "string"),
+    ({"k": 1}, "string"),
+])
+def test_metadata_is_bounded_as_at_openai(metadata, message):
+    with pytest.raises(ValidationError, match=message) as refused:
+        ResponsesRequest.model_validate({"model": "m", "input": "Hi", "metadata": metadata})
+    assert refused.value.errors()[0]["loc"][0] == "metadata"
+    fits = {f"{i:064d}": "v" * 512 for i in range(16)}
+    assert ResponsesRequest.model_validate({"model": "m", "input": "Hi", "metadata": fits}).metadata == fits
 
 
 def test_store_keeps_each_api_key_apart():

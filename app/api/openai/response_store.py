@@ -9,7 +9,9 @@ gives its own.
 
 How long: in memory only, least recently used first out, within two bounds
 (``server.responses_store_entries`` and ``server.responses_store_mb``); a
-response larger than the byte bound on its own is not kept. A restart forgets
+response larger than the byte bound on its own is not kept. Each is kept as its
+JSON text, so the byte bound counts the memory it holds (decoded on each read:
+a GET or a ``previous_response_id``). A restart forgets
 everything. ``store: false`` keeps nothing, so Codex (which sends it) leaves no
 trace here. Each API key sees only the responses created with it (``CLIENT``).
 
@@ -19,6 +21,7 @@ Every call runs on the event loop without awaiting, so no lock is needed.
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +32,30 @@ from app.request_context import CLIENT
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """One kept response."""
+    """One kept response, as JSON text: what the byte bound counts is what it holds. Kept as
+    Python objects, two responses with 24 MB of ``{}`` each held ~880 MB in a "64 MB" store."""
 
     # The response object, as GET returns it.
-    response: dict[str, Any]
+    response_json: bytes
     # The whole conversation as input items: the chain it continued, its input, its output.
-    items: list[dict[str, Any]]
-    # The JSON size of the two, what the byte bound counts.
-    nbytes: int
+    items_json: bytes
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return dict(json.loads(self.response_json))
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        return list(json.loads(self.items_json))
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds: its two texts with their object headers."""
+        return sys.getsizeof(self.response_json) + sys.getsizeof(self.items_json)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class ResponseStore:
@@ -54,14 +73,17 @@ class ResponseStore:
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> bool:
         """Keep ``response`` (evicting the least recently used to make room); False when it
         alone is larger than the byte bound, or the store holds nothing."""
-        nbytes = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(items, ensure_ascii=False))
-        if self.max_entries == 0 or nbytes > self.max_bytes:
+        if self.max_entries == 0:
+            return False
+        entry = StoredResponse(_json(response), _json(items))
+        nbytes = entry.nbytes
+        if nbytes > self.max_bytes:
             return False
         key = (CLIENT.get(), response["id"])
         self._drop(key)
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[key] = StoredResponse(response, items, nbytes)
+        self._entries[key] = entry
         self.nbytes += nbytes
         return True
 

@@ -65,7 +65,7 @@ def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[st
         else {"format": {"type": "text"}},
         "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in data.tools],
-        "truncation": "disabled", "usage": None, "metadata": getattr(data, "metadata", None) or {},
+        "truncation": "disabled", "usage": None, "metadata": data.metadata or {},
     }
     if extras:
         body["extensions"] = extras

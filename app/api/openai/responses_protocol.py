@@ -14,7 +14,9 @@ model sees them as ``<namespace>__<name>``, and calls come back split into
 ``file_search``, ``mcp``, ...) is a tool OpenAI's servers run; this server
 cannot, and ignores them, so a client's usual tool list (Codex sends
 ``web_search``) never fails a request. Unknown fields are accepted and ignored
-(``include``, ``prompt_cache_key``, ``metadata``, ``user``, ...).
+(``prompt_cache_key``, ``user``, ...). ``metadata`` is echoed and stored with the
+response, within OpenAI's bounds: 16 keys, of at most 64 characters, with string
+values of at most 512.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ import base64
 import binascii
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from app.api.openai.protocol import JsonArguments
 from app.errors import InvalidRequestError
@@ -211,6 +223,27 @@ class ReasoningConfig(_Lenient):
     summary: str | None = None
 
 
+# OpenAI's bounds on a response's metadata: it is echoed, and kept as long as the response is.
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _bounded_metadata(v: Any) -> Any:
+    """Counted before each value's type is checked, so a huge object costs no per-key errors."""
+    if not isinstance(v, dict):
+        return v
+    if len(v) > METADATA_KEYS:
+        raise ValueError(f"at most {METADATA_KEYS} keys are allowed, got {len(v)}")
+    for key, value in v.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise ValueError(f"keys are at most {METADATA_KEY_CHARS} characters, one has {len(key)}")
+        if isinstance(value, str) and len(value) > METADATA_VALUE_CHARS:
+            raise ValueError(f"values are at most {METADATA_VALUE_CHARS} characters; {key!r} has {len(value)}")
+    return v
+
+
+Metadata = Annotated[dict[str, str], BeforeValidator(_bounded_metadata)]
+
+
 class ResponsesRequest(_Lenient):
     model: str = Field(min_length=1)
     input: list[InputItem] = []
@@ -226,6 +259,7 @@ class ResponsesRequest(_Lenient):
     reasoning: ReasoningConfig | None = None
     store: bool | None = True
     previous_response_id: str | None = None
+    metadata: Metadata | None = None
     include: list[str] | None = None
     stream: bool = False
     background: bool | None = None
