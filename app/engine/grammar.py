@@ -30,6 +30,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -83,6 +84,7 @@ class GrammarProcessor:
         prompt_len: int,
         live: weakref.WeakSet[GrammarProcessor] | None = None,
         subject: str = "the JSON schema",
+        on_limit: Callable[[str], None] | None = None,
     ) -> None:
         self._matcher = matcher
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
@@ -95,6 +97,7 @@ class GrammarProcessor:
         self.error: str | None = None
         self._failed_at = 0
         self._subject = subject
+        self._on_limit = on_limit
         # The processors of one model that are in flight (dropped ones leave by themselves).
         self._live = live if live is not None else weakref.WeakSet()
         self._live.add(self)
@@ -135,6 +138,8 @@ class GrammarProcessor:
                 self.error = _first_line(self._matcher.get_error())
                 self._failed_at = self._fed
                 log.warning("constrained generation failed after %d tokens: %s", self._fed, self.error)
+                if self._on_limit is not None and _is_limit(self.error):
+                    self._on_limit(self.error)
             bias = np.full(width, -np.inf, dtype=np.float32)
             bias[[t for t in self._eos if t < width]] = 0
             return bias[None]
@@ -169,13 +174,20 @@ class Grammar:
         self.lark = lark
         # What the client wrote that this grammar enforces, for errors.
         self.subject = subject
+        # The limit a generation hit. The lexer is shared by every copy of the matcher, so
+        # once it is out of room the next request would fail at once: it is refused instead.
+        self.limit_hit: str | None = None
 
     def processor(self, prompt_len: int) -> GrammarProcessor:
         """A fresh processor for one sequence whose first ``prompt_len`` context tokens are prompt."""
         with self._lock:
             matcher = self._matcher.deep_copy()
         c = self._compiler
-        return GrammarProcessor(matcher, c.lltok.vocab_size, c.eos, prompt_len, c.live, self.subject)
+        return GrammarProcessor(matcher, c.lltok.vocab_size, c.eos, prompt_len, c.live, self.subject,
+                                self._limit_hit)
+
+    def _limit_hit(self, error: str) -> None:
+        self.limit_hit = error
 
 
 class GrammarCompiler:
@@ -204,7 +216,10 @@ class GrammarCompiler:
             grammar = self._cache.get(lark)
             if grammar is not None:
                 self._cache.move_to_end(lark)
-                return grammar
+        if grammar is not None:
+            if grammar.limit_hit is not None:
+                raise _rejection(spec, grammar.limit_hit)
+            return grammar
         matcher = llguidance.LLMatcher(self.lltok, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
         if matcher.is_error():
             raise _rejection(spec, matcher.get_error())

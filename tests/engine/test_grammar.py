@@ -370,6 +370,10 @@ def test_a_limit_hit_mid_run_ends_the_sequence_with_an_error(engine):
     assert err.value.status_code == 400 and err.value.code == "grammar_limit_exceeded"
     assert "too many expressions constructed" in err.value.message and "JSON schema" in err.value.message
     assert "<state>" not in err.value.message  # llguidance's parser dump (the output so far) stays out
+    # Its lexer (shared by every request of the schema) is spent: the schema is now refused at compile time.
+    with pytest.raises(InvalidRequestError) as again:
+        compiler_for(engine.tokenizer).compile(JsonSchema(EXPLODING, strict=True))
+    assert again.value.code == "grammar_limit_exceeded" and again.value.param == "response_format"
     text, _ = generate(engine, JsonSchema(TICKET))  # the engine goes on serving
     jsonschema.validate(json.loads(text), TICKET)
 
