@@ -66,6 +66,8 @@ class ForwardedProps(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     thinking: bool | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    # vLLM's, as on every format: runs with different salts never share cached prefixes.
+    cache_salt: str | None = None
 
 
 def _props(inp: RunAgentInput) -> ForwardedProps:
@@ -129,7 +131,7 @@ def to_chat_request(inp: RunAgentInput, default_model: str) -> typed.ChatRequest
     sampling = typed.Sampling(temperature=props.temperature, top_p=props.top_p,
                               seed=None if props.seed is None else props.seed % 2**64)
     options = typed.Options(props.model or default_model, sampling, props.max_tokens,
-                            max_tokens_param="forwardedProps.max_tokens")
+                            max_tokens_param="forwardedProps.max_tokens", cache_salt=props.cache_salt)
     tools = tuple(_tool(t, i) for i, t in enumerate(inp.tools or ()))
     return typed.ChatRequest(options, messages, tools=tools, thinking=props.thinking)
 

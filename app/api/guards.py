@@ -20,6 +20,7 @@ the user's own browser, and LAN clients when bound beyond loopback.
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,11 +44,15 @@ def allowed_hosts(server: ServerSettings) -> frozenset[str] | None:
     return frozenset(extra) if extra else None
 
 
-def _host_name(header: str) -> str:
-    header = header.strip().lower()
-    if header.startswith("["):  # [::1]:8000
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+# RFC 9110's Host: a bracketed IPv6 literal or a name (letters, digits, dots, hyphens),
+# then an optional port; anything else (``[::1].evil``, ``127.0.0.1:80@evil``) is no name.
+_HOST = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9_.-]+))(?::[0-9]{1,5})?")
+
+
+def _host_name(header: str) -> str | None:
+    """The name in a Host header, lower-case and without its port; None if malformed."""
+    m = _HOST.fullmatch(header.strip().lower())
+    return None if m is None else m["ip6"] or m["name"]
 
 
 def _is_json(content_type: str) -> bool:

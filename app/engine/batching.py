@@ -45,7 +45,14 @@ from app.engine.loader import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.sampling import reset_random_state, token_logprob
 from app.engine.stops import StopMatcher
-from app.engine.types import EngineStats, GenerationRecord, GenerationRequest, TokenDelta, TokenLogprob
+from app.engine.types import (
+    ConstraintProcessor,
+    EngineStats,
+    GenerationRecord,
+    GenerationRequest,
+    TokenDelta,
+    TokenLogprob,
+)
 from app.engine.worker import MLXWorker
 from app.errors import AppError, EngineDeadError, EngineError
 
@@ -75,6 +82,8 @@ class Seq:
     first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
+    # Its output constraint's processor (``GenerationRequest.constraint``), if any.
+    constraint: ConstraintProcessor | None = None
 
     @property
     def background(self) -> bool:
@@ -337,6 +346,11 @@ class BatchingEngine(Generic[S, L]):
         assert seq.stops is not None
         try:
             finish = r.finish_reason
+            failed = seq.constraint.failure() if finish is not None and seq.constraint is not None else None
+            if failed is not None:  # the grammar forced that EOS: the text so far is not the promised shape
+                self._release(seq)
+                self._finish_with_error(seq, failed)
+                return
             if finish != "stop":  # an EOS token is not text
                 seq.detok.add_token(r.token)
             if finish is not None:

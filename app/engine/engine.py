@@ -298,7 +298,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         seq.sampler = build_sampler(req.sampling)
         seq.processors = build_logits_processors(req.sampling)
         if req.constraint is not None:  # last, so it masks the penalised logits; kept across a pause
-            seq.processors.append(req.constraint.processor(len(prompt)))
+            seq.constraint = req.constraint.processor(len(prompt))
+            seq.processors.append(seq.constraint)
         seq.detok = new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
         self._start(seq, segments, cache, prompt[:cached], req.max_tokens)

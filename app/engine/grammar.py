@@ -12,6 +12,16 @@ The processor reads the tokens generated since its last call from the context
 advances its matcher, and sets every token the grammar does not allow to -inf;
 once the grammar is complete only EOS is left. Why llguidance and not
 xgrammar: ``scripts/bench_grammar.py`` (numbers in its docstring).
+
+llguidance builds its lexer lazily, so a schema can compile and still hit one of
+its limits while generating: a pattern whose automaton explodes
+(``^(.*a.{15})|(.*b.{15})|(.*c.{15})$``: "too many expressions constructed") or an
+``anyOf`` wider than a parser row ("max is 2000"). A limit met while compiling is a
+400 ``grammar_limit_exceeded`` from ``compile``. One met while generating: the
+processor allows only EOS and reports it, and the engine ends that choice with the
+same 400 (the schema is the request's and the same request fails the same way, so
+not a 5xx to retry; once a stream has started, its error event), never a normal
+stop with half a JSON value.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -36,7 +47,7 @@ from app.engine.constraints import (
     json_item,
     to_lark,
 )
-from app.errors import InvalidRequestError
+from app.errors import AppError, EngineError, InvalidRequestError
 
 log = logging.getLogger("tandem.engine")
 
@@ -44,6 +55,9 @@ log = logging.getLogger("tandem.engine")
 GRAMMAR_CACHE_SIZE = 64
 # Long llguidance errors (with grammar context) are cut to this in the 400 message.
 _MAX_ERROR_CHARS = 600
+# How llguidance words a resource limit (lexer states and expressions, fuel, row width,
+# grammar size), as opposed to a schema it cannot read.
+_LIMIT_WORDS = ("too many", "too big", "fuel", "max is", "limit")
 
 
 # Row b: the logit biases (0 allowed, -inf not) of the 8 tokens whose bits make mask byte b.
@@ -58,7 +72,8 @@ class GrammarProcessor:
 
     ``context`` holds the prompt and every token generated so far, the last one
     just fed to the model. Never raises (an exception would fail the whole
-    batch): a matcher in error allows only EOS and keeps the reason in ``error``.
+    batch): a matcher in error allows only EOS, keeps the reason in ``error``,
+    and ``failure()`` turns it into the error that ends the sequence.
     """
 
     def __init__(
@@ -68,6 +83,8 @@ class GrammarProcessor:
         eos: list[int],
         prompt_len: int,
         live: weakref.WeakSet[GrammarProcessor] | None = None,
+        subject: str = "the JSON schema",
+        on_limit: Callable[[str], None] | None = None,
     ) -> None:
         self._matcher = matcher
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
@@ -78,6 +95,9 @@ class GrammarProcessor:
         self._fed = 0
         self._ended = False
         self.error: str | None = None
+        self._failed_at = 0
+        self._subject = subject
+        self._on_limit = on_limit
         # The processors of one model that are in flight (dropped ones leave by themselves).
         self._live = live if live is not None else weakref.WeakSet()
         self._live.add(self)
@@ -115,8 +135,11 @@ class GrammarProcessor:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         if self._matcher.is_error():
             if self.error is None:
-                self.error = self._matcher.get_error()
-                log.warning("constrained generation ended early: %s", self.error)
+                self.error = _first_line(self._matcher.get_error())
+                self._failed_at = self._fed
+                log.warning("constrained generation failed after %d tokens: %s", self._fed, self.error)
+                if self._on_limit is not None and _is_limit(self.error):
+                    self._on_limit(self.error)
             bias = np.full(width, -np.inf, dtype=np.float32)
             bias[[t for t in self._eos if t < width]] = 0
             return bias[None]
@@ -127,22 +150,44 @@ class GrammarProcessor:
             bias = np.concatenate([bias, np.full(width - bias.size, -np.inf, dtype=np.float32)])
         return bias[None, :width]
 
+    def failure(self) -> AppError | None:
+        """The error that ends this sequence once its matcher failed: a 400 naming the
+        schema's limit, or (a token outside the grammar: a bug here) a generation error."""
+        if self.error is None:
+            return None
+        if _is_limit(self.error):
+            return InvalidRequestError(
+                _cut(f"{self._subject} is beyond the grammar engine's limits (generation stopped after "
+                     f"{self._failed_at} tokens: {self.error}); simplify it, e.g. fewer alternatives or "
+                     "simpler patterns"), code="grammar_limit_exceeded")
+        return EngineError(_cut(f"constrained generation failed: {self.error}"))
+
 
 class Grammar:
     """A compiled, checked grammar for one tokenizer; shared by the requests that use it."""
 
-    def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, lark: str) -> None:
+    def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, lark: str,
+                 subject: str = "the JSON schema") -> None:
         self._compiler = compiler
         self._matcher = matcher
         self._lock = threading.Lock()
         self.lark = lark
+        # What the client wrote that this grammar enforces, for errors.
+        self.subject = subject
+        # The limit a generation hit. The lexer is shared by every copy of the matcher, so
+        # once it is out of room the next request would fail at once: it is refused instead.
+        self.limit_hit: str | None = None
 
     def processor(self, prompt_len: int) -> GrammarProcessor:
         """A fresh processor for one sequence whose first ``prompt_len`` context tokens are prompt."""
         with self._lock:
             matcher = self._matcher.deep_copy()
         c = self._compiler
-        return GrammarProcessor(matcher, c.lltok.vocab_size, c.eos, prompt_len, c.live)
+        return GrammarProcessor(matcher, c.lltok.vocab_size, c.eos, prompt_len, c.live, self.subject,
+                                self._limit_hit)
+
+    def _limit_hit(self, error: str) -> None:
+        self.limit_hit = error
 
 
 class GrammarCompiler:
@@ -171,18 +216,37 @@ class GrammarCompiler:
             grammar = self._cache.get(lark)
             if grammar is not None:
                 self._cache.move_to_end(lark)
-                return grammar
+        if grammar is not None:
+            if grammar.limit_hit is not None:
+                raise _rejection(spec, grammar.limit_hit)
+            return grammar
         matcher = llguidance.LLMatcher(self.lltok, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
         if matcher.is_error():
             raise _rejection(spec, matcher.get_error())
         for warning in matcher.get_grammar_warnings():
             log.debug("grammar warning: %s", warning)
-        grammar = Grammar(self, matcher, lark)
+        grammar = Grammar(self, matcher, lark, _subject(spec))
         with self._lock:
             self._cache[lark] = grammar
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def _subject(spec: Constraint) -> str:
+    """What the client wrote that ``spec`` enforces, as an error message names it."""
+    if isinstance(spec, ToolCalls):
+        return "the tools' parameter schemas" + (" or the response format" if spec.answer is not None else "")
+    return "the JSON schema" if isinstance(spec, JsonSchema) else "the JSON object format"
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the parser state it appends (which quotes the output)."""
+    return error.strip().split("\n", 1)[0].strip()
+
+
+def _is_limit(error: str) -> bool:
+    return any(word in error.lower() for word in _LIMIT_WORDS)
 
 
 def _check_shapes(spec: Constraint) -> None:
@@ -197,6 +261,11 @@ def _check_shapes(spec: Constraint) -> None:
 
 def _rejection(spec: Constraint, error: str) -> InvalidRequestError:
     """The 400 for a grammar llguidance refused, naming the part of the request at fault."""
+    if _is_limit(error):
+        param = "tools" if isinstance(spec, ToolCalls) and spec.answer is None else "response_format"
+        return InvalidRequestError(_cut(f"{_subject(spec)} is beyond the grammar engine's limits "
+                                        f"({_first_line(error)}); simplify it, e.g. fewer alternatives or "
+                                        "simpler patterns"), param=param, code="grammar_limit_exceeded")
     if isinstance(spec, ToolCalls):
         for tool in spec.tools:
             lark = "start: " + json_item(arguments_schema(tool), tool.strict)

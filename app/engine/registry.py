@@ -359,21 +359,25 @@ class Registry:
         return weights + slot.spec.kv_budget_bytes
 
     async def _make_room(self, slot: _Slot) -> None:
-        """Unload least recently used idle models until ``slot`` fits; 503 if it cannot."""
+        """Unload least recently used idle models until ``slot`` fits; 503 if it cannot. The
+        fit is checked first: a model that would not fit even with every idle one unloaded
+        unloads nothing (the default model stays loaded for the next request)."""
         need = self._need_bytes(slot)
         loading = sum(self._need_bytes(s) for s in self._slots.values() if s.state == "loading")
         while self.used_bytes + loading + need > self.limit_bytes:
             victims = sorted((s for s in self._slots.values()
                               if s.state == "loaded" and not s.spec.pin and not s.busy and s is not slot),
                              key=lambda s: s.last_used or 0.0)
-            if not victims:
+            freeable = sum(v.budget_bytes for v in victims)
+            if self.used_bytes + loading + need - freeable > self.limit_bytes:
                 free = max(0, self.limit_bytes - self.used_bytes - loading)
                 loaded = ", ".join(f"{s.spec.name} ({s.budget_bytes / MB:.0f} MB{', pinned' if s.spec.pin else ''}"
                                    f"{', busy' if s.busy else ''})" for s in self._slots.values()
                                    if s.state == "loaded") or "none"
                 raise InsufficientMemoryError(
                     f"model {slot.spec.name!r} needs {need / MB:.0f} MB but {free / MB:.0f} MB of the "
-                    f"{self.limit_bytes / MB:.0f} MB memory limit (server.memory_limit_mb) are free; loaded: {loaded}")
+                    f"{self.limit_bytes / MB:.0f} MB memory limit (server.memory_limit_mb) are free, "
+                    f"{(free + freeable) / MB:.0f} MB with every idle model unloaded; loaded: {loaded}")
             await self.unload(victims[0].spec.name, reason="to make room for " + slot.spec.name)
 
     async def unload(self, name: str, reason: str = "") -> None:

@@ -36,10 +36,23 @@ GREEDY = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, frequenc
                         presence_penalty=0.0, repetition_penalty=1.0, seed=None, logit_bias=())
 
 
+class ConstraintProcessor(Protocol):
+    """One sequence's constraint: an mlx-lm logits processor ``(context, logits) -> logits``
+    that never raises, and says afterwards whether it failed."""
+
+    def __call__(self, tokens: Any, logits: Any) -> Any: ...
+
+    def failure(self) -> BaseException | None:
+        """Why the constraint stopped holding (a grammar limit hit mid-run), or None. The
+        processor then allows only EOS; the engine ends the sequence with this error, never
+        as a normal stop, since the text so far does not follow the constraint."""
+        ...
+
+
 class LogitsConstraint(Protocol):
     """A compiled constraint (``app.engine.grammar.Grammar``): one logits processor per sequence."""
 
-    def processor(self, prompt_len: int) -> Callable[[Any, Any], Any]:
+    def processor(self, prompt_len: int) -> ConstraintProcessor:
         """A fresh processor for a sequence whose first ``prompt_len`` context tokens are prompt."""
         ...
 

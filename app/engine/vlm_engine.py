@@ -166,7 +166,8 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             kwargs = vlm_input_embeddings(self.loaded.model, inputs)
             processors = build_logits_processors(req.sampling)
             if req.constraint is not None:  # masks before the sampling processor draws
-                processors.append(req.constraint.processor(len(ids)))
+                seq.constraint = req.constraint.processor(len(ids))
+                processors.append(seq.constraint)
             if req.logprobs is not None:  # after every processor that shapes the distribution
                 processors.append(logprob_tap(seq.drawn_from))
             if req.sampling.temperature > 0:

@@ -107,7 +107,7 @@ def compile_constraint(profile: ModelProfile, spec: c.Constraint | None, reasoni
         return compiler_for(profile.tokenizer).compile(spec, reasoning)
     except InvalidRequestError as exc:
         if exc.param == "response_format" and param != exc.param:  # the client's own name for it
-            raise InvalidRequestError(exc.message, param=param) from exc
+            raise InvalidRequestError(exc.message, param=param, code=exc.code) from exc
         raise
 
 

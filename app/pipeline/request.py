@@ -16,8 +16,12 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from app.errors import InvalidRequestError
+
 Role = Literal["system", "user", "assistant", "tool"]
 Priority = Literal["interactive", "background"]
+# A salt is a tenant's name or a random token, not a document.
+CACHE_SALT_MAX_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,9 @@ class Options:
     stop: tuple[str, ...] = ()
     # "background" work (titles, tags, follow-ups) yields to interactive requests.
     priority: Priority = "interactive"
-    # vLLM's cache_salt: prefixes with different salts never share KV.
+    # vLLM's cache_salt, taken as a body field by every format (Anthropic's API has none):
+    # prefixes with different salts never share KV. The pipeline's ``cache_namespace`` is the
+    # one place that turns it (and the API key) into the prefix cache's scope.
     cache_salt: str | None = None
     # Choices to generate from the one prompt (its KV computed once and shared).
     n: int = 1
@@ -169,6 +175,10 @@ class Options:
     logprobs: int | None = None
     # Tandem extension: captions, warnings, parser chunks and the exact prompt in the answer.
     extensions: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None and len(self.cache_salt) > CACHE_SALT_MAX_CHARS:
+            raise InvalidRequestError(f"cache_salt: at most {CACHE_SALT_MAX_CHARS} characters", param="cache_salt")
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,9 @@ def _service(args: argparse.Namespace, models_file: Path) -> int:
     if action == "install":
         spec = service_spec(args, models_file, manager.log_path)
         if args.dry_run:
+            text = manager.render(spec).decode()  # refused (a line break) before anything is printed
             print(f"# {manager.unit_path}")
-            print(manager.render(spec).decode(), end="")
+            print(text, end="")
             return 0
         return control.install(manager, spec, wait_s=args.wait)
     if action == "uninstall":

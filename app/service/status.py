@@ -4,16 +4,49 @@ Both read the server's ``GET /health``, which is open (no API key) and lists eve
 state, memory and requests (the shape in the model registry's contract; a server from before the
 registry names one chat model and its vision helper, and is read too). ``models`` works with no
 server at all: whether a model is loaded is then unknown. Tables for people, ``--json`` for scripts.
+
+What a server answers is not trusted: ``/health`` may be anyone's on that port. Its answer is read
+within one overall timeout and up to ``MAX_HEALTH_BYTES``, a body of the wrong shape reads as
+unknown values rather than a traceback, and every text from it is stripped of control characters
+(ANSI escapes included) before it reaches the terminal.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# A Tandem /health is a few KB; an answer past this is not one.
+MAX_HEALTH_BYTES = 1 << 20
+# ANSI CSI and OSC sequences, then any other C0/C1 control character.
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|[\x00-\x1f\x7f-\x9f]")
+# A text from the server longer than this is cut (a name or an error message).
+_MAX_TEXT = 200
+
+
+def printable(value: Any) -> str:
+    """``value`` as one line of plain text, safe to print: no escapes, no control characters."""
+    text = _CONTROL.sub("", str(value))
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
+
+
+def _text(value: Any, default: str | None = None) -> str | None:
+    return default if value is None else printable(value)
+
+
+def _number(value: Any) -> Any:
+    """An int or float from the server, else None (a bool or a string is not a figure)."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 @dataclass
@@ -32,7 +65,7 @@ class Health:
     @property
     def default_model(self) -> str | None:
         body = self.body or {}
-        return body.get("default_model") or body.get("model")
+        return _text(body.get("default_model") or body.get("model"))
 
     def describe(self) -> str:
         """One phrase: ``ok, serving X`` / ``unhealthy (503): why`` / ``not reachable (why)``."""
@@ -40,28 +73,40 @@ class Health:
             return f"not reachable ({self.error})"
         if self.status == 200:
             return f"ok, serving {self.default_model}"
-        engine = (self.body or {}).get("engine") or {}
-        return f"unhealthy ({self.status}): {engine.get('error') or (self.body or {}).get('status')}"
+        engine = _mapping((self.body or {}).get("engine"))
+        return f"unhealthy ({self.status}): {_text(engine.get('error') or (self.body or {}).get('status'))}"
 
 
 def fetch_health(url: str, *, timeout: float = 5.0) -> Health:
-    """``GET {url}/health``; a 503 is an answer too (its body says why)."""
+    """``GET {url}/health``; a 503 is an answer too (its body says why). ``timeout`` bounds the
+    whole exchange, not each read: a server that trickles its answer is given up on."""
+    done: list[Health] = []
+    reader = threading.Thread(target=lambda: done.append(_fetch(url, timeout)), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return done[0] if done else Health(url, error=f"no whole answer from /health within {timeout:g} s")
+
+
+def _fetch(url: str, timeout: float) -> Health:
     health = Health(url)
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as r:  # noqa: S310 - our URL
-            health.status, raw = r.status, r.read()
+            health.status, raw = r.status, r.read(MAX_HEALTH_BYTES + 1)
     except urllib.error.HTTPError as exc:
-        health.status, raw = exc.code, exc.read()
+        health.status, raw = exc.code, exc.read(MAX_HEALTH_BYTES + 1)
     except (urllib.error.URLError, OSError) as exc:
-        health.error = str(getattr(exc, "reason", None) or exc)
+        health.error = printable(getattr(exc, "reason", None) or exc)
+        return health
+    if len(raw) > MAX_HEALTH_BYTES:
+        health.error = f"not a Tandem server: /health answered more than {MAX_HEALTH_BYTES >> 20} MB"
         return health
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         body = None
     health.body = body if isinstance(body, dict) else None
     if health.body is None:
-        health.error = "not a Tandem server: /health did not answer JSON"
+        health.error = "not a Tandem server: /health did not answer a JSON object"
     return health
 
 
@@ -85,13 +130,14 @@ def model_statuses(body: Mapping[str, Any]) -> list[ModelStatus]:
     models = body.get("models")
     if isinstance(models, Mapping):
         out = []
-        for name, m in models.items():
-            memory, requests = m.get("memory_mb") or {}, m.get("requests") or {}
+        for name, entry in models.items():
+            m = _mapping(entry)
+            memory, requests = _mapping(m.get("memory_mb")), _mapping(m.get("requests"))
             out.append(ModelStatus(
-                name=name, role=m.get("role", "chat"), state=m.get("state", "unknown"),
-                pinned=bool(m.get("pinned")), idle_s=m.get("idle_s"),
-                memory_mb={k: memory.get(k) for k in ("weights", "kv_budget", "kv_used")},
-                requests={k: requests.get(k) for k in ("running", "waiting")}, error=m.get("error")))
+                name=printable(name), role=_text(m.get("role")) or "chat", state=_text(m.get("state")) or "unknown",
+                pinned=m.get("pinned") is True, idle_s=_number(m.get("idle_s")),
+                memory_mb={k: _number(memory.get(k)) for k in ("weights", "kv_budget", "kv_used")},
+                requests={k: _number(requests.get(k)) for k in ("running", "waiting")}, error=_text(m.get("error"))))
         return out
     return _statuses_before_the_registry(body)
 
@@ -99,18 +145,18 @@ def model_statuses(body: Mapping[str, Any]) -> list[ModelStatus]:
 def _statuses_before_the_registry(body: Mapping[str, Any]) -> list[ModelStatus]:
     """``{"status", "model", "engine", "vision"}``: one chat model and, in proxy mode, its VLM."""
     out: list[ModelStatus] = []
-    engine = body.get("engine") or {}
+    engine = _mapping(body.get("engine"))
     if body.get("model"):
         alive = bool(engine.get("alive"))
         out.append(ModelStatus(
-            name=body["model"], role="chat", state="loaded" if alive else "failed",
-            requests={"running": engine.get("active"), "waiting": engine.get("waiting")},
-            error=engine.get("error")))
-    vision = body.get("vision") or {}
+            name=printable(body["model"]), role="chat", state="loaded" if alive else "failed",
+            requests={"running": _number(engine.get("active")), "waiting": _number(engine.get("waiting"))},
+            error=_text(engine.get("error"))))
+    vision = _mapping(body.get("vision"))
     if vision.get("mode") == "proxy" and vision.get("model"):
-        out.append(ModelStatus(name=vision["model"], role="vision",
+        out.append(ModelStatus(name=printable(vision["model"]), role="vision",
                                state="loaded" if vision.get("available") else "unloaded",
-                               error=vision.get("reason")))
+                               error=_text(vision.get("reason"))))
     return out
 
 
@@ -120,7 +166,9 @@ def ps_report(health: Health) -> dict[str, Any]:
     """``ps --json``: the models in memory (loaded, loading or failed), with the server's memory."""
     body = health.body or {}
     models = [asdict(m) for m in model_statuses(body) if m.state != "unloaded"]
-    return {"url": health.url, "status": body.get("status"), "memory": body.get("memory"), "models": models}
+    memory = body.get("memory")
+    return {"url": health.url, "status": _text(body.get("status")),
+            "memory": memory if isinstance(memory, Mapping) else None, "models": models}
 
 
 def ps_table(report: Mapping[str, Any]) -> str:
@@ -133,12 +181,12 @@ def ps_table(report: Mapping[str, Any]) -> str:
                      kv, _count(req["running"]), _count(req["waiting"]), _idle(m["idle_s"])])
     lines = [table(rows)] if report["models"] else ["no model loaded"]
     lines += [f"  {m['name']}: {m['error']}" for m in report["models"] if m["error"]]
-    memory = report.get("memory")
+    memory = _mapping(report.get("memory"))
     if memory:
-        line = f"memory: {_mb(memory.get('used_mb'))} used of {_mb(memory.get('limit_mb'))}"
-        mlx = memory.get("mlx") or {}
+        line = f"memory: {_mb(_number(memory.get('used_mb')))} used of {_mb(_number(memory.get('limit_mb')))}"
+        mlx = _mapping(memory.get("mlx"))
         if mlx:
-            line += f" (MLX active {_mb(mlx.get('active_mb'))}, peak {_mb(mlx.get('peak_mb'))})"
+            line += f" (MLX active {_mb(_number(mlx.get('active_mb')))}, peak {_mb(_number(mlx.get('peak_mb')))})"
         lines.append(line)
     return "\n".join(lines)
 

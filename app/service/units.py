@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.errors import CommandError
+
 LABEL = "com.tandem.server"
 UNIT_NAME = "tandem.service"
 # Passed from the installing shell to the service, which launchd and systemd start with a bare
@@ -140,16 +142,20 @@ def systemd_log_path(home: Path, environ: Mapping[str, str]) -> Path:
 _BARE = re.compile(r"[A-Za-z0-9_./:=@+,-]+")
 
 
-def _no_newline(value: str) -> str:
+def _no_newline(value: str, what: str) -> str:
+    """``value``, which goes on one line of a unit file; a line break would end the setting
+    there and start another (``ExecStartPre=``), so it is refused, naming ``what`` holds it
+    (not the value: an environment variable may be a secret)."""
     if "\n" in value or "\r" in value:
-        raise ValueError(f"a newline cannot be written into a unit file: {value!r}")
+        raise CommandError(f"{what} holds a line break, which a systemd unit file cannot hold: remove it and "
+                           "install again")
     return value
 
 
-def systemd_quote(arg: str, *, expand_vars: bool = True) -> str:
+def systemd_quote(arg: str, *, expand_vars: bool = True, what: str = "an argument of the server's command") -> str:
     """One word for ExecStart= / Environment=: ``%`` is a specifier and ``$`` a variable to
     systemd, so both are doubled; anything beyond plain characters is double-quoted."""
-    arg = _no_newline(arg).replace("%", "%%")
+    arg = _no_newline(arg, what).replace("%", "%%")
     if expand_vars:
         arg = arg.replace("$", "$$")
     if _BARE.fullmatch(arg):
@@ -157,17 +163,18 @@ def systemd_quote(arg: str, *, expand_vars: bool = True) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _path_value(path: str) -> str:
+def _path_value(path: str, what: str) -> str:
     """A path setting (WorkingDirectory=, StandardOutput=append:) is the rest of the line; only
     specifiers are expanded in it."""
-    return _no_newline(path).replace("%", "%%")
+    return _no_newline(path, what).replace("%", "%%")
 
 
 def systemd_unit(spec: ServiceSpec) -> str:
     """The ``systemd --user`` unit (systemd.service(5))."""
     exec_start = " ".join(systemd_quote(a) for a in spec.argv)
-    env = " ".join(systemd_quote(f"{k}={v}", expand_vars=False) for k, v in spec.environment.items())
-    log = _path_value(str(spec.log_path))
+    env = " ".join(systemd_quote(f"{k}={v}", expand_vars=False, what=f"the environment variable {k}")
+                   for k, v in spec.environment.items())
+    log = _path_value(str(spec.log_path), "the log path")
     return f"""\
 # Tandem for this user, written by `tandem service install`; `tandem service uninstall` removes it.
 [Unit]
@@ -179,7 +186,7 @@ StartLimitBurst=5
 [Service]
 Type=exec
 ExecStart={exec_start}
-WorkingDirectory={_path_value(spec.workdir)}
+WorkingDirectory={_path_value(spec.workdir, "the working directory")}
 Environment={env}
 # A failure (the MLX engine died: status 70; a crash) starts a fresh process.
 Restart=on-failure

@@ -20,8 +20,10 @@ fetch at once. ``getaddrinfo`` cannot be cancelled, so it runs in a daemon
 thread of its own that the exit never waits for.
 
 Network failures of every kind (refused, unreachable, timed out, TLS, not HTTP,
-a name that does not resolve) give the client one message, so the server is no
-port-scan oracle; the cause goes to the log.
+a name that does not resolve, a name that resolves to a non-public address) give
+the client one message, so the server is no port-scan oracle and tells no one how
+a name resolves from inside; the cause goes to the log. Only an address written
+in the URL itself is refused by name, as that tells the caller nothing new.
 """
 
 from __future__ import annotations
@@ -210,8 +212,16 @@ async def _resolve(host: str, port: int, allow_private: bool, param: str) -> str
         addresses = [str(ipaddress.ip_address(host))]  # a literal: nothing to look up
     except ValueError:
         addresses = await _getaddrinfo(host, port)
+        literal = False
+    else:
+        literal = True
     if not allow_private and not all(is_public_address(a) for a in addresses):
-        raise ImageError(f"{param}: image host {host!r} resolves to a non-public address", param=param)
+        if literal:
+            raise ImageError(f"{param}: image address {host} is a non-public address", param=param)
+        # The network failures' message (fetch_image): the caller learns nothing of the lookup.
+        logger.info("%s: image host %s resolves to a non-public address (%s): refused", param, host,
+                    ", ".join(addresses))
+        raise ImageError(f"{param}: could not fetch image", param=param)
     return addresses[0]
 
 

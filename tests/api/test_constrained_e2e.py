@@ -252,3 +252,38 @@ def test_a_bad_schema_is_named_where_each_api_has_it(demo_server) -> None:
         "output_config": {"format": {"type": "json_schema", "schema": bad}}})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "invalid JSON schema" in r.json()["error"]["message"]
+
+
+# ---- a grammar limit met while generating -----------------------------------------------------
+
+def exploding(n: int) -> dict:
+    """Compiles; llguidance's lexer explodes once the answer is inside the string with a, b and c
+    in it. A grammar's lexer is shared by its requests: each test request takes its own ``n``."""
+    pattern = f"^(.*a.{{{n}}})|(.*b.{{{n}}})|(.*c.{{{n}}})$"
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}, "required": ["a"],
+            "additionalProperties": False}
+
+
+def _writes_abc(demo_model_dir) -> dict[str, int]:
+    """logit_bias that makes the model write '{"a": "abcabc...' (the grammar still masks each
+    step, so the property name stays "a"; "a" alone is left unbiased, else it wins the string)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    ids = [t for piece in ('{"', '":', ' "', "abc") for t in tok.encode(piece, add_special_tokens=False).ids]
+    return {str(t): 100 for t in ids}
+
+
+def test_a_grammar_limit_mid_run_is_an_error_not_a_stop(client: OpenAI, demo_model_dir) -> None:
+    """It was a 200 with finish_reason "stop" and '{"a": "abc' for content."""
+    kw = dict(model="demo", messages=USER, max_tokens=24, logit_bias=_writes_abc(demo_model_dir))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kw, response_format=_schema_format(exploding(15)))
+    body = err.value.body
+    assert body["code"] == "grammar_limit_exceeded" and "too many expressions constructed" in body["message"], body
+    with client.chat.completions.create(**kw, response_format=_schema_format(exploding(16)), stream=True) as stream:
+        with pytest.raises(openai.APIError) as streamed:
+            for chunk in stream:
+                assert all(c.finish_reason != "stop" for c in chunk.choices), chunk
+    assert "JSON schema is beyond the grammar engine's limits" in streamed.value.message
+    test_json_schema_answer_follows_the_schema(client)  # the server goes on serving

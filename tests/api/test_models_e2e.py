@@ -166,6 +166,7 @@ def test_a_model_that_cannot_fit_gets_a_503_saying_why(tmp_path, tiny_model_dir)
         err = assert_openai_error(r, 503, "insufficient_memory")
         assert "needs" in err["message"] and "free" in err["message"] and "400 MB" in err["message"]
         assert int(r.headers["retry-after"]) > 0
+        assert states(srv)["demo"] == "loaded"  # the fit is checked first: the idle default stays loaded
         assert answer(srv.base_url, "demo")  # the server keeps serving
 
 

@@ -162,11 +162,20 @@ class PadsWithWhitespace:
     def processor(self, prompt_len: int):
         inner = self.grammar.processor(prompt_len)
         boost = mx.zeros((1, 49152)).at[:, self.ids].add(30.0)
+        return Wrapped(inner, lambda tokens, logits: inner(tokens, logits + boost[:, : logits.shape[-1]]))
 
-        def pad(tokens, logits):
-            return inner(tokens, logits + boost[:, : logits.shape[-1]])
 
-        return pad
+class Wrapped:
+    """A fake model's logits processor around the real grammar's, which still reports failures."""
+
+    def __init__(self, inner, call) -> None:
+        self.inner, self.call = inner, call
+
+    def __call__(self, tokens, logits):
+        return self.call(tokens, logits)
+
+    def failure(self):
+        return self.inner.failure() if self.inner is not None else None
 
 
 def test_whitespace_is_bounded(engine):
@@ -337,6 +346,41 @@ def test_invalid_tool_parameters_name_the_tool(engine):
     assert err.value.param == "tools"
 
 
+# ---- limits: llguidance's lexer and parser run out while generating ------------------------
+
+# Compiles, but the lexer's automaton for this string explodes once the output is inside it.
+EXPLODING = {"type": "object", "properties": {"a": {"type": "string",
+                                                    "pattern": "^(.*a.{15})|(.*b.{15})|(.*c.{15})$"}},
+             "required": ["a"]}
+
+
+def test_a_limit_hit_mid_run_ends_the_sequence_with_an_error(engine):
+    """It used to end as a normal "stop" with '{"a": "abc' for text: invalid JSON. The model
+    is made to write that start (the lexer explodes on it); the grammar masks as ever."""
+    compiler_for(engine.tokenizer).compile(JsonSchema(EXPLODING, strict=True))  # no error at compile time
+    start = engine.tokenizer.encode('{"a": "abc', add_special_tokens=False)
+    writes = lambda g: ForcesTokens(g, dict(enumerate(start)))  # noqa: E731
+    with pytest.raises(InvalidRequestError) as err:
+        generate(engine, JsonSchema(EXPLODING, strict=True), max_tokens=40, wrap=writes)
+    assert err.value.status_code == 400 and err.value.code == "grammar_limit_exceeded"
+    assert "too many expressions constructed" in err.value.message and "JSON schema" in err.value.message
+    assert "<state>" not in err.value.message  # llguidance's parser dump (the output so far) stays out
+    # Its lexer (shared by every request of the schema) is spent: the schema is now refused at compile time.
+    with pytest.raises(InvalidRequestError) as again:
+        compiler_for(engine.tokenizer).compile(JsonSchema(EXPLODING, strict=True))
+    assert again.value.code == "grammar_limit_exceeded" and again.value.param == "response_format"
+    text, _ = generate(engine, JsonSchema(TICKET))  # the engine goes on serving
+    jsonschema.validate(json.loads(text), TICKET)
+
+
+def test_a_limit_error_at_compile_time_names_the_limit():
+    from app.engine.grammar import _rejection
+
+    err = _rejection(JsonSchema({}), "Parser Error: Current row has 2500 items; max is 2000\n<state>...")
+    assert err.code == "grammar_limit_exceeded" and err.param == "response_format"
+    assert "max is 2000" in err.message and "<state>" not in err.message
+
+
 # ---- reasoning: free until it ends, then the constraint --------------------------------------
 
 
@@ -357,7 +401,7 @@ class ForcesTokens:
                 logits = mx.where(mx.arange(logits.shape[-1]) == self.plan[at], logits, -mx.inf)
             return inner(tokens, logits) if inner else logits
 
-        return force
+        return Wrapped(inner, force)
 
 
 def test_model_that_does_not_reason_answers_at_once(marker_engine):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from app.errors import CommandError
 from app.service import units
 from tests.conftest import REPO
 
@@ -92,8 +93,21 @@ def test_systemd_analyze_would_catch_a_mistake(tmp_path):
 
 
 def test_a_newline_never_reaches_a_unit_file(tmp_path):
-    with pytest.raises(ValueError, match="newline"):
+    with pytest.raises(CommandError, match="line break"):
         units.systemd_unit(spec(tmp_path, models_file="/tmp/a\nExecStartPre=/bin/rm -rf ~"))
+
+
+def test_a_line_break_in_a_passed_variable_is_one_line_naming_it_not_its_value(tmp_path):
+    """It was a ValueError traceback quoting the value (HF_TOKEN-like values are secrets)."""
+    with pytest.raises(CommandError) as err:
+        units.systemd_unit(spec(tmp_path, env={"HF_HOME": "/tmp/secret\rExecStartPre=/bin/true"}))
+    assert "HF_HOME" in err.value.message and "secret" not in err.value.message
+    r = subprocess.run([sys.executable, "-m", "app", "service", "install", "--dry-run"], cwd=REPO, timeout=120,
+                       capture_output=True, text=True, env={**os.environ, "HF_HOME": "/tmp/x\nExecStartPre=/bin/true"})
+    if sys.platform == "darwin":  # a plist holds any text: launchd installs it
+        return
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and "HF_HOME" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("extra", [{}, HOSTILE], ids=["plain", "spaces-percent-dollar-quotes"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -243,7 +244,6 @@ def test_remote_urls_are_off_by_default():
     "url",
     [
         "http://127.0.0.1:9/a.png",
-        "http://localhost:9/a.png",
         "http://[::1]:9/a.png",
         "http://10.1.2.3/a.png",
         "http://192.168.0.10/a.png",
@@ -255,6 +255,19 @@ def test_private_addresses_are_refused_without_connecting(url):
     policy = ImagePolicy(allow_remote=True)
     with pytest.raises(ImageError, match="non-public address"):
         load_image(url, policy, param=PARAM)
+
+
+def test_a_name_resolving_to_a_private_address_reads_as_any_network_failure(caplog):
+    """It said "resolves to a non-public address": a caller could map which names resolve
+    inside. Now it reads as a name that does not resolve at all; the log keeps the cause."""
+    policy = ImagePolicy(allow_remote=True, remote_timeout_s=5)
+    messages = []
+    for url in ("http://localhost:9/a.png", "http://no-such-host.invalid/a.png"):
+        with pytest.raises(ImageError) as err, caplog.at_level(logging.INFO, logger="tandem.vision"):
+            load_image(url, policy, param=PARAM)
+        messages.append(err.value.message)
+    assert messages == [f"{PARAM}: could not fetch image"] * 2
+    assert "localhost resolves to a non-public address" in caplog.text
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:port/a.png", "http://[::1/a.png"])

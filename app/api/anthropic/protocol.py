@@ -317,9 +317,11 @@ class MessagesRequest(_MessagesBody):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
+    # Not Anthropic's: vLLM's extra body field, as on every format here (the prefix cache's scope).
+    cache_salt: str | None = None
 
     def to_request(self) -> typed.ChatRequest:
         """This body as the pipeline's typed request."""
         sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         return self._chat_request(typed.Options(self.model, sampling, self.max_tokens,
-                                                stop=tuple(self.stop_sequences or ())))
+                                                stop=tuple(self.stop_sequences or ()), cache_salt=self.cache_salt))

@@ -168,7 +168,7 @@ class _SamplingFields(_Lenient):
     # Token id (as a string, OpenAI's JSON) -> bias added to its logit.
     logit_bias: dict[int, float] | None = Field(default=None, max_length=1024)
     # vLLM's: requests with different salts never share cached prompt prefixes.
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = None
     # Any 64-bit seed, signed or not; MLX takes it unsigned, so negatives wrap (-1 -> 2**64 - 1).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None

@@ -268,6 +268,8 @@ class ResponsesRequest(_Lenient):
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
     extensions: bool = False
+    # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
+    cache_salt: str | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -338,7 +340,7 @@ class ResponsesRequest(_Lenient):
         choice, tools = tool_choice(self.tool_choice, self.served_tools())
         sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p)
         options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
-                                priority=self.priority, extensions=self.extensions)
+                                priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt)
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
                                  parallel_tool_calls=self.parallel_tool_calls is not False,
                                  output=self.output_format(), thinking=self.thinking_requested(),
