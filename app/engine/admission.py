@@ -186,7 +186,8 @@ class Admission(Generic[T]):
         return items
 
 
-def busy_error(waited_s: float, for_slot: bool) -> EngineBusyError:
-    """The 503 of a request that waited too long, naming what it waited for."""
-    what = "a free batch slot (max_num_seqs)" if for_slot else "KV memory (mem)"
+def busy_error(waited_s: float, for_slot: bool, slot_setting: str = "max_num_seqs") -> EngineBusyError:
+    """The 503 of a request that waited too long, naming what it waited for (and the setting
+    that bounds it: ``max_num_seqs`` for chat rows, ``max_jobs`` for encoder jobs)."""
+    what = f"a free batch slot ({slot_setting})" if for_slot else "KV memory (mem)"
     return EngineBusyError(f"request waited {waited_s:.0f}s for {what} and timed out; retry shortly", retry_after=5)

@@ -258,7 +258,7 @@ class EncoderEngine:
         now = time.monotonic()
         for job in [j for j in self._waiting if now - j.enqueued > self.queue_timeout_s]:
             self._waiting.remove(job)
-            self._end(job, "error", exc=busy_error(now - job.enqueued, for_slot=True))
+            self._end(job, "error", exc=busy_error(now - job.enqueued, for_slot=True, slot_setting="max_jobs"))
 
     def _end(self, job: _Job, outcome: str, result: np.ndarray | None = None, exc: BaseException | None = None) -> None:
         self._outcomes[outcome] += 1

@@ -3,7 +3,8 @@
 ``check_prompt_chars`` (app/pipeline/pipeline.py) refuses, before any tokenizing, what
 cannot fit whatever its tokens. A dense script passes it: 1.3 M CJK characters are
 under the 1,327,104-character cut of an 8,192-token model, and took 3.5 M tokens,
-4.9 s and GBs of tokenizer memory to be refused.
+seconds (4.9 s in the red-team's run, 13.7 s on a busy 2-core box) and GBs of
+tokenizer memory to be refused.
 
 So a prompt with more characters than the context has tokens (one that might not
 fit) is first counted a slice at a time, and refused once the count is past the
