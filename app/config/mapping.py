@@ -51,7 +51,7 @@ def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpe
         encoder=EncoderSpec(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
                             max_length=p.max_model_len),
         vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
-        if entry.capabilities.vision_mode == "native" else None,
+        if entry.role == "vision" or entry.capabilities.vision_mode == "native" else None,
         aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,
         idle_unload_s=float(idle) if idle else None,
     )

@@ -132,12 +132,12 @@ class ModelSpec:
     """One served model, from its models.yaml entry."""
 
     name: str
-    role: str  # chat | embedding | rerank | vision
+    role: str  # chat | embedding | rerank | vision (a VLM that captions for proxy-mode chat models)
     source: ModelSource
     load: LoadParams = LoadParams()
     engine: EngineParams = EngineParams()
     encoder: EncoderSpec = EncoderSpec()
-    # Set for a chat model that is a VLM served natively (mlx-vlm).
+    # Set for a VLM served by mlx-vlm: a native chat model, or a vision entry.
     vision: VisionSpec | None = None
     aliases: tuple[str, ...] = ()
     preload: bool = False
@@ -147,4 +147,4 @@ class ModelSpec:
 
     @property
     def kv_budget_bytes(self) -> int:
-        return self.engine.kv_mem_mb * 2**20 if self.role == "chat" else 0
+        return self.engine.kv_mem_mb * 2**20 if self.role in ("chat", "vision") else 0

@@ -20,6 +20,7 @@ import pytest
 from app.engine.disk_cache import DiskTier, open_disk_tier
 from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
 from app.engine.mlx_internals import KVCache
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from tests.engine.engines import make_engine, run
 from tests.engine.test_kv_quant import model_dir  # noqa: F401 - the head_dim-64 tiny llama fixture
@@ -33,7 +34,8 @@ def disk_engine(path: Path, cache_dir: Path, **params):
 
 def request(engine, question: str, system: str = SYSTEM, **kw) -> GenerationRequest:
     head = engine.tokenizer.encode(system)
-    return GenerationRequest(head + engine.tokenizer.encode(question), max_tokens=8, cache_prefix_len=len(head), **kw)
+    return GenerationRequest(TokenPrompt(head + engine.tokenizer.encode(question)), max_tokens=8,
+                             cache_prefix_len=len(head), **kw)
 
 
 def stop(engine) -> None:
