@@ -96,12 +96,12 @@ def distributed_entries(served: list[ModelEntry], primary: str) -> list[ModelEnt
 def build_vision(config: ResolvedConfig, chat: ModelEntry, registry: Registry, *, load: bool = True) -> VisionState:
     """The vision side of a proxy-mode chat model; any failure (or ``--no-vision``) leaves
     text serving, with images replaced by placeholders and a warning."""
-    from app.vision.wiring import build_proxy
+    from app.vision.wiring import build_proxy, native_reader
 
     caps = chat.capabilities
     state = VisionState(mode=caps.vision_mode)
     if caps.vision_mode == "native":
-        state.model, state.available = chat.name, True
+        state.model, state.available, state.images = chat.name, True, native_reader(config, chat)
         return state
     if caps.vision_mode != "proxy" or caps.vision_proxy is None:
         return state

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import logging
 import weakref
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,8 +47,6 @@ from app.pipeline.prompting import (
 from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest, Tool
 from app.pipeline.results import Completion, Step, Usage
 from app.request_context import CLIENT, REQUEST_ID
-from app.vision.native import load_native_images, native_image_parts
-from app.vision.wiring import image_policy
 
 log = logging.getLogger("tandem.api")
 
@@ -67,6 +65,9 @@ class VisionState:
     available: bool = False
     reason: str | None = None
     proxy: Any = None  # app.vision.proxy.VisionProxy when mode is proxy
+    # Native mode: a request's messages -> their images, checked and decoded at the model's
+    # size, in order (app.vision.wiring.native_reader).
+    images: Callable[[tuple[Message, ...]], Awaitable[list[Any]]] | None = None
 
 
 @dataclass
@@ -164,9 +165,9 @@ class Pipeline:
                 await anyio.to_thread.run_sync(check_constraint, model.profile, req,
                                                offered_tools(req.tools, req.tool_choice))
             images: list[Any] = []
-            if model.vision.mode == "native":
+            if model.vision.mode == "native" and model.vision.images is not None:
                 messages, extras = req.messages, dict[str, Any]()
-                images = await self._native_images(model, req)
+                images = await model.vision.images(req.messages)
             else:
                 messages, extras = await self._see(model, req)
             prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages, images)
@@ -214,13 +215,6 @@ class Pipeline:
         if not client and not salt:
             return ""
         return hashlib.sha256(f"{client}\x00{salt or ''}".encode()).hexdigest()[:24]
-
-    async def _native_images(self, model: ServedModel, req: ChatRequest) -> list[Any]:
-        """The request's images decoded at the VLM's size, in order, for its prompt builder."""
-        params = self._chats[model.profile.name].params
-        policy = image_policy(self.server, params)
-        parts = native_image_parts(req.messages, policy)
-        return await load_native_images(parts, policy, max_pixels=params.max_pixels, min_pixels=params.min_pixels)
 
     async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
         """Images into text (proxy vision); refused where the model takes none."""

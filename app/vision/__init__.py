@@ -1,7 +1,7 @@
 """Vision: image input, the captioner, the caption cache, the proxy.
 
-Layering: works on the pipeline's typed messages (``app.pipeline.request``);
-never imports Litestar, pydantic or ``app.api``. The captioner's VLM is a registry
+Layering: works on the conversation's typed messages (``app.messages``, below the
+pipeline too); never imports the pipeline, Litestar, pydantic or ``app.api``. The captioner's VLM is a registry
 slot, so mlx-vlm is imported only when one loads.
 """
 

@@ -7,7 +7,8 @@ the pipeline sends the images themselves, not captions:
                                                    #   an image outside a user message, too many)
     images = await load_native_images(parts, policy, max_pixels=..., min_pixels=...)
 
-The pipeline then hands the messages and these images to the model's prompt
+(``native_images`` does both; ``app.vision.wiring.native_reader`` binds it to a
+model's limits for the pipeline.) The pipeline then hands the messages and these images to the model's prompt
 builder (``app.engine.vlm.VlmPrompts``): each image part becomes the model's
 own placeholder where the client put it (``prompting.template_message``), the
 processor expands it to the image's tokens, and the images follow the same
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from PIL import Image
 
 from app.errors import ImageError
-from app.pipeline.request import ImagePart, Message
+from app.messages import ImagePart, Message
 from app.vision.images import ImagePolicy, check_image_count, decode_image_async, downscale, read_image_async
 from app.vision.proxy import image_parts
 
@@ -53,3 +54,11 @@ async def load_native_images(
         loaded = await decode_image_async(raw, policy, param=part.param, max_pixels=max_pixels)
         images.append(await asyncio.to_thread(downscale, loaded.image, max_pixels, min_pixels))
     return images
+
+
+async def native_images(messages: Sequence[Message], policy: ImagePolicy, *, max_pixels: int,
+                        min_pixels: int | None = None) -> list[Image.Image]:
+    """Every image of ``messages``, checked and decoded in order: what a native VLM's
+    prompt builder takes with the rendered messages."""
+    parts = native_image_parts(messages, policy)
+    return await load_native_images(parts, policy, max_pixels=max_pixels, min_pixels=min_pixels)

@@ -9,19 +9,23 @@ images become placeholders, with the reason in the warning and in /health.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.engine.registry import Registry
 from app.errors import AppError
 from app.vision.cache import CaptionCache
 from app.vision.captioner import DEFAULT_PROMPT_TEMPLATE, VlmCaptioner
 from app.vision.images import ImagePolicy
+from app.vision.native import native_images
 from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
     from app.config.loader import ResolvedConfig
     from app.config.schema import ModelEntry, ModelParams, ServerSettings
+    from app.messages import Message
 
 logger = logging.getLogger("tandem.vision")
 
@@ -41,6 +45,14 @@ def image_policy(server: ServerSettings, params: ModelParams) -> ImagePolicy:
         remote_timeout_s=server.remote_image_timeout_s,
         remote_max_bytes=server.max_image_bytes,
     )
+
+
+def native_reader(config: ResolvedConfig, chat: ModelEntry) -> Callable[[Sequence[Message]], Awaitable[list[Any]]]:
+    """For a ``vision_mode: native`` model: a request's messages -> their images, checked
+    and decoded at the model's size, for its prompt builder (``native_images``)."""
+    p = chat.params
+    return partial(native_images, policy=image_policy(config.server, p), max_pixels=p.max_pixels,
+                   min_pixels=p.min_pixels)
 
 
 def build_proxy(config: ResolvedConfig, registry: Registry, *, load: bool = True,

@@ -236,7 +236,7 @@ def test_a_conversation_continues_from_disk(tiny_model_dir, tmp_path):
     stop(eng)
     eng = disk_engine(tiny_model_dir, tmp_path)
     try:
-        _, last = asyncio.run(run(eng, replace(first, prompt_tokens=turn)))
+        _, last = asyncio.run(run(eng, replace(first, prompt=TokenPrompt(turn))))
         assert last.cached_tokens > len(first.prompt_tokens)
     finally:
         stop(eng)
