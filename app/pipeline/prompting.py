@@ -281,5 +281,7 @@ def render(profile: ModelProfile, messages: list[dict[str, Any]], tools: list[di
 
 
 def encode(profile: ModelProfile, text: str) -> list[int]:
-    """Token ids of a rendered prompt (its special tokens are already in the text)."""
-    return list(profile.tokenizer.encode(text, add_special_tokens=False))
+    """Token ids of a rendered prompt without images, by the model's prompt builder: the
+    one tokenization rule of the model (for a text model, its special tokens are already
+    in the text)."""
+    return profile.prompts.build(text).tokens
