@@ -9,7 +9,7 @@ MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
 loaded keep moving; requests for a model that is loading wait under its queue
 limits (429 when too many wait, 503 past ``queue_timeout_s``).
 
-Memory: a model's budget is its weights plus, for a chat model, its KV budget
+Memory: a model's budget is its weights plus, for a chat or vision model, its KV budget
 (``mem``), and for an encoder an allowance for its activations. Loading a model
 that does not fit first unloads the least recently used models that are idle
 and not pinned; if it still cannot fit, the request gets a 503 saying what is

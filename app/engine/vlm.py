@@ -67,7 +67,7 @@ class VlmProfile:
 
 @dataclass
 class LoadedVlm:
-    """A VLM loaded with mlx-vlm, ready for ``VlmEngine`` (and a sharing captioner)."""
+    """A VLM loaded with mlx-vlm, ready for ``VlmEngine`` (a native chat model or a vision entry)."""
 
     name: str
     model: Any  # mlx-vlm Model: vision_tower, language_model
