@@ -49,7 +49,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     files = config.models_file
     primary = config.primary  # the default model, with the command line's overrides
     entries = [primary if e.name == primary.name else e for e in files.models]
-    served: list[ModelEntry] = [e for e in entries if e.role in ("chat", "embedding", "rerank")]
+    served: list[ModelEntry] = [e for e in entries if e.role in ("chat", "vision", "embedding", "rerank")]
     if dist is not None:
         served = distributed_entries(served, primary.name)
     specs = [model_spec(e, files.idle_unload_secs) for e in served]
@@ -70,8 +70,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
         if entry.preload and entry.name != primary.name:
             registry.load_now(entry.name, required=False)
     chats = {e.name: ChatConfig(e.params, e.capabilities) for e in served if isinstance(e, ChatEntry)}
-    vision = {e.name: build_vision(config, e, worker, registry, load=load_vision)
-              for e in served if isinstance(e, ChatEntry)}
+    vision = {e.name: build_vision(config, e, registry, load=load_vision) for e in served if isinstance(e, ChatEntry)}
     pipeline = Pipeline(registry, config.server, chats, vision)
     state = AppState(config, worker, registry, pipeline, primary.name, distributed=dist)
     registry.add_listener(state.metrics.on_generation)
@@ -95,24 +94,20 @@ def distributed_entries(served: list[ModelEntry], primary: str) -> list[ModelEnt
             for e in served if e.role != "chat" or e.name == primary]
 
 
-def build_vision(config: ResolvedConfig, chat: ChatEntry, worker: MLXWorker, registry: Registry, *,
-                 load: bool = True) -> VisionState:
+def build_vision(config: ResolvedConfig, chat: ChatEntry, registry: Registry, *, load: bool = True) -> VisionState:
     """The vision side of a proxy-mode chat model; any failure (or ``--no-vision``) leaves
     text serving, with images replaced by placeholders and a warning."""
-    from app.vision.wiring import build_proxy
+    from app.vision.wiring import build_proxy, native_reader
 
     caps = chat.capabilities
     state = VisionState(mode=caps.vision_mode)
     if caps.vision_mode == "native":
-        state.model, state.available = chat.name, True
+        state.model, state.available, state.images = chat.name, True, native_reader(config, chat)
         return state
     if caps.vision_mode != "proxy" or caps.vision_proxy is None:
         return state
     state.model = caps.vision_proxy.model
-    state.proxy, state.reason = build_proxy(config, worker, load=load, chat=chat, registry=registry)
-    captioner = state.proxy.captioner
-    if captioner is not None and hasattr(captioner, "weights_bytes"):  # its own copy: counted in the budget
-        registry.add_external(captioner.name, "vision", lambda: int(captioner.weights_bytes))
+    state.proxy, state.reason = build_proxy(config, registry, load=load, chat=chat)
     state.available = state.reason is None
     if state.reason:
         log.warning("vision model %s unavailable for %s, serving text only: %s", state.model, chat.name, state.reason)

@@ -1,15 +1,18 @@
 """The direction of imports tells the design.
 
-    api  ->  pipeline  ->  engine, parsers, vision, config
-                           engine, parsers  ->  families
+    api  ->  pipeline  ->  engine, parsers, config
+    api  ->  vision    ->  engine
+         pipeline, vision  ->  messages (the conversation's types: a leaf)
+         engine, parsers  ->  families (the model families' data: a leaf)
 
 engine and parsers never import the API layer, the pipeline, Litestar or
 pydantic; families (the model families' data, which the engine's grammar and
 the parsers both read) import nothing of the app; the pipeline never imports
-the API layer or Litestar; vision never imports the API layer or Litestar, and
-of the pipeline only its typed request (which it rewrites); config reaches into
-the engine only for the frozen params types it builds; service (the CLI's
-service, pull, ps and models commands) talks to the server over HTTP, never
+the API layer, Litestar or vision (main wires the vision proxy and the native
+image reader into it); vision never imports the API layer, Litestar or the
+pipeline (the messages it rewrites are ``app.messages``, below both); config
+reaches into the engine only for the frozen params types it builds; service (the
+CLI's service, pull, ps and models commands) talks to the server over HTTP, never
 through its modules. Every import counts, ``if TYPE_CHECKING:`` ones included.
 """
 
@@ -28,8 +31,8 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                 ()),
     "families": (("litestar", "pydantic", "app.api", "app.config", "app.engine", "app.parsers", "app.vision",
                   "app.pipeline", "app.errors", "mlx", "llguidance"), ()),
-    "vision": (("litestar", "pydantic", "app.api", "app.pipeline"), ("app.pipeline.request",)),
-    "pipeline": (("litestar", "pydantic", "app.api"), ()),
+    "vision": (("litestar", "pydantic", "app.api", "app.pipeline"), ()),
+    "pipeline": (("litestar", "pydantic", "app.api", "app.vision"), ()),
     "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"),
                ("app.engine.params",)),
     # The service commands are clients of the server (HTTP) and of the service manager.
@@ -64,6 +67,11 @@ def test_layer_imports(package):
                 continue
             bad = [f for f in forbidden if _under(name, f)]
             assert not bad, f"{path.relative_to(APP.parent)} imports {name}"
+
+
+def test_messages_are_a_leaf():
+    """The conversation's types sit below the pipeline and vision both: they import nothing of Tandem's."""
+    assert not [name for name in imports(APP / "messages.py") if _under(name, "app")]
 
 
 def test_type_checking_and_local_imports_count(tmp_path):

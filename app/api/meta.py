@@ -44,7 +44,8 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     if not state.worker.alive:  # UIs poll this to decide whether the server works: it does not
         raise EngineDeadError("the engine is not running; see /health")
-    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.specs]}
+    # A vision entry captions for proxy-mode models and serves no API of its own.
+    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.specs if spec.role != "vision"]}
 
 
 @get("/v1/models/{model_id:str}", summary="Describe one model")

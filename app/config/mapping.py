@@ -9,7 +9,7 @@ here (``engine_params(ChatParams(mem=64))``).
 
 from __future__ import annotations
 
-from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionEntry
+from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionEntry, VisionParams
 from app.engine.params import (
     EncoderLimits,
     EncoderSpec,
@@ -27,8 +27,8 @@ def model_source(entry: ModelEntry) -> ModelSource:
                        weight_file=entry.weight_file, hf_id=entry.hf_id)
 
 
-def load_params(p: ChatParams) -> LoadParams:
-    """How a chat model's weights are loaded."""
+def load_params(p: ChatParams | VisionParams) -> LoadParams:
+    """How a chat (or captioning) model's weights are loaded."""
     return LoadParams(dtype=p.dtype, quantization=p.quantization, quantization_group_size=p.quantization_group_size,
                       max_model_len=p.max_model_len, kv_cache_bits=p.kv_cache_bits, distributed=p.distributed)
 
@@ -52,6 +52,13 @@ def engine_params(p: ChatParams) -> EngineParams:
     )
 
 
+def vision_engine_params(p: VisionParams) -> EngineParams:
+    """A captioning VLM is scheduled as a chat model is, without a prefix cache (a caption is
+    never continued); what its entry leaves unset takes the chat default."""
+    return engine_params(ChatParams(**p.model_dump(exclude_unset=True, exclude={"mem"}), mem=p.mem,
+                                    prompt_cache="off"))
+
+
 def encoder_limits(p: EncoderParams) -> EncoderLimits:
     """How an embedding or rerank model batches."""
     return EncoderLimits(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
@@ -59,20 +66,20 @@ def encoder_limits(p: EncoderParams) -> EncoderLimits:
 
 
 def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:
-    """A served entry (chat, embedding or rerank) as the registry takes it."""
-    if isinstance(entry, VisionEntry):
-        raise TypeError(f"model {entry.name!r}: a vision entry is loaded by the vision proxy, not the registry")
+    """A served entry (chat, vision, embedding or rerank) as the registry takes it."""
     idle = entry.idle_unload_secs if entry.idle_unload_secs is not None else file_idle_unload_secs
     p = entry.params
     chat = entry if isinstance(entry, ChatEntry) else None
-    native = chat is not None and chat.capabilities.vision_mode == "native"
+    vision = entry if isinstance(entry, VisionEntry) else None
+    vlm = vision is not None or (chat is not None and chat.capabilities.vision_mode == "native")
     return ModelSpec(
         name=entry.name, role=entry.role, source=model_source(entry), aliases=(entry.hf_id,) if entry.hf_id else (),
         preload=entry.preload, pin=entry.pin, idle_unload_s=float(idle) if idle else None,
         max_queue=p.max_queue, queue_timeout_s=p.queue_timeout_s,
-        load=load_params(chat.params) if chat else None,
-        engine=engine_params(chat.params) if chat else None,
-        vision=VisionSpec(chat.params.max_pixels, chat.params.min_pixels, chat.params.max_images_per_request)
-        if chat and native else None,
+        load=load_params(p) if isinstance(p, ChatParams | VisionParams) else None,
+        engine=engine_params(p) if isinstance(p, ChatParams) else vision_engine_params(p) if isinstance(p, VisionParams)
+        else None,
+        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
+        if vlm and isinstance(p, ChatParams | VisionParams) else None,
         encoder=EncoderSpec(p.dtype, encoder_limits(p)) if isinstance(p, EncoderParams) else None,
     )

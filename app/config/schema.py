@@ -145,9 +145,15 @@ class ChatParams(_ImageParams, _DefaultSampling, _PromptCacheParams, _QueueParam
     (``vision_mode: native``)."""
 
 
-class VisionParams(_ImageParams):
+class VisionParams(_ImageParams, _QueueParams, _BatchParams, _WeightParams):
     """A vision entry's ``params`` (``role: vision``: a VLM that captions images for
-    ``vision_mode: proxy`` models; captions are greedy)."""
+    ``vision_mode: proxy`` models): loading, KV memory, batching and queueing of its VLM
+    engine, and image bounds. Captions are greedy (no sampling keys) and never continued
+    (no prefix cache)."""
+
+    mem: int = Field(
+        default=256, ge=16, description="KV-cache memory budget in MB of the captioning engine: a caption is one "
+        "image's tokens and a short answer, so less than a chat model needs.")
 
 
 class EncoderParams(_QueueParams, _WeightParams):

@@ -49,6 +49,7 @@ from app.engine.mirror import LOCAL_OPS, BatchOps
 from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
 from app.engine.params import EngineParams
 from app.engine.prefix_cache import UNBOUNDED, PrefixCache
+from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.sampling import build_logits_processors, build_sampler
 from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest
@@ -84,6 +85,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
         # (distributed, app.engine.mirror) made here and replayed by every other rank.
         self.ops = ops
+        self.prompts = TextPrompts(self.tokenizer)
         self.bytes_per_token = loaded.kv.bytes_per_token
         disk = None
         # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
@@ -122,7 +124,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     # ---- called from the event loop -------------------------------------------------
 
     async def _open(self, req: GenerationRequest) -> _Seq:
-        if req.images:
+        if isinstance(req.prompt, MultimodalPrompt):
             raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
         return _Seq(req, self._streams.open(), self._width(req), len(req.prompt_tokens))
 

@@ -52,7 +52,6 @@ mlx-vlm
 - the processor's ``tokenizer.stopping_criteria.reset(eos_token_id)``, which
   ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not);
 - ``processor.clean_output(text)`` when the model defines one;
-- ``stream_generate`` responses' ``is_draft`` (speculative decoding).
 - ``generate.ar.BatchGenerator(language_model, processor, completion_batch_size=,
   prefill_batch_size=, prefill_step_size=, compute_logprobs=, sampler=)``: one
   batch-wide sampler; ``insert([ids], max_tokens=, prompt_kwargs=[kw],
@@ -66,7 +65,8 @@ mlx-vlm
   the model's position extras (Qwen2-VL's M-RoPE ``position_ids``, ``rope_deltas``);
   ``model.language_model``; ``model.config.text_config`` (a dataclass);
 - ``utils.should_add_special_tokens(model_type, processor)``, the rule
-  ``mlx_vlm.generate`` applies before ``prepare_inputs``;
+  ``mlx_vlm.generate`` applies before ``prepare_inputs``; without images,
+  ``prepare_inputs`` is the tokenizer alone (``vlm_text_tokens`` calls it so);
 - ``prompt_utils.SINGLE_IMAGE_ONLY_MODELS``: model types that take one image;
 - ``tokenizer_utils.make_streaming_detokenizer(processor)``: a private streaming
   detokenizer (``add_token``, ``finalize``, ``last_segment``) per sequence.
@@ -99,7 +99,6 @@ __all__ = [
     "dynamic_roll",
     "eos_token_ids",
     "has_thinking",
-    "is_draft",
     "make_prompt_cache",
     "new_batch_generator",
     "new_detokenizer",
@@ -113,6 +112,7 @@ __all__ = [
     "vlm_language_model",
     "vlm_prompt_inputs",
     "vlm_text_config",
+    "vlm_text_tokens",
     "new_vlm_batch_generator",
     "new_vlm_detokenizer",
 ]
@@ -206,11 +206,6 @@ def vlm_clean_output(processor: Any, text: str) -> str:
     return clean(text) if callable(clean) else text
 
 
-def is_draft(response: Any) -> bool:
-    """Whether an mlx-vlm stream response is a speculative draft, not accepted text."""
-    return bool(getattr(response, "is_draft", False))
-
-
 # ---- mlx-vlm: native VLM chat models (app/engine/vlm.py, vlm_engine.py) ----------------
 
 
@@ -254,6 +249,16 @@ def vlm_prompt_inputs(model: Any, processor: Any, prompt_text: str, images: list
             add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
         )
     )
+
+
+def vlm_text_tokens(model: Any, processor: Any, text: str) -> list[int]:
+    """A prompt without images tokenized as ``vlm_prompt_inputs`` tokenizes it (mlx-vlm's
+    text-only path), with the tokenizer alone: no MLX arrays, fit for any thread."""
+    from mlx_vlm.utils import should_add_special_tokens
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    add = should_add_special_tokens(model.config.model_type, processor)
+    return list(tokenizer(text, add_special_tokens=add)["input_ids"])
 
 
 def vlm_input_embeddings(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class ModelSpec:
     """One served model, from its models.yaml entry (``app.config.mapping.model_spec``)."""
 
     name: str
-    role: str  # chat | embedding | rerank
+    role: str  # chat | embedding | rerank | vision (a VLM that captions for proxy-mode chat models)
     source: ModelSource
     aliases: tuple[str, ...]
     preload: bool
@@ -136,10 +136,10 @@ class ModelSpec:
     # Requests that may wait for the model to load, and for how long (any role).
     max_queue: int
     queue_timeout_s: float
-    # A chat model's; None for the other roles.
+    # A chat or vision model's; None for the encoders.
     load: LoadParams | None = None
     engine: EngineParams | None = None
-    # Set for a chat model that is a VLM served natively (mlx-vlm).
+    # Set for a VLM served by mlx-vlm: a native chat model, or a vision entry.
     vision: VisionSpec | None = None
     # An embedding or rerank model's; None for chat.
     encoder: EncoderSpec | None = None

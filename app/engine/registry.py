@@ -9,7 +9,7 @@ MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
 loaded keep moving; requests for a model that is loading wait under its queue
 limits (429 when too many wait, 503 past ``queue_timeout_s``).
 
-Memory: a model's budget is its weights plus, for a chat model, its KV budget
+Memory: a model's budget is its weights plus, for a chat or vision model, its KV budget
 (``mem``), and for an encoder an allowance for its activations. Loading a model
 that does not fit first unloads the least recently used models that are idle
 and not pinned; if it still cannot fit, the request gets a 503 saying what is
@@ -169,8 +169,6 @@ class Registry:
         self._engine_hooks: list[Callable[[str, Any], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
-        # Models loaded outside the registry (a proxy's own VLM): name -> (role, bytes now).
-        self._external: dict[str, tuple[str, Callable[[], int]]] = {}
 
     # ---- what is served -----------------------------------------------------------------
 
@@ -184,7 +182,8 @@ class Registry:
 
     def _slot(self, name: str, roles: tuple[str, ...] | None, param: str) -> _Slot:
         slot = self._by_name.get(name)
-        if slot is None or slot.spec.role == "vision":
+        # A vision entry captions for the proxy (which asks for it by role) and serves no API.
+        if slot is None or (slot.spec.role == "vision" and "vision" not in (roles or ())):
             shown = name if len(name) <= 64 else name[:64] + "..."
             served = ", ".join(sorted(s.spec.name for s in self._slots.values() if s.spec.role != "vision"))
             raise ModelNotFoundError(f"model {shown!r} does not exist; this server serves {served}", param=param)
@@ -200,14 +199,9 @@ class Registry:
         slot = self._slots.get(name)
         return slot.handle if slot is not None and slot.state == "loaded" else None
 
-    def add_external(self, name: str, role: str, weights_bytes: Callable[[], int]) -> None:
-        """Count a model loaded elsewhere (a proxy-mode VLM with its own copy) in the budget
-        and in the snapshot; ``weights_bytes()`` is 0 while it is not loaded."""
-        self._external.setdefault(name, (role, weights_bytes))
-
     def stop_accepting(self) -> list[Any]:
-        """Shutdown: no more loads, and every loaded engine (chat or encoder) refuses new requests;
-        returns them, to drain."""
+        """Shutdown: no more loads, and every loaded engine (chat, vision or encoder) refuses new
+        requests; returns them, to drain."""
         self._closing = True
         engines = [s.handle for s in self._slots.values() if s.handle is not None]
         for engine in engines:
@@ -272,9 +266,10 @@ class Registry:
         if slot.state == "failed":
             raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
 
-    def load_now(self, name: str, *, required: bool = True) -> None:
-        """Load ``name`` at start-up, before the event loop runs (the default model, and
-        ``preload: true`` ones). A required model that cannot load raises (start-up stops)."""
+    def load_now(self, name: str, *, required: bool = True) -> str | None:
+        """Load ``name`` at start-up, before the event loop runs (the default model, ``preload:
+        true`` ones, a proxy's vision model). A required model that cannot load raises (start-up
+        stops); another's error is returned (None when it loaded)."""
         slot = self._slots[name]
         started = time.monotonic()
         slot.state = "loading"
@@ -285,8 +280,9 @@ class Registry:
             if required:
                 raise
             log.error("model %s: preload failed: %s", name, slot.error)
-            return
+            return slot.error
         self._loaded(slot, handle, weights, started)
+        return None
 
     async def _load(self, slot: _Slot) -> None:
         started = time.monotonic()
@@ -316,7 +312,8 @@ class Registry:
 
     def _load_steps(self, spec: ModelSpec) -> Generator[None, None, tuple[Any, int]]:
         """Load one model on the MLX thread, in slices."""
-        if spec.role == "chat" and spec.load is not None and spec.engine is not None and spec.vision is not None:
+        if spec.role in ("chat", "vision") and spec.load is not None and spec.engine is not None \
+                and spec.vision is not None:
             from app.engine.vlm import load_vlm
             from app.engine.vlm_engine import VlmEngine
 
@@ -349,8 +346,7 @@ class Registry:
 
     @property
     def used_bytes(self) -> int:
-        external = sum(size() for _, size in self._external.values())
-        return external + sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
+        return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
 
     def _need_bytes(self, slot: _Slot) -> int:
         weights = estimate_weights_bytes(local_dir(slot.spec.source))
@@ -462,13 +458,6 @@ class Registry:
                               "kv_used": round(kv_used, 1)},
                 "requests": {"running": running, "waiting": waiting + slot.waiting},
                 "error": slot.error,
-            }
-        for name, (role, size) in self._external.items():
-            weights = size()
-            models[name] = {
-                "role": role, "state": "loaded" if weights else "unloaded", "pinned": False, "idle_s": None,
-                "memory_mb": {"weights": round(weights / MB, 1), "kv_budget": 0.0, "kv_used": 0.0},
-                "requests": {"running": 0, "waiting": 0}, "error": None,
             }
         used = self.used_bytes
         return {

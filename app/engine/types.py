@@ -8,6 +8,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.engine.prompt import Prompt, PromptBuilder
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -59,9 +61,9 @@ class LogitsConstraint(Protocol):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One sequence to generate: token ids in, text out."""
+    """One sequence to generate: a prompt in (``app.engine.prompt``), text out."""
 
-    prompt_tokens: list[int]
+    prompt: Prompt
     max_tokens: int
     sampling: SamplingParams = GREEDY
     # Generation ends just before the first of these strings; it is not emitted.
@@ -78,15 +80,13 @@ class GenerationRequest:
     # Keep this prompt (all but its last token) in the prefix cache whatever the cache mode,
     # for sibling generations of the same request (n > 1) to reuse.
     share_prefix: bool = False
-    # Native VLMs only (``app.engine.vlm``): the prompt as mlx-vlm's chat template rendered it,
-    # one placeholder per image, and the images (decoded PIL images, already within the model's
-    # max_pixels) in the order their placeholders appear. The VLM engine tokenizes
-    # ``prompt_text`` with the model's processor (which expands each placeholder to the image's
-    # tokens) and ignores ``prompt_tokens``; text engines refuse requests with images.
-    images: tuple[Any, ...] = ()
-    prompt_text: str | None = None
     # Constrained decoding (``app.engine.grammar``); None adds no processor and costs nothing.
     constraint: LogitsConstraint | None = None
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's exact token ids (a multimodal prompt's image runs expanded)."""
+        return self.prompt.tokens
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,8 @@ class Engine(Protocol):
     """A chat model's generation engine, as the pipeline and the app state see it."""
 
     tokenizer: Any
+    # Renders this model's requests into prompts (its chat template, its processor).
+    prompts: PromptBuilder
 
     @property
     def name(self) -> str:

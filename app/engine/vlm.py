@@ -16,8 +16,9 @@ and the KV budget: the engine encodes one request's images at a time, each
 within that worst case, so images never take more than the budget says.
 
 ``load_vlm`` and ``profile_worst_case`` make MLX calls: run them on the
-MLX-owner thread. ``render_vlm_prompt`` is plain CPU work (the chat template),
-fit for a worker thread off the event loop.
+MLX-owner thread. ``VlmPrompts`` is the model's prompt builder
+(``app.engine.prompt``): its chat template is plain CPU work, fit for a worker
+thread off the event loop; its processor runs once per prompt on the MLX thread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,8 +40,10 @@ from app.engine.mlx_internals import (
     vlm_language_model,
     vlm_prompt_inputs,
     vlm_text_config,
+    vlm_text_tokens,
 )
 from app.engine.params import LoadParams
+from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage, TokenPrompt, pixel_digest, placeholder_runs
 from app.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger("tandem.engine")
@@ -63,7 +67,7 @@ class VlmProfile:
 
 @dataclass
 class LoadedVlm:
-    """A VLM loaded with mlx-vlm, ready for ``VlmEngine`` (and a sharing captioner)."""
+    """A VLM loaded with mlx-vlm, ready for ``VlmEngine`` (a native chat model or a vision entry)."""
 
     name: str
     model: Any  # mlx-vlm Model: vision_tower, language_model
@@ -94,6 +98,17 @@ class LoadedVlm:
         """The placeholder the processor expands, as its chat template writes it."""
         token = getattr(self.processor, "image_token", None)
         return token if isinstance(token, str) and token else None
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The id the processor repeats for each of an image's tokens."""
+        config = self.model.config
+        for key in ("image_token_id", "image_token_index"):
+            value = getattr(config, key, None)
+            if isinstance(value, int):
+                return value
+        token = self.image_token
+        return int(self.tokenizer.convert_tokens_to_ids(token)) if token is not None else None
 
 
 def load_vlm(
@@ -146,6 +161,13 @@ def load_vlm(
     return loaded
 
 
+def prompt_inputs(prompt: Prompt) -> dict[str, Any]:
+    """The vision tower's inputs for ``prompt``: its token ids and the processor's
+    other inputs (none for a ``TokenPrompt``). MLX thread."""
+    extras = prompt.inputs if isinstance(prompt, MultimodalPrompt) else {}
+    return {"input_ids": mx.array([prompt.tokens]), **extras}
+
+
 def _weights_bytes(model: Any) -> int:
     flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     return sum(int(v.nbytes) for _, v in flat)
@@ -159,22 +181,24 @@ def profile_worst_case(loaded: LoadedVlm) -> VlmProfile:
     side = math.isqrt(loaded.max_pixels)
     images = [Image.new("RGB", (side, side), (127, 127, 127)) for _ in range(loaded.max_images)]
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": _PROFILE_TEXT}]
-    text = render_vlm_prompt(loaded, [{"role": "user", "content": content}])
+    prompts = VlmPrompts(loaded)
+    text = prompts.render([{"role": "user", "content": content}])
     started = time.perf_counter()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     try:
-        inputs = vlm_prompt_inputs(loaded.model, loaded.processor, text, images)
-        features = vlm_input_embeddings(loaded.model, inputs)
+        prompt = prompts.build(text, images)
+        assert isinstance(prompt, MultimodalPrompt)
+        features = vlm_input_embeddings(loaded.model, prompt_inputs(prompt))
         mx.eval([v for v in features.values() if isinstance(v, mx.array)])
     except Exception as exc:  # noqa: BLE001 - a model that cannot take its own worst case is misconfigured
         raise ConfigError(
             f"model {loaded.name!r}: the worst-case input ({len(images)} image(s) at {side}x{side}) failed: {exc}"
         ) from exc
     peak = mx.get_peak_memory()
-    tokens = int(inputs["input_ids"].shape[-1])
-    del inputs, features
+    tokens = len(prompt.tokens)
+    del prompt, features
     mx.clear_cache()
     return VlmProfile(len(images), (side, side), tokens, max(0, peak - before), time.perf_counter() - started)
 
@@ -217,44 +241,110 @@ def count_images(messages: list[dict[str, Any]]) -> int:
     )
 
 
-def render_vlm_prompt(
-    loaded: LoadedVlm, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any
-) -> str:
-    """The prompt text for ``messages``, through mlx-vlm's chat template for this model.
+class VlmPrompts:
+    """A native VLM's prompt builder (``app.engine.prompt.PromptBuilder``): mlx-vlm's chat
+    template places the image placeholders, the model's processor expands them.
 
-    ``messages`` are dicts ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``:
-    ``content`` is a string, or (user messages) a list of ``{"type": "image"}`` and
-    ``{"type": "text", "text": str}`` parts in the order the client sent them; each image
-    part becomes the model's own placeholder at that place, and the request's images
-    must follow in that order. ``tool_calls``, ``tool_call_id`` and ``name`` pass
-    through to the template; ``template_kwargs`` (``tools``, ``enable_thinking``) too.
-    Images in other roles are refused: mlx-vlm's templates drop them.
-
-    ``InvalidRequestError`` when the template rejects the messages, or renders a
-    different number of placeholders than there are images.
+    ``render`` is plain CPU work. ``build`` hashes the images where it is called, then
+    runs the processor once on the MLX thread (``run``; mlx-vlm's processors make MLX
+    arrays), since the real length of each image's run of tokens is the processor's to
+    say. ``run`` None: the caller is on the MLX thread already (the load-time profile).
     """
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") != "user" and isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") == "image" for p in content
-        ):
+
+    takes_images = True
+
+    def __init__(self, loaded: LoadedVlm, run: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        self.loaded = loaded
+        self._run = run or (lambda fn: fn())
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               thinking: bool | None = None, generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``, through mlx-vlm's chat template for this model.
+
+        ``messages`` are dicts ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``:
+        ``content`` is a string, or (user messages) a list of ``{"type": "image"}`` and
+        ``{"type": "text", "text": str}`` parts in the order the client sent them; each image
+        part becomes the model's own placeholder at that place, and the request's images
+        must follow in that order. ``tool_calls``, ``tool_call_id`` and ``name`` pass
+        through to the template. Images in other roles are refused: mlx-vlm's templates drop them.
+
+        ``InvalidRequestError`` when the template rejects the messages, or renders a
+        different number of placeholders than there are images.
+        """
+        loaded = self.loaded
+        for m in messages:
+            content = m.get("content")
+            if m.get("role") != "user" and isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "image" for p in content
+            ):
+                raise InvalidRequestError(
+                    f"this model takes images in user messages only, not in a {m.get('role')} message",
+                    param="messages",
+                )
+        n = count_images(messages)
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        try:
+            text = _apply_template(loaded.processor, loaded.model, messages, n, generation_prompt, kwargs)
+        except Exception as exc:  # noqa: BLE001 - jinja and mlx-vlm errors are the request's shape
             raise InvalidRequestError(
-                f"this model takes images in user messages only, not in a {m.get('role')} message", param="messages"
+                f"the model's chat template rejected these messages: {exc}", param="messages"
+            ) from exc
+        token = loaded.image_token
+        if token is not None and text.count(token) != n:
+            raise InvalidRequestError(
+                f"the chat template of {loaded.name} wrote {text.count(token)} image placeholder(s) for {n} image(s)",
+                param="messages",
             )
-    n = count_images(messages)
-    try:
-        text = _apply_template(loaded.processor, loaded.model, messages, n, add_generation_prompt, template_kwargs)
-    except Exception as exc:  # noqa: BLE001 - jinja and mlx-vlm errors are the request's shape
-        raise InvalidRequestError(
-            f"the model's chat template rejected these messages: {exc}", param="messages"
-        ) from exc
-    token = loaded.image_token
-    if token is not None and text.count(token) != n:
-        raise InvalidRequestError(
-            f"the chat template of {loaded.name} wrote {text.count(token)} image placeholder(s) for {n} image(s)",
-            param="messages",
-        )
-    return text
+        return text
+
+    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+        """``text`` (rendered by ``render``) and its images as exact tokens: a ``TokenPrompt``
+        without images, else a ``MultimodalPrompt`` with each image's run, hash and inputs."""
+        loaded = self.loaded
+        token = loaded.image_token
+        if token is not None and text.count(token) != len(images):
+            # mlx-vlm's processors drop surplus placeholders, or images, in silence.
+            raise InvalidRequestError(
+                f"the prompt has {text.count(token)} image placeholder(s) for {len(images)} image(s)",
+                param="messages",
+            )
+        if not images:
+            return TokenPrompt(vlm_text_tokens(loaded.model, loaded.processor, text))
+        fitted = [fit_image(img, loaded.max_pixels) for img in images]
+        digests = [pixel_digest(img) for img in fitted]
+
+        def process() -> tuple[list[int], dict[str, Any]]:
+            try:
+                inputs = vlm_prompt_inputs(loaded.model, loaded.processor, text, fitted)
+            except Exception as exc:  # noqa: BLE001 - the processor refusing this prompt is the request's fault
+                raise InvalidRequestError(f"the model's processor cannot take this prompt: {exc}",
+                                          param="messages") from exc
+            tokens = inputs.pop("input_ids")[0].tolist()
+            return tokens, inputs
+
+        tokens, inputs = self._run(process)
+        runs = placeholder_runs(tokens, loaded.image_token_id) if loaded.image_token_id is not None else []
+        if len(runs) != len(fitted):
+            raise InvalidRequestError(
+                f"the processor of {loaded.name} made {len(runs)} image token run(s) for {len(fitted)} image(s)",
+                param="messages",
+            )
+        spans = tuple(PromptImage(start, length, digest, img)
+                      for (start, length), digest, img in zip(runs, digests, fitted, strict=True))
+        return MultimodalPrompt(tokens, spans, inputs)
+
+
+def fit_image(image: Any, max_pixels: int) -> Any:
+    """``image`` shrunk, keeping its aspect ratio, to at most ``max_pixels`` (the
+    worst case the load-time profile measured). Usually a no-op: the pipeline
+    decodes images to that size already."""
+    w, h = image.size
+    if w * h <= max_pixels:
+        return image
+    scale = math.sqrt(max_pixels / (w * h))
+    return image.resize((max(1, math.floor(w * scale)), max(1, math.floor(h * scale))))
 
 
 def _apply_template(
@@ -273,5 +363,5 @@ def _apply_template(
 
 from app.engine.vlm_engine import VlmEngine  # noqa: E402 - re-exported: the engine half of this module
 
-__all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "check_vlm", "count_images", "load_vlm", "profile_worst_case",
-           "render_vlm_prompt"]
+__all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image", "load_vlm",
+           "profile_worst_case", "prompt_inputs"]

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import logging
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,9 +28,9 @@ from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
 from app.engine.encoder import Embeddings, Ranking
 from app.engine.encoder_engine import EncoderEngine
 from app.engine.grammar import Grammar
+from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
-from app.engine.vlm import render_vlm_prompt
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
@@ -47,9 +47,8 @@ from app.pipeline.prompting import (
 )
 from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest, Tool
 from app.pipeline.results import Completion, Step, Usage
+from app.pipeline.tokenizing import check_within
 from app.request_context import CLIENT, REQUEST_ID
-from app.vision.native import load_native_images, native_image_parts, vlm_messages
-from app.vision.wiring import image_policy
 
 log = logging.getLogger("tandem.api")
 
@@ -68,6 +67,9 @@ class VisionState:
     available: bool = False
     reason: str | None = None
     proxy: Any = None  # app.vision.proxy.VisionProxy when mode is proxy
+    # Native mode: a request's messages -> their images, checked and decoded at the model's
+    # size, in order (app.vision.wiring.native_reader).
+    images: Callable[[tuple[Message, ...]], Awaitable[list[Any]]] | None = None
 
 
 @dataclass
@@ -147,7 +149,8 @@ class Pipeline:
         if cached is None or cached[0] is not engine:  # first use of this load: probe the template once
             chat = self._chats[name]
             profile = make_profile(name, engine.tokenizer, chat.params, engine.max_model_len, chat.caps,
-                                   vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_max_sequence_tokens)
+                                   vocab_size=engine.vocab_size, kv_budget_tokens=engine.stats().kv_max_sequence_tokens,
+                                   prompts=engine.prompts)
             self._profiles[name] = cached = (engine, profile)
         return ServedModel(cached[1], engine, self.vision(name))
 
@@ -163,11 +166,13 @@ class Pipeline:
             if any(m.images() for m in req.messages):  # a bad schema is refused before image work
                 await anyio.to_thread.run_sync(check_constraint, model.profile, req,
                                                offered_tools(req.tools, req.tool_choice))
-            if model.vision.mode == "native":
-                prepared, extras = await self._prepare_native(model, req), dict[str, Any]()
+            images: list[Any] = []
+            if model.vision.mode == "native" and model.vision.images is not None:
+                messages, extras = req.messages, dict[str, Any]()
+                images = await model.vision.images(req.messages)
             else:
                 messages, extras = await self._see(model, req)
-                prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages)
+            prepared = await anyio.to_thread.run_sync(build_chat, model.profile, req, messages, images)
         except BaseException:
             lease.release()
             raise
@@ -190,17 +195,12 @@ class Pipeline:
 
     async def count_chat(self, req: ChatRequest) -> int:
         """The prompt tokens ``req`` would use, prepared exactly as ``prepare_chat`` prepares it
-        (images seen, template rendered, tokenized), then dropped without generating. A native
-        VLM's image tokens are left out: its engine expands the placeholders."""
+        (images seen, template rendered, tokenized: a native VLM's images as their real
+        runs of tokens), then dropped without generating."""
         prepared = await self.prepare_chat(req)
         assert prepared.lease is not None
-        try:
-            if prepared.gen.prompt_tokens:
-                return len(prepared.gen.prompt_tokens)
-            profile = self._served(prepared.model, prepared.lease.handle).profile
-            return len(await anyio.to_thread.run_sync(encode, profile, prepared.prompt_text))
-        finally:
-            prepared.lease.release()
+        prepared.lease.release()
+        return len(prepared.gen.prompt.tokens)
 
     @staticmethod
     def _hold(prepared: Prepared, lease: Lease) -> Prepared:
@@ -217,15 +217,6 @@ class Pipeline:
         if not client and not salt:
             return ""
         return hashlib.sha256(f"{client}\x00{salt or ''}".encode()).hexdigest()[:24]
-
-    async def _prepare_native(self, model: ServedModel, req: ChatRequest) -> Prepared:
-        """Images decoded at the VLM's size and handed to it as they are."""
-        params = self._chats[model.profile.name].params
-        policy = image_policy(self.server, params)
-        parts = native_image_parts(req.messages, policy)
-        images = await load_native_images(parts, policy, max_pixels=params.max_pixels, min_pixels=params.min_pixels)
-        vlm = getattr(model.engine, "loaded", None)
-        return await anyio.to_thread.run_sync(build_native, model.profile, vlm, req, images)
 
     async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
         """Images into text (proxy vision); refused where the model takes none."""
@@ -400,47 +391,28 @@ def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     return msgs, tools, None
 
 
-def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...] | None = None) -> Prepared:
-    """Render, tokenize and bound a chat request; ``messages`` replaces the request's
-    (the vision proxy's rewrite, images turned into text)."""
+def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...] | None = None,
+               images: Sequence[Any] = ()) -> Prepared:
+    """Render, tokenize and bound a chat request through the model's prompt builder.
+    ``messages`` replaces the request's (the vision proxy's rewrite, images turned into
+    text); ``images`` are the request's images in order, for a builder that takes them
+    (native vision: its template places them, its processor expands them)."""
     msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
     fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
-    dicts = [template_message(m, fit_id) for m in msgs]
+    dicts = [template_message(m, fit_id, images=profile.prompts.takes_images) for m in msgs]
     text = render(profile, dicts, template_tools, wanted)
-    tokens = encode(profile, text, req.messages_param)
+    check_within(profile.tokenizer, text, profile.max_model_len, req.messages_param)
+    prompt = profile.prompts.build(text, images)
+    tokens = prompt.tokens
     gen = GenerationRequest(
-        prompt_tokens=tokens,
+        prompt=prompt,
         max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
         sampling=sampling_for(profile, req.options),
         stop=req.options.stop,
-        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted) if len(dicts) > 1 else None,
+        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted)
+        if len(dicts) > 1 and isinstance(prompt, TokenPrompt) else None,
         priority=_priority(req),
-        logprobs=req.options.logprobs,
-        constraint=_constraint(profile, req, tools, text, wanted),
-    )
-    return _parsed_as(profile, req, gen, text, wanted, bool(tools))
-
-
-def build_native(profile: ModelProfile, vlm: Any, req: ChatRequest, images: list[Any]) -> Prepared:
-    """A chat request for a native VLM: mlx-vlm's own template places the images (its
-    processor expands each placeholder into the image's tokens in the engine)."""
-    msgs, tools, template_tools = with_tools(profile, req, req.messages)
-    wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
-    kwargs: dict[str, Any] = {"tools": template_tools} if template_tools else {}
-    if profile.reasoning:
-        kwargs["enable_thinking"] = wanted
-    text = render_vlm_prompt(vlm, vlm_messages(msgs), **kwargs)
-    # Text tokens only: the engine counts the images' tokens and clamps again.
-    text_tokens = len(encode(profile, text, req.messages_param))
-    gen = GenerationRequest(
-        prompt_tokens=[],
-        max_tokens=completion_budget(profile, text_tokens, req.options, req.messages_param),
-        sampling=sampling_for(profile, req.options),
-        stop=req.options.stop,
-        priority=_priority(req),
-        prompt_text=text,
-        images=tuple(images),
         logprobs=req.options.logprobs,
         constraint=_constraint(profile, req, tools, text, wanted),
     )
@@ -479,7 +451,7 @@ def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
     if not tokens:
         raise InvalidRequestError("prompt is empty", param="prompt")
     return GenerationRequest(
-        prompt_tokens=tokens,
+        prompt=TokenPrompt(tokens),
         max_tokens=completion_budget(profile, len(tokens), req.options, "prompt"),
         sampling=sampling_for(profile, req.options),
         stop=req.options.stop,
@@ -521,24 +493,13 @@ def sampling_for(profile: ModelProfile, options: Options) -> SamplingParams:
 
 
 def completion_budget(profile: ModelProfile, prompt_len: int, options: Options, prompt_param: str) -> int:
-    """max_tokens, clamped to what the context leaves after the prompt.
+    """max_tokens, clamped to what the context leaves after the prompt: the one rule, for
+    every prompt kind, on its exact tokens (a native VLM's image runs expanded).
 
     Clients ask for more than a local model's context as a matter of course
     (Claude Code sends max_tokens 32000); they get what fits, not a refusal.
     """
-    limit = profile.max_model_len
-    if prompt_len >= limit:
-        raise ContextLengthError(
-            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
-            param=prompt_param,
-        )
-    budget = profile.kv_budget_tokens or limit
-    room = min(limit, budget) - prompt_len
-    if room <= 0:
-        raise ContextLengthError(
-            f"a prompt of {prompt_len} tokens does not fit this model's KV budget of {budget} tokens "
-            "(raise `mem` in models.yaml)", param=prompt_param,
-        )
+    room = completion_room(prompt_len, profile.max_model_len, profile.kv_budget_tokens, prompt_param)
     wanted = options.max_tokens if options.max_tokens is not None else profile.params.max_tokens
     return min(wanted, room)
 

@@ -17,11 +17,12 @@ from typing import Any
 
 from app.config.schema import ChatParams, ModelCapabilities
 from app.engine.mlx_internals import has_thinking, think_markers
+from app.engine.prompt import PromptBuilder, TextPrompts
 from app.errors import ConfigError, InvalidRequestError
 from app.families import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family
 from app.parsers import PARSERS, detect_parser, is_reasoning_model
-from app.pipeline.request import Message, Tool, ToolChoice
-from app.pipeline.tokenizing import encode_within
+from app.pipeline.request import ImagePart, Message, TextPart, Tool, ToolChoice
+from app.pipeline.tokenizing import check_within, encode_within
 
 _PROBE = "\u2063probe\u2063"
 
@@ -54,11 +55,20 @@ class ModelProfile:
     # Whether the opener is one token: a model trained to reason chooses it deliberately,
     # where a multi-token opener is reached by drifting through "<" (see constraining).
     reasoning_opener_is_token: bool = False
+    # Renders every request of this model into a Prompt (app.engine.prompt): its chat template
+    # and its tokens, or a native VLM's processor too. None: the tokenizer's (TextPrompts).
+    prompts: PromptBuilder = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.prompts is None:
+            object.__setattr__(self, "prompts", TextPrompts(self.tokenizer))
 
 
 def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: int, caps: ModelCapabilities, *,
-                 vocab_size: int | None = None, kv_budget_tokens: int | None = None) -> ModelProfile:
-    """Probe the chat template once and settle the model's parser and prompt policies."""
+                 vocab_size: int | None = None, kv_budget_tokens: int | None = None,
+                 prompts: PromptBuilder | None = None) -> ModelProfile:
+    """Probe the chat template once and settle the model's parser and prompt policies;
+    ``prompts`` is the model's prompt builder (default: its tokenizer's, ``TextPrompts``)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
         template = json.dumps(template)
@@ -86,6 +96,7 @@ def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: i
         call_syntax=family.call_syntax(template, takes_tools),
         reasoning_markers=markers,
         reasoning_opener_is_token=_is_one_token(tokenizer, markers[0]),
+        prompts=prompts or TextPrompts(tokenizer),
     )
 
 
@@ -158,10 +169,14 @@ def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[
     return [Message.of("system", text), *rest]
 
 
-def template_message(m: Message, fit_id: Callable[[str], str] = str) -> dict[str, Any]:
+def template_message(m: Message, fit_id: Callable[[str], str] = str, *, images: bool = False) -> dict[str, Any]:
     """A typed message as chat templates take it; ``fit_id`` rewrites call ids the model
-    family's template would refuse (``Family.fit_call_id``)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    family's template would refuse (``Family.fit_call_id``). With ``images`` (a builder that
+    takes them), a message with images has mlx-vlm's parts as its content: ``{"type":
+    "image"}`` where the client put each image, text parts next to each other joined by a
+    newline (``Message.text``'s rule), so the template places the model's placeholders."""
+    content: Any = _image_parts(m.content) if images and m.images() else m.text()
+    out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
@@ -169,6 +184,18 @@ def template_message(m: Message, fit_id: Callable[[str], str] = str) -> dict[str
     if m.tool_call_id:
         out["tool_call_id"] = fit_id(m.tool_call_id)
     return out
+
+
+def _image_parts(content: tuple[TextPart | ImagePart, ...]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        if isinstance(p, ImagePart):
+            parts.append({"type": "image"})
+        elif parts and parts[-1]["type"] == "text":
+            parts[-1] = {"type": "text", "text": f"{parts[-1]['text']}\n{p.text}"}
+        else:
+            parts.append({"type": "text", "text": p.text})
+    return parts
 
 
 def offered_tools(tools: tuple[Tool, ...], choice: ToolChoice, param: str = "tool_choice") -> tuple[Tool, ...]:
@@ -231,20 +258,18 @@ def _first_sentence(text: str, limit: int = 120) -> str:
 
 def render(profile: ModelProfile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
            thinking: bool, *, generation_prompt: bool = True) -> str:
-    """The chat template applied; a template that rejects the messages is the client's 400."""
-    kwargs: dict[str, Any] = {"add_generation_prompt": generation_prompt, "tokenize": False}
-    if tools:
-        kwargs["tools"] = tools
-    if profile.reasoning:
-        kwargs["enable_thinking"] = thinking
-    try:
-        return str(profile.tokenizer.apply_chat_template(messages, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - jinja errors are the request's shape
-        raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
-                                  param="messages") from exc
+    """The chat template applied, by the model's prompt builder; a template that rejects
+    the messages is the client's 400."""
+    return profile.prompts.render(messages, tools=tools, thinking=thinking if profile.reasoning else None,
+                                  generation_prompt=generation_prompt)
 
 
 def encode(profile: ModelProfile, text: str, param: str | None = None, *, special_tokens: bool = False) -> list[int]:
-    """Token ids of a prompt (a rendered one has its special tokens in the text already); past the
+    """Token ids of a prompt without images: a rendered one by the model's prompt builder (the
+    one tokenization rule of the model; its special tokens are in the text already), a plain
+    one (``special_tokens``, completions) with the tokenizer's BOS and the like. Past the
     context, ``ContextLengthError`` on ``param`` after about a context's worth of tokenizing."""
-    return encode_within(profile.tokenizer, text, profile.max_model_len, param, special_tokens=special_tokens)
+    if special_tokens:
+        return encode_within(profile.tokenizer, text, profile.max_model_len, param, special_tokens=True)
+    check_within(profile.tokenizer, text, profile.max_model_len, param)
+    return profile.prompts.build(text).tokens

@@ -5,96 +5,27 @@ five ways to ask for the same thing. Each adapter in ``app/api`` turns its body
 into a ``ChatRequest`` (or ``TextRequest``) of these plain, frozen types; the
 pipeline, the vision proxy and the prompt renderer only ever see these.
 
-Text parts of one message are joined with a newline (``Message.text``), the one
-rule everywhere, images or not. ``param`` fields name where a thing sits in the
-client's own request (``messages[1].content[0]``), so errors can point at it.
+The conversation's own types (``Message``, its parts, ``ToolCall``) live in
+``app.messages``, below the pipeline and vision both, and are re-exported here.
+``param`` fields name where a thing sits in the client's own request
+(``messages[1].content[0]``), so errors can point at it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.errors import InvalidRequestError
+from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall
 
-Role = Literal["system", "user", "assistant", "tool"]
+__all__ = ["ChatRequest", "ImagePart", "Message", "Options", "OutputFormat", "Part", "Priority", "Role", "Sampling",
+           "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
+
 Priority = Literal["interactive", "background"]
 # A salt is a tenant's name or a random token, not a document.
 CACHE_SALT_MAX_CHARS = 256
-
-
-@dataclass(frozen=True)
-class TextPart:
-    """A piece of text in a message."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ImagePart:
-    """An image in a message, by URL (``data:``, ``file://`` or ``http(s)://``)."""
-
-    url: str
-    # Where the part sits in the client's request, for errors: "messages[1].content[2]".
-    param: str = ""
-    detail: str | None = None
-
-
-Part = TextPart | ImagePart
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A call an assistant made, as the conversation carries it back."""
-
-    id: str
-    name: str
-    # The arguments as JSON text ("{}" when there are none).
-    arguments: str = "{}"
-
-    def as_dict(self, *, arguments_as_object: bool = False) -> dict[str, Any]:
-        """OpenAI's ``tool_calls[]`` item. Chat templates render arguments with ``| tojson``,
-        so they get the object (``arguments_as_object``) when the JSON parses."""
-        arguments: Any = self.arguments
-        if arguments_as_object:
-            try:
-                arguments = json.loads(self.arguments)
-            except ValueError:
-                pass
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
-
-
-@dataclass(frozen=True)
-class Message:
-    """One conversation turn."""
-
-    role: Role
-    content: tuple[Part, ...] = ()
-    name: str | None = None
-    tool_calls: tuple[ToolCall, ...] = ()
-    # For role "tool": which call this result answers.
-    tool_call_id: str | None = None
-    # Reasoning an earlier assistant turn carried back (templates may render it).
-    reasoning: str | None = None
-    # Where the message sits in the client's request, for errors: "messages[3]".
-    param: str = ""
-
-    @classmethod
-    def of(cls, role: Role, text: str, **kw: Any) -> Message:
-        """A text-only message."""
-        return cls(role, (TextPart(text),), **kw)
-
-    def text(self) -> str:
-        """The text parts, joined with newlines; images are left out."""
-        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
-
-    def images(self) -> list[ImagePart]:
-        return [p for p in self.content if isinstance(p, ImagePart)]
-
-    def with_text(self, text: str) -> Message:
-        """This message with its content replaced by ``text`` alone."""
-        return replace(self, content=(TextPart(text),))
 
 
 @dataclass(frozen=True)

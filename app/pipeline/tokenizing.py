@@ -29,20 +29,26 @@ SLICE_CHARS = 8192
 CUT_SLACK = 16
 
 
+def check_within(tokenizer: Any, text: str, context: int, param: str | None = None) -> None:
+    """``ContextLengthError`` (on ``param``) when the slices of ``text`` alone are more than
+    ``context`` tokens; nothing for a prompt that may fit (its builder then tokenizes it whole)."""
+    if len(text) <= context:  # fewer characters than the context are at most ~4x its tokens
+        return
+    counted = read = 0
+    for cuts, piece in enumerate(slices(text, SLICE_CHARS)):
+        counted += len(tokenizer.encode(piece, add_special_tokens=False))
+        read += len(piece)
+        if counted > context + CUT_SLACK * cuts:
+            raise ContextLengthError(
+                f"this model's maximum context length is {context} tokens, but the prompt has more "
+                f"(its first {read} characters alone are {counted} tokens)", param=param)
+
+
 def encode_within(tokenizer: Any, text: str, context: int, param: str | None = None, *,
                   special_tokens: bool = False) -> list[int]:
     """Token ids of ``text`` (``special_tokens``: with the tokenizer's BOS and the like; a
-    rendered chat prompt has its own). ``ContextLengthError`` (on ``param``) when the
-    slices alone are more than ``context`` tokens; a prompt that fits is tokenized whole."""
-    if len(text) > context:  # fewer characters than the context are at most ~4x its tokens
-        counted = read = 0
-        for cuts, piece in enumerate(slices(text, SLICE_CHARS)):
-            counted += len(tokenizer.encode(piece, add_special_tokens=False))
-            read += len(piece)
-            if counted > context + CUT_SLACK * cuts:
-                raise ContextLengthError(
-                    f"this model's maximum context length is {context} tokens, but the prompt has more "
-                    f"(its first {read} characters alone are {counted} tokens)", param=param)
+    rendered chat prompt has its own), refused past ``context`` as ``check_within`` does."""
+    check_within(tokenizer, text, context, param)
     return list(tokenizer.encode(text, add_special_tokens=special_tokens))
 
 

@@ -1,7 +1,8 @@
-"""Vision: image input, the mlx-vlm captioner, the caption cache, the proxy.
+"""Vision: image input, the captioner, the caption cache, the proxy.
 
-Layering: works on the pipeline's typed messages (``app.pipeline.request``);
-never imports Litestar, pydantic or ``app.api``. mlx-vlm is imported only when a captioner loads.
+Layering: works on the conversation's typed messages (``app.messages``, below the
+pipeline too); never imports the pipeline, Litestar, pydantic or ``app.api``. The captioner's VLM is a registry
+slot, so mlx-vlm is imported only when one loads.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from app.vision.captioner import (
     DEFAULT_NO_TEXT_PROMPT,
     DEFAULT_PROMPT_TEMPLATE,
     Captioner,
-    MlxExecutor,
-    MlxVlmCaptioner,
+    VlmCaptioner,
 )
 from app.vision.images import ImagePolicy, LoadedImage, downscale, load_image
 from app.vision.proxy import (
@@ -30,10 +30,9 @@ __all__ = [
     "Captioner",
     "ImagePolicy",
     "LoadedImage",
-    "MlxExecutor",
-    "MlxVlmCaptioner",
     "ProxyResult",
     "VisionProxy",
+    "VlmCaptioner",
     "downscale",
     "load_image",
 ]

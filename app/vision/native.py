@@ -6,26 +6,25 @@ the pipeline sends the images themselves, not captions:
     parts  = native_image_parts(messages)          # every image part, in order (400s: no URL,
                                                    #   an image outside a user message, too many)
     images = await load_native_images(parts, policy, max_pixels=..., min_pixels=...)
-    dicts  = vlm_messages(messages)                # mlx-vlm's message format, images in place
-    text   = render_vlm_prompt(loaded, dicts)      # app.engine.vlm: the model's own placeholders
-    GenerationRequest([], max_tokens, ..., prompt_text=text, images=tuple(images))
 
-``vlm_messages`` writes an image part as ``{"type": "image"}`` where the client
-put it, so the chat template places the model's placeholder there and the
-processor expands it; the images list follows the same order. All images are
-read and decoded (the check) before any generation starts, as in proxy mode.
+(``native_images`` does both; ``app.vision.wiring.native_reader`` binds it to a
+model's limits for the pipeline.) The pipeline then hands the messages and these images to the model's prompt
+builder (``app.engine.vlm.VlmPrompts``): each image part becomes the model's
+own placeholder where the client put it (``prompting.template_message``), the
+processor expands it to the image's tokens, and the images follow the same
+order. All images are read and decoded (the check) before any generation
+starts, as in proxy mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 from PIL import Image
 
 from app.errors import ImageError
-from app.pipeline.request import ImagePart, Message, TextPart
+from app.messages import ImagePart, Message
 from app.vision.images import ImagePolicy, check_image_count, decode_image_async, downscale, read_image_async
 from app.vision.proxy import image_parts
 
@@ -57,36 +56,9 @@ async def load_native_images(
     return images
 
 
-def vlm_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """The messages in mlx-vlm's format, for ``render_vlm_prompt``.
-
-    A message with images: ``{"role": "user", "content": [...]}`` with
-    ``{"type": "image"}`` and ``{"type": "text", "text": ...}`` parts in the client's
-    order (text parts next to each other joined by a newline, ``Message.text``'s
-    rule). Any other message: ``{"role", "content": text}`` with ``name``,
-    ``tool_calls`` and ``tool_call_id`` as the chat template takes them.
-    """
-    out = []
-    for m in messages:
-        d: dict[str, Any] = {"role": m.role}
-        d["content"] = _parts(m.content) if m.images() else m.text()
-        if m.name:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = [tc.as_dict(arguments_as_object=True) for tc in m.tool_calls]
-        if m.tool_call_id:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
-def _parts(content: Sequence[TextPart | ImagePart]) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = []
-    for p in content:
-        if isinstance(p, ImagePart):
-            parts.append({"type": "image"})
-        elif parts and parts[-1]["type"] == "text":
-            parts[-1] = {"type": "text", "text": f"{parts[-1]['text']}\n{p.text}"}
-        else:
-            parts.append({"type": "text", "text": p.text})
-    return parts
+async def native_images(messages: Sequence[Message], policy: ImagePolicy, *, max_pixels: int,
+                        min_pixels: int | None = None) -> list[Image.Image]:
+    """Every image of ``messages``, checked and decoded in order: what a native VLM's
+    prompt builder takes with the rendered messages."""
+    parts = native_image_parts(messages, policy)
+    return await load_native_images(parts, policy, max_pixels=max_pixels, min_pixels=min_pixels)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.errors import AppError, ImageError, InvalidRequestError
-from app.pipeline.request import ImagePart, Message
+from app.messages import ImagePart, Message
 from app.vision.cache import CaptionCache, CaptionKey
 from app.vision.captioner import Captioner
 from app.vision.images import (

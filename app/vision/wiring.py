@@ -1,6 +1,7 @@
 """Start-up wiring: the VisionProxy for a ``vision_mode: proxy`` model, from config.
 
-A vision model that cannot load (missing files, out of memory, a broken
+The vision model is an ordinary registry slot (``app.vision.captioner.VlmCaptioner``
+captions through it). One that cannot load (missing files, out of memory, a broken
 checkout) never stops the server: the proxy is built without a captioner and
 images become placeholders, with the reason in the warning and in /health.
 """
@@ -8,29 +9,25 @@ images become placeholders, with the reason in the warning and in /health.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.engine.registry import Registry
 from app.errors import AppError
 from app.vision.cache import CaptionCache
-from app.vision.captioner import (
-    DEFAULT_NO_TEXT_PROMPT,
-    DEFAULT_PROMPT_TEMPLATE,
-    MlxExecutor,
-    MlxVlmCaptioner,
-    render_prompt,
-)
-from app.vision.images import ImagePolicy, LoadedImage
+from app.vision.captioner import DEFAULT_PROMPT_TEMPLATE, VlmCaptioner
+from app.vision.images import ImagePolicy
+from app.vision.native import native_images
 from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
     from app.config.loader import ResolvedConfig
     from app.config.schema import ChatEntry, ChatParams, ServerSettings, VisionParams
+    from app.messages import Message
 
 logger = logging.getLogger("tandem.vision")
-# The user's words in a caption prompt are cut at this many characters.
-MAX_CONTEXT_CHARS = 2000
 
 
 def image_policy(server: ServerSettings, params: ChatParams | VisionParams) -> ImagePolicy:
@@ -50,37 +47,20 @@ def image_policy(server: ServerSettings, params: ChatParams | VisionParams) -> I
     )
 
 
-class LeasedCaptioner:
-    """Captions with a VLM the registry serves natively (``vision_mode: native``): one
-    loaded copy serves both roles. The VLM is leased per image, so it loads on demand and
-    is never unloaded mid-caption; each caption is a request to its engine, batched with
-    its chats and admitted under its KV budget."""
-
-    def __init__(self, registry: Registry, name: str, *, prompt_template: str, max_tokens: int,
-                 max_pixels: int | None) -> None:
-        self._registry = registry
-        self.name = name
-        self.prompt_template = prompt_template
-        self.max_tokens = max_tokens
-        self.max_pixels = max_pixels
-
-    def prompt(self, user_text: str | None) -> str:
-        return render_prompt(self.prompt_template, DEFAULT_NO_TEXT_PROMPT, user_text, MAX_CONTEXT_CHARS)
-
-    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
-        lease = await self._registry.acquire(self.name, roles=("chat",))
-        try:
-            captioner = MlxVlmCaptioner.from_engine(lease.handle, name=self.name,
-                                                    prompt_template=self.prompt_template, max_tokens=self.max_tokens)
-            return await captioner.describe(image, user_text)
-        finally:
-            lease.release()
+def native_reader(config: ResolvedConfig, chat: ChatEntry) -> Callable[[Sequence[Message]], Awaitable[list[Any]]]:
+    """For a ``vision_mode: native`` model: a request's messages -> their images, checked
+    and decoded at the model's size, for its prompt builder (``native_images``)."""
+    p = chat.params
+    return partial(native_images, policy=image_policy(config.server, p), max_pixels=p.max_pixels,
+                   min_pixels=p.min_pixels)
 
 
-def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = True,
-                chat: ChatEntry | None = None, registry: Registry | None = None) -> tuple[VisionProxy, str | None]:
-    """Load the vision model of ``chat`` (default: the primary model) on the MLX thread;
-    return the proxy and why vision is off, if it is.
+def build_proxy(config: ResolvedConfig, registry: Registry, *, load: bool = True,
+                chat: ChatEntry | None = None) -> tuple[VisionProxy, str | None]:
+    """The proxy of ``chat`` (default: the primary model), captioning with its vision model
+    through the registry; return it and why vision is off, if it is. A ``role: vision``
+    entry is loaded now (on the MLX thread), so a model that cannot load is reported at
+    start-up; a native chat model loads when it is first needed.
 
     With ``load=False`` (``--no-vision``) the proxy has no captioner: images are
     still checked, then replaced by placeholders with a warning."""
@@ -103,26 +83,17 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = T
         return unavailable("no vision model is configured")
     if not load:
         return unavailable("vision loading skipped (--no-vision)")
-    if entry.role == "chat" and entry.capabilities.vision_mode == "native" and registry is not None:
-        leased = LeasedCaptioner(registry, entry.name, max_tokens=proxy_config.max_tokens, max_pixels=params.max_pixels,
-                                 prompt_template=proxy_config.prompt_template or DEFAULT_PROMPT_TEMPLATE)
-        return VisionProxy(leased, cache, policy), None
-    source = Path(entry.local_path).expanduser() if entry.local_path else entry.hf_id
-    if source is None:
-        return unavailable(f"vision model {entry.name!r} needs local_path or hf_id")
+    if not (entry.role == "vision" or (entry.role == "chat" and entry.capabilities.vision_mode == "native")):
+        return unavailable(f"vision model {entry.name!r} is neither a vision entry nor a native VLM chat model")
     try:
-        captioner = MlxVlmCaptioner(
-            source,
-            executor,
-            name=entry.name,
-            prompt_template=proxy_config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
-            max_tokens=proxy_config.max_tokens,
-            max_pixels=params.max_pixels,
-            min_pixels=params.min_pixels,
-            idle_unload_s=config.models_file.idle_unload_secs,
-        )
-        captioner.load()
-    except AppError as exc:  # ConfigError from the load, EngineDeadError from the thread
-        logger.warning("vision model %s not loaded: %s", entry.name, exc.message)
-        return unavailable(exc.message)
+        captioner = VlmCaptioner(registry, entry.name, max_tokens=proxy_config.max_tokens,
+                                 prompt_template=proxy_config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
+                                 max_pixels=params.max_pixels, min_pixels=params.min_pixels)
+        loads_now = entry.role == "vision" and registry.loaded(entry.name) is None  # one load for every chat model
+        error = registry.load_now(entry.name, required=False) if loads_now else None
+    except AppError as exc:  # ConfigError from the prompt template, EngineDeadError from the thread
+        error = exc.message
+    if error is not None:
+        logger.warning("vision model %s not loaded: %s", entry.name, error)
+        return unavailable(f"cannot load vision model {entry.name}: {error}")
     return VisionProxy(captioner, cache, policy), None

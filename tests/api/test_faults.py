@@ -99,6 +99,7 @@ def test_a_sampler_failing_mid_batch_leaves_the_engine_sampling(srv):
     unseeded sampling included (the global PRNG key the tracer left behind is replaced)."""
     import asyncio
 
+    from app.engine.prompt import TokenPrompt
     from app.engine.types import GREEDY, GenerationRequest
     from app.errors import EngineError
 
@@ -106,7 +107,8 @@ def test_a_sampler_failing_mid_batch_leaves_the_engine_sampling(srv):
     tokens = engine.tokenizer.encode("Hello")
 
     async def generate(**sampling):
-        async for delta in engine.stream(GenerationRequest(tokens, max_tokens=2, sampling=replace(GREEDY, **sampling))):
+        async for delta in engine.stream(GenerationRequest(TokenPrompt(tokens), max_tokens=2,
+                                                           sampling=replace(GREEDY, **sampling))):
             if delta.finish_reason:
                 return delta.completion_tokens
 

@@ -91,3 +91,17 @@ def test_logprobs_with_an_image(native):
         assert entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
     assert ask(native, data_url(striped_bytes(1))).choices[0].logprobs is None
+
+
+def test_counted_tokens_are_the_prompts_exact_tokens(native):
+    """A native VLM's prompt is exact at prepare time, image runs expanded: what
+    count_tokens says is what the generation's usage says (it once left the images out)."""
+    url = data_url(striped_bytes(1))
+    b64 = url.split(",", 1)[1]
+    counted = native.post("/v1/messages/count_tokens", {"model": "qwen", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}]})
+    assert counted.status_code == 200, counted.text
+    used = ask(native, url).usage.prompt_tokens
+    text_only = ask(native).usage.prompt_tokens
+    assert counted.json()["input_tokens"] == used > text_only

@@ -25,6 +25,7 @@ from app.engine.disk_cache import DiskTier, open_disk_tier
 from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
 from app.engine.kv_snapshot import KVLayout
 from app.engine.mlx_internals import KVCache
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from tests.engine.engines import make_engine, run
 from tests.engine.test_kv_quant import model_dir  # noqa: F401 - the head_dim-64 tiny llama fixture
@@ -38,7 +39,8 @@ def disk_engine(path: Path, cache_dir: Path, **params):
 
 def request(engine, question: str, system: str = SYSTEM, **kw) -> GenerationRequest:
     head = engine.tokenizer.encode(system)
-    return GenerationRequest(head + engine.tokenizer.encode(question), max_tokens=8, cache_prefix_len=len(head), **kw)
+    return GenerationRequest(TokenPrompt(head + engine.tokenizer.encode(question)), max_tokens=8,
+                             cache_prefix_len=len(head), **kw)
 
 
 def stop(engine) -> None:
@@ -240,7 +242,7 @@ def test_a_conversation_continues_from_disk(tiny_model_dir, tmp_path):
     stop(eng)
     eng = disk_engine(tiny_model_dir, tmp_path)
     try:
-        _, last = asyncio.run(run(eng, replace(first, prompt_tokens=turn)))
+        _, last = asyncio.run(run(eng, replace(first, prompt=TokenPrompt(turn))))
         assert last.cached_tokens > len(first.prompt_tokens)
     finally:
         stop(eng)
@@ -511,7 +513,8 @@ def test_the_layout_is_read_off_the_model(demo_model_dir, tmp_path):
         eng = disk_engine(demo_model_dir, tmp_path)
         try:
             head = eng.tokenizer.encode("You count sheep. " * 8)
-            req = GenerationRequest(head + eng.tokenizer.encode(" How many?"), max_tokens=2, cache_prefix_len=len(head))
+            req = GenerationRequest(TokenPrompt(head + eng.tokenizer.encode(" How many?")), max_tokens=2,
+                                    cache_prefix_len=len(head))
             _, last = asyncio.run(run(eng, req))
             assert eng.finish_writes(30)
             disk = eng.stats().prompt_cache_tiers["disk"]

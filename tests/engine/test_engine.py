@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from app.engine.prompt import MultimodalPrompt, PromptImage, TokenPrompt
 from app.engine.types import GREEDY, GenerationRequest
 from app.errors import ContextLengthError, EngineError, RateLimitError, VisionNotSupportedError
 from tests.engine.engines import make_engine, run
@@ -26,7 +27,7 @@ def prompt(engine, text="Hello there, how are you today?"):
 
 
 def test_generates_exact_token_counts(engine):
-    req = GenerationRequest(prompt(engine), max_tokens=7)
+    req = GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=7)
     text, last = asyncio.run(run(engine, req))
     assert last.finish_reason == "length"
     assert last.completion_tokens == 7
@@ -35,7 +36,7 @@ def test_generates_exact_token_counts(engine):
 
 
 def test_batched_equals_alone_at_temperature_zero(engine):
-    reqs = [GenerationRequest(prompt(engine, f"Count to {i} please"), max_tokens=6) for i in range(4)]
+    reqs = [GenerationRequest(TokenPrompt(prompt(engine, f"Count to {i} please")), max_tokens=6) for i in range(4)]
     alone = [asyncio.run(run(engine, r))[0] for r in reqs]
 
     async def together():
@@ -47,7 +48,9 @@ def test_batched_equals_alone_at_temperature_zero(engine):
 
 def test_images_are_refused(engine):
     """A text engine cannot see images: a request carrying some is the client's 400."""
-    req = GenerationRequest(prompt(engine), max_tokens=4, images=(object(),))
+    tokens = prompt(engine)
+    image = PromptImage(0, 1, "0" * 64, None)
+    req = GenerationRequest(MultimodalPrompt(tokens, (image,)), max_tokens=4)
     with pytest.raises(VisionNotSupportedError):
         asyncio.run(run(engine, req))
     assert engine.in_flight == 0
@@ -55,20 +58,21 @@ def test_images_are_refused(engine):
 
 def test_seeded_sampling_is_reproducible(engine):
     s = replace(GREEDY, temperature=1.0, seed=1234)
-    req = GenerationRequest(prompt(engine), max_tokens=8, sampling=s)
+    req = GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=8, sampling=s)
     a = asyncio.run(run(engine, req))[0]
     b = asyncio.run(run(engine, req))[0]
     assert a == b
 
 
 def test_stop_string_cuts_before_it(engine):
-    full, unstopped = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12)))
+    full, unstopped = asyncio.run(run(engine, GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=12)))
     assert unstopped.stop_sequence is None
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     if not stop.strip():
         pytest.skip("random model produced whitespace")
     never = "\u2063never\u2063"
-    text, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=12, stop=(never, stop))))
+    text, last = asyncio.run(run(engine, GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=12,
+                                                            stop=(never, stop))))
     assert last.finish_reason == "stop"
     assert text == full[: full.find(stop)]
     # The final delta names the stop string that matched (Anthropic's stop_sequence).
@@ -80,7 +84,7 @@ def test_prefix_cache_reuse_gives_same_tokens(tiny_model_dir):
     try:
         system = prompt(eng, "You are a terse assistant. " * 6)
         tail = prompt(eng, " What is two plus two?")
-        req = GenerationRequest(system + tail, max_tokens=6, cache_prefix_len=len(system))
+        req = GenerationRequest(TokenPrompt(system + tail), max_tokens=6, cache_prefix_len=len(system))
         cold, c1 = asyncio.run(run(eng, req))
         warm, c2 = asyncio.run(run(eng, req))
         assert c1.cached_tokens == 0
@@ -88,7 +92,7 @@ def test_prefix_cache_reuse_gives_same_tokens(tiny_model_dir):
         assert warm == cold
         # A different system prompt shares no KV with the first.
         other = prompt(eng, "Answer like a pirate, always. " * 6) + tail
-        _, c3 = asyncio.run(run(eng, GenerationRequest(other, max_tokens=4)))
+        _, c3 = asyncio.run(run(eng, GenerationRequest(TokenPrompt(other), max_tokens=4)))
         common = next(i for i, (a, b) in enumerate(zip(other, req.prompt_tokens)) if a != b)
         assert c3.cached_tokens <= common
     finally:
@@ -100,7 +104,7 @@ def test_request_over_budget_is_refused(tiny_model_dir):
     try:
         too_big = eng.admission.budget_tokens + 1
         with pytest.raises(ContextLengthError):
-            asyncio.run(run(eng, GenerationRequest(prompt(eng), max_tokens=too_big)))
+            asyncio.run(run(eng, GenerationRequest(TokenPrompt(prompt(eng)), max_tokens=too_big)))
     finally:
         eng.worker.stop()
 
@@ -109,7 +113,7 @@ def test_admission_queues_and_full_queue_429(tiny_model_dir):
     eng = make_engine(tiny_model_dir, max_num_seqs=1, max_queue=1)
     try:
         async def scenario():
-            r = GenerationRequest(prompt(eng), max_tokens=600)
+            r = GenerationRequest(TokenPrompt(prompt(eng)), max_tokens=600)
             first = asyncio.create_task(run(eng, r))
             second = asyncio.create_task(run(eng, r))
             await asyncio.sleep(0.05)
@@ -119,7 +123,7 @@ def test_admission_queues_and_full_queue_429(tiny_model_dir):
             results = await asyncio.gather(first, second)
             assert all(last.finish_reason == "length" for _, last in results)
             # Recovered: the queue drained and a new request runs.
-            return await run(eng, GenerationRequest(prompt(eng), max_tokens=2))
+            return await run(eng, GenerationRequest(TokenPrompt(prompt(eng)), max_tokens=2))
 
         _, last = asyncio.run(scenario())
         assert last.completion_tokens == 2
@@ -129,7 +133,7 @@ def test_admission_queues_and_full_queue_429(tiny_model_dir):
 
 def test_cancel_frees_the_sequence(engine):
     async def scenario():
-        agen = engine.stream(GenerationRequest(prompt(engine), max_tokens=200))
+        agen = engine.stream(GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=200))
         await agen.__anext__()
         await agen.aclose()
         for _ in range(100):
@@ -154,10 +158,11 @@ def test_failing_sampler_fails_one_request_only(engine, monkeypatch):
         return real(p)
 
     monkeypatch.setattr(mod, "build_sampler", sampler_for)
-    bad = GenerationRequest(prompt(engine), max_tokens=4, sampling=replace(GREEDY, seed=666, temperature=1.0))
+    bad = GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=4,
+                            sampling=replace(GREEDY, seed=666, temperature=1.0))
     with pytest.raises(EngineError, match="boom"):
         asyncio.run(run(engine, bad))
-    _, last = asyncio.run(run(engine, GenerationRequest(prompt(engine), max_tokens=3)))
+    _, last = asyncio.run(run(engine, GenerationRequest(TokenPrompt(prompt(engine)), max_tokens=3)))
     assert last.completion_tokens == 3 and engine.worker.alive
 
 
@@ -175,9 +180,9 @@ def test_short_request_is_not_starved_by_a_long_prefill(tiny_model_dir):
                 await run(eng, req)
                 order.append(name)
 
-            long = asyncio.create_task(go("long", GenerationRequest(long_prompt, max_tokens=4)))
+            long = asyncio.create_task(go("long", GenerationRequest(TokenPrompt(long_prompt), max_tokens=4)))
             await asyncio.sleep(0.01)
-            short = asyncio.create_task(go("short", GenerationRequest(prompt(eng, "Hi"), max_tokens=4)))
+            short = asyncio.create_task(go("short", GenerationRequest(TokenPrompt(prompt(eng, "Hi")), max_tokens=4)))
             await asyncio.gather(long, short)
             return order
 
@@ -190,8 +195,10 @@ def test_system_prefix_is_cached_for_a_different_question(tiny_model_dir):
     eng = make_engine(tiny_model_dir, prompt_cache="system")
     try:
         system = prompt(eng, "You are a helpful assistant that answers in one word. " * 4)
-        a = GenerationRequest(system + prompt(eng, " First question?"), max_tokens=2, cache_prefix_len=len(system))
-        b = GenerationRequest(system + prompt(eng, " Another one entirely?"), max_tokens=2, cache_prefix_len=len(system))
+        a = GenerationRequest(TokenPrompt(system + prompt(eng, " First question?")), max_tokens=2,
+                              cache_prefix_len=len(system))
+        b = GenerationRequest(TokenPrompt(system + prompt(eng, " Another one entirely?")), max_tokens=2,
+                              cache_prefix_len=len(system))
         _, first = asyncio.run(run(eng, a))
         _, second = asyncio.run(run(eng, b))
         assert first.cached_tokens == 0
@@ -206,7 +213,7 @@ def test_system_prefix_is_cached_for_a_different_question(tiny_model_dir):
 def test_prefix_cache_namespaces_never_share(engine):
     """A cached conversation helps the next request of its own namespace only."""
     text = "A long shared system prompt that is well worth caching for later turns. " * 3
-    req = GenerationRequest(prompt(engine, text), max_tokens=4, cache_namespace="alice")
+    req = GenerationRequest(TokenPrompt(prompt(engine, text)), max_tokens=4, cache_namespace="alice")
     asyncio.run(run(engine, req))
     from dataclasses import replace
 

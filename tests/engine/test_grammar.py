@@ -22,6 +22,7 @@ from app.engine.constraints import (
     ToolCalls,
 )
 from app.engine.grammar import Grammar, compiler_for
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GREEDY, GenerationRequest
 from app.errors import InvalidRequestError
 from app.families import BARE_JSON, CallSyntax, llama, mistral, qwen
@@ -98,7 +99,7 @@ def prompt(engine, text: str) -> list[int]:
 def generate(engine, spec, text="Fill in the form.", sampling=GREEDY, reasoning=None, max_tokens=160, wrap=None):
     grammar = compiler_for(engine.tokenizer).compile(spec, reasoning)
     constraint = wrap(grammar) if wrap else grammar
-    req = GenerationRequest(prompt(engine, text), max_tokens=max_tokens,
+    req = GenerationRequest(TokenPrompt(prompt(engine, text)), max_tokens=max_tokens,
                             sampling=sampling, constraint=constraint)
     return asyncio.run(run(engine, req))
 
@@ -135,10 +136,10 @@ def test_batched_streams_each_follow_their_schema(engine):
     compiler = compiler_for(engine.tokenizer)
 
     async def together():
-        reqs = [GenerationRequest(prompt(engine, f"Answer {i}"), max_tokens=160, sampling=HOT,
+        reqs = [GenerationRequest(TokenPrompt(prompt(engine, f"Answer {i}")), max_tokens=160, sampling=HOT,
                                   constraint=compiler.compile(JsonSchema(s)))
                 for i, s in enumerate(schemas)]
-        plain = GenerationRequest(prompt(engine, "Say anything"), max_tokens=8, sampling=HOT)
+        plain = GenerationRequest(TokenPrompt(prompt(engine, "Say anything")), max_tokens=8, sampling=HOT)
         return await asyncio.gather(*(run(engine, r) for r in [*reqs, plain]))
 
     *outs, (_, plain_last) = asyncio.run(together())
@@ -419,8 +420,9 @@ def test_reasoning_is_free_and_the_answer_constrained(marker_engine, started):
     reasoning = Reasoning("<think>", "</think>", started=started)
     grammar = compiler_for(tok).compile(JsonSchema(TICKET), reasoning)
     text, last = asyncio.run(run(marker_engine, GenerationRequest(
-        ask, max_tokens=200, constraint=ForcesTokens(grammar, plan))))
-    free, _ = asyncio.run(run(marker_engine, GenerationRequest(ask, max_tokens=6, constraint=ForcesTokens(None, plan))))
+        TokenPrompt(ask), max_tokens=200, constraint=ForcesTokens(grammar, plan))))
+    free, _ = asyncio.run(run(marker_engine, GenerationRequest(TokenPrompt(ask), max_tokens=6,
+                                                                 constraint=ForcesTokens(None, plan))))
     assert last.finish_reason == "stop", text
     thought, answer = text.split("</think>")
     assert thought == free.split("</think>")[0]  # the grammar left the reasoning alone
@@ -434,7 +436,8 @@ def test_reasoning_with_text_markers(engine):
     ask = prompt(engine, "Think, then fill in the form.<think>")
     plan = {3 + i: t for i, t in enumerate(close)}
     grammar = compiler_for(tok).compile(JsonSchema(TICKET), Reasoning("<think>", "</think>", started=True))
-    text, last = asyncio.run(run(engine, GenerationRequest(ask, max_tokens=200, constraint=ForcesTokens(grammar, plan))))
+    text, last = asyncio.run(run(engine, GenerationRequest(TokenPrompt(ask), max_tokens=200,
+                                                           constraint=ForcesTokens(grammar, plan))))
     assert last.finish_reason == "stop", text
     jsonschema.validate(json.loads(text.split("</think>", 1)[1]), TICKET)
 

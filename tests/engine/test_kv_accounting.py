@@ -18,6 +18,7 @@ import threading
 import pytest
 
 from app.engine.admission import KV_STEP
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.engine.engines import make_engine, run
@@ -81,12 +82,13 @@ def test_cache_bytes_stay_within_the_admission_figure_and_mem(model_dir, bits):
     mem = MEM_MB * 2**20
     try:
         lengths = [37, 300, 213, 129, 400, 251, 90, 77]
-        first = [GenerationRequest(prompt(n, i), max_tokens=80 - 3 * i) for i, n in enumerate(lengths)]
+        first = [GenerationRequest(TokenPrompt(prompt(n, i)), max_tokens=80 - 3 * i) for i, n in enumerate(lengths)]
         # Then continuations of the last ones: the prefix cache hands their start over and they
         # prefill the rest, next to fresh prompts padded to the same chunks.
-        second = [GenerationRequest(prompt(n, i) + prompt(40 + 17 * i, 99), max_tokens=60, cache_prefix_len=n)
+        second = [GenerationRequest(TokenPrompt(prompt(n, i) + prompt(40 + 17 * i, 99)), max_tokens=60,
+                                     cache_prefix_len=n)
                   for i, n in reversed(list(enumerate(lengths))[4:])]
-        second += [GenerationRequest(prompt(n, 50 + i), max_tokens=70) for i, n in enumerate((333, 201))]
+        second += [GenerationRequest(TokenPrompt(prompt(n, 50 + i)), max_tokens=70) for i, n in enumerate((333, 201))]
         with Sampler(eng) as sampler:
             asyncio.run(together(eng, first))
             results = asyncio.run(together(eng, second))
@@ -108,7 +110,7 @@ def test_the_admission_figure_is_within_one_step_of_the_bytes(model_dir, bits):
     eng = make_engine(model_dir, mem=MEM_MB, kv_cache_bits=bits, max_num_seqs=4, prefill_chunk_size=128,
                       prompt_cache="off")
     try:
-        reqs = [GenerationRequest(prompt(n, i), max_tokens=130) for i, n in enumerate((37, 77, 101))]
+        reqs = [GenerationRequest(TokenPrompt(prompt(n, i)), max_tokens=130) for i, n in enumerate((37, 77, 101))]
         with Sampler(eng) as sampler:
             results = asyncio.run(together(eng, reqs))
         assert all(last.completion_tokens == 130 for _, last in results)

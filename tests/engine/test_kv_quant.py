@@ -18,6 +18,7 @@ from app.config.schema import ChatParams
 from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.loader import load_text_model
 from app.engine.params import ModelSource
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from app.errors import ConfigError
 from tests.engine.engines import make_engine, run
@@ -55,7 +56,8 @@ def engine8(model_dir):
 
 
 def requests(engine, n, max_tokens=8):
-    return [GenerationRequest(engine.tokenizer.encode(f"Count to {i} please, slowly " * (i + 1)), max_tokens=max_tokens)
+    return [GenerationRequest(TokenPrompt(engine.tokenizer.encode(f"Count to {i} please, slowly " * (i + 1))),
+                              max_tokens=max_tokens)
             for i in range(n)]
 
 
@@ -154,7 +156,7 @@ def test_4bit_batch_with_a_cancel_runs_to_the_end(model_dir):
 
         async def scenario():
             tasks = [asyncio.create_task(run(eng, r)) for r in reqs]
-            agen = eng.stream(GenerationRequest(reqs[0].prompt_tokens, max_tokens=200))
+            agen = eng.stream(GenerationRequest(TokenPrompt(reqs[0].prompt_tokens), max_tokens=200))
             await agen.__anext__()
             await agen.aclose()  # leaves the batch mid-decode
             return await asyncio.gather(*tasks)
@@ -172,7 +174,7 @@ def test_prefix_cache_reuse_gives_same_tokens(model_dir):
     try:
         system = eng.tokenizer.encode("You are a terse assistant who counts sheep. " * 30)
         assert len(system) > 256  # past one allocation step of the cache
-        req = GenerationRequest(system + eng.tokenizer.encode(" How many?"), max_tokens=6,
+        req = GenerationRequest(TokenPrompt(system + eng.tokenizer.encode(" How many?")), max_tokens=6,
                                 cache_prefix_len=len(system))
         cold, first = asyncio.run(run(eng, req))
         warm, second = asyncio.run(run(eng, req))

@@ -23,6 +23,7 @@ from app.engine.engine import TextEngine
 from app.engine.loader import load_text_model
 from app.engine.mirror import Follower, MirrorOps
 from app.engine.params import ModelSource
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from app.engine.worker import MLXWorker
 from tests.engine.engines import run
@@ -58,7 +59,7 @@ def mirrored(tiny_model_dir):
 
 
 def request(engine, text: str, max_tokens: int, **kw) -> GenerationRequest:
-    return GenerationRequest(engine.tokenizer.encode(text), max_tokens=max_tokens, **kw)
+    return GenerationRequest(TokenPrompt(engine.tokenizer.encode(text)), max_tokens=max_tokens, **kw)
 
 
 def test_the_follower_keeps_in_step_and_holds_what_rank_0_holds(mirrored):

@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 
+from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from tests.engine.engines import make_engine, run
 
@@ -25,7 +26,7 @@ def engine(tiny_model_dir):
 
 
 def request(engine, text: str, max_tokens: int, priority: str = "interactive") -> GenerationRequest:
-    return GenerationRequest(engine.tokenizer.encode(text), max_tokens=max_tokens, priority=priority)
+    return GenerationRequest(TokenPrompt(engine.tokenizer.encode(text)), max_tokens=max_tokens, priority=priority)
 
 
 async def first_token_then_rest(engine, req: GenerationRequest, started: asyncio.Event) -> str:

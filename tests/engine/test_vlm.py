@@ -19,13 +19,13 @@ from PIL import Image
 
 from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
-from app.engine.mlx_internals import reset_vlm_stopping
+from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
+from app.engine.prompt import MultimodalPrompt, TokenPrompt, completion_room, pixel_digest
 from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
-from app.engine.vlm import LoadedVlm, VlmEngine, load_vlm, render_vlm_prompt
+from app.engine.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.worker import MLXWorker
-from app.errors import ContextLengthError, ImageError, InvalidRequestError
-from app.vision.captioner import MlxVlmCaptioner
-from app.vision.images import ImagePolicy, load_image
+from app.errors import ContextLengthError, EngineError, ImageError, InvalidRequestError
+from app.vision.images import ImagePolicy
 from tests.engine.engines import run
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import data_url, striped_bytes
@@ -55,7 +55,8 @@ def load(worker: MLXWorker, model_dir, **params) -> LoadedVlm:
 
 @pytest.fixture(scope="module")
 def engine(worker, model_dir):
-    eng = VlmEngine(worker, load(worker, model_dir), engine_params(ChatParams(mem=16, max_num_seqs=4, prefill_chunk_size=32)))
+    params = engine_params(ChatParams(mem=16, max_num_seqs=4, prefill_chunk_size=32))
+    eng = VlmEngine(worker, load(worker, model_dir), params)
     records: list[GenerationRecord] = []
     eng.add_listener(records.append)
     eng.records = records  # type: ignore[attr-defined]
@@ -66,10 +67,15 @@ def image(seed: int, size: tuple[int, int] = (96, 72)) -> Image.Image:
     return Image.open(BytesIO(striped_bytes(seed, size))).convert("RGB")
 
 
+def render(engine: VlmEngine, text: str, n_images: int = 0) -> str:
+    content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": text}]
+    return engine.prompts.render([{"role": "user", "content": content}])
+
+
 def request(engine: VlmEngine, text: str, images=(), max_tokens: int = 8, **kw) -> GenerationRequest:
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    prompt = render_vlm_prompt(engine.loaded, [{"role": "user", "content": content}])
-    return GenerationRequest([], max_tokens=max_tokens, prompt_text=prompt, images=tuple(images), **kw)
+    """A request as the pipeline makes one: the VLM's prompt builder renders and builds it."""
+    prompt = engine.prompts.build(render(engine, text, len(images)), list(images))
+    return GenerationRequest(prompt, max_tokens=max_tokens, **kw)
 
 
 def generate(engine: VlmEngine, req: GenerationRequest):
@@ -79,21 +85,50 @@ def generate(engine: VlmEngine, req: GenerationRequest):
 def test_images_reach_the_model(engine):
     a, _ = generate(engine, request(engine, "What is this?", [image(1)]))
     b, _ = generate(engine, request(engine, "What is this?", [image(2)]))
-    a2, last = generate(engine, request(engine, "What is this?", [image(1)]))
+    req = request(engine, "What is this?", [image(1)])
+    a2, last = generate(engine, req)
     assert a != b, "different images must give different outputs"
     assert a == a2, "temperature 0: the same image gives the same output"
-    text_only = len(engine.tokenizer.encode(request(engine, "What is this?").prompt_text))
+    text_only = len(request(engine, "What is this?").prompt.tokens)
     assert last.prompt_tokens > text_only + 1, "the processor expanded the placeholder into the image's tokens"
     assert engine.records[-1].prompt_tokens == last.prompt_tokens
+    # The prompt's tokens are exact at prepare time: what the engine ran, image run included.
+    assert last.prompt_tokens == len(req.prompt.tokens)
+
+
+def test_a_multimodal_prompt_knows_its_images(engine):
+    """Each image: its run of placeholder tokens (the processor's real length), and a hash
+    of its decoded pixels that names the picture, not the request."""
+    token_id = engine.loaded.image_token_id
+    req = request(engine, "Compare", [image(1), image(2, (60, 120))])
+    prompt = req.prompt
+    assert isinstance(prompt, MultimodalPrompt) and len(prompt.images) == 2
+    first, second = prompt.images
+    assert first.start + first.length < second.start
+    for span in prompt.images:
+        assert span.length > 1 and set(prompt.tokens[span.start:span.start + span.length]) == {token_id}
+        assert prompt.tokens[span.start - 1] != token_id and prompt.tokens[span.start + span.length] != token_id
+    assert prompt.tokens.count(token_id) == first.length + second.length
+    assert first.length != second.length, "the run's length follows the image's size"
+    again = request(engine, "Something else", [image(1)]).prompt
+    assert again.images[0].digest == first.digest != second.digest
+    assert first.digest == pixel_digest(image(1))
+    assert isinstance(request(engine, "No picture").prompt, TokenPrompt)
 
 
 def test_text_only_request(engine):
     req = request(engine, "Hello there, how are you?")
     text, last = generate(engine, req)
     assert last.finish_reason == "length" and last.completion_tokens == 8 and text
-    # The same prompt as token ids (the pipeline's text path) gives the same output.
-    ids = engine.tokenizer.encode(req.prompt_text, add_special_tokens=False)
-    assert generate(engine, GenerationRequest(ids, max_tokens=8))[0] == text
+    # The same prompt tokenized as text models are (the tokenizer alone) gives the same output.
+    ids = engine.tokenizer.encode(render(engine, "Hello there, how are you?"), add_special_tokens=False)
+    assert req.prompt == TokenPrompt(ids)
+    # The tokenizer alone (any thread) tokenizes as mlx-vlm's prepare_inputs does without images.
+    loaded = engine.loaded
+    processed = engine.worker.submit(lambda: vlm_prompt_inputs(
+        loaded.model, loaded.processor, render(engine, "Hello there, how are you?"), [])["input_ids"][0].tolist())
+    assert processed.result() == ids
+    assert generate(engine, GenerationRequest(TokenPrompt(ids), max_tokens=8))[0] == text
     assert last.prompt_tokens == len(ids)
 
 
@@ -101,11 +136,20 @@ def test_placeholders_come_from_the_template(engine):
     token = engine.loaded.image_token
     content = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"},
                {"type": "image"}]
-    prompt = render_vlm_prompt(engine.loaded, [{"role": "user", "content": content}])
+    prompt = engine.prompts.render([{"role": "user", "content": content}])
     assert token == "<|image_pad|>" and prompt.count(token) == 2
     assert prompt.index("Compare") < prompt.index(token) < prompt.index("with") < prompt.rindex(token)
     with pytest.raises(InvalidRequestError, match="user messages only"):
-        render_vlm_prompt(engine.loaded, [{"role": "assistant", "content": [{"type": "image"}]}])
+        engine.prompts.render([{"role": "assistant", "content": [{"type": "image"}]}])
+
+
+def test_one_placeholder_per_image(engine):
+    """mlx-vlm's processor would drop a surplus image (or placeholder) in silence: the
+    builder refuses the mismatch, naming it."""
+    with pytest.raises(InvalidRequestError, match="1 image placeholder\\(s\\) for 2"):
+        engine.prompts.build(render(engine, "What is this?", 1), [image(1), image(2)])
+    with pytest.raises(InvalidRequestError, match="2 image placeholder\\(s\\) for 1"):
+        engine.prompts.build(render(engine, "What is this?", 2), [image(1)])
 
 
 def test_two_images_in_order(engine):
@@ -174,27 +218,34 @@ def test_cancel_frees_the_slot(engine):
 
 def test_a_bad_request_fails_alone(engine):
     good = request(engine, "What is this?", [image(1)])
-    # One placeholder, two images (mlx-vlm's processor would drop the second in silence).
-    bad = GenerationRequest([], max_tokens=8, prompt_text=good.prompt_text, images=(image(1), image(2)))
+    # Its image's run of tokens without the grid the vision tower needs to encode it.
+    inputs = {k: v for k, v in good.prompt.inputs.items() if k != "image_grid_thw"}
+    bad = GenerationRequest(MultimodalPrompt(good.prompt.tokens, good.prompt.images, inputs), max_tokens=8)
     alone = generate(engine, good)[0]
 
     async def both():
         return await asyncio.gather(run(engine, good), run(engine, bad), return_exceptions=True)
 
     ok, failed = asyncio.run(both())
-    assert isinstance(failed, InvalidRequestError) and "1 image placeholder(s) for 2" in failed.message
+    assert isinstance(failed, EngineError) and "could not start generation" in failed.message
     assert ok[0] == alone
     assert engine.worker.alive and engine.admission.reserved == 0
 
 
 def test_context_is_the_real_prompt_length(worker, model_dir):
+    """The completion budget is computed once, from the prompt's exact tokens (its image runs
+    expanded): it fills the context to the token; the engine refuses what goes beyond."""
     loaded = load(worker, model_dir, max_model_len=64)
     eng = VlmEngine(worker, loaded, engine_params(ChatParams(mem=16, max_num_seqs=2)))
-    one = request(eng, "Hi", [image(1)], max_tokens=1000)
-    _, last = generate(eng, one)
+    one = request(eng, "Hi", [image(1)])
+    room = completion_room(len(one.prompt.tokens), eng.max_model_len, eng.stats().kv_max_sequence_tokens)
+    _, last = generate(eng, GenerationRequest(one.prompt, max_tokens=min(1000, room)))
     assert last.finish_reason == "length" and last.prompt_tokens + last.completion_tokens == 64
     with pytest.raises(ContextLengthError, match="images expanded"):
-        generate(eng, request(eng, "Hi", [image(1, (448, 448)), image(2, (448, 448))]))
+        generate(eng, GenerationRequest(one.prompt, max_tokens=room + 1))
+    big = request(eng, "Hi", [image(1, (448, 448)), image(2, (448, 448))])
+    with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens"):
+        completion_room(len(big.prompt.tokens), eng.max_model_len, eng.stats().kv_max_sequence_tokens)
 
 
 def test_worst_case_profile_is_logged(worker, model_dir, caplog):
@@ -209,34 +260,11 @@ def test_worst_case_profile_is_logged(worker, model_dir, caplog):
     assert f"{p.peak_bytes / 2**20:.1f} MB" in line and f"{MAX_IMAGES} image(s) at 448x448" in line
 
 
-def test_shared_copy_captions_through_the_engine(engine):
-    """Proxy mode on the native model's own copy: a caption is a request to its engine."""
-    captioner = MlxVlmCaptioner.from_engine(engine, name="tiny-vlm", max_tokens=8)
-    captioner.load()  # nothing to load
-    assert captioner.loaded and captioner.max_pixels == engine.loaded.max_pixels
-    picture = load_image(data_url(striped_bytes(7)), ImagePolicy(), param="messages[0].content[0]")
-    prompt = captioner.prompt("What is it?")
-
-    async def scenario():
-        alone = await captioner.describe(picture, "What is it?")
-        direct = (await run(engine, request(engine, prompt, [picture.image], max_tokens=8)))[0]
-        # A chat stream decoding beside it does not change the caption.
-        chat = asyncio.create_task(run(engine, request(engine, "Go on", [image(2)], max_tokens=40)))
-        beside = await captioner.describe(picture, "What is it?")
-        await chat
-        return alone, direct, beside
-
-    before = len(engine.records)
-    alone, direct, beside = asyncio.run(scenario())
-    assert alone == direct.strip() == beside
-    captions = [r for r in engine.records[before:] if r.request_id == "caption"]
-    assert len(captions) == 2, "captions ran on the engine's copy"
-
-
 def test_a_conversation_from_typed_messages(engine):
-    """The pipeline's path: typed messages -> vlm_messages -> render_vlm_prompt -> the engine."""
+    """The pipeline's path: typed messages -> template_message -> the VLM's prompt builder -> the engine."""
+    from app.pipeline.prompting import template_message
     from app.pipeline.request import ImagePart, Message, TextPart
-    from app.vision.native import load_native_images, native_image_parts, vlm_messages
+    from app.vision.native import load_native_images, native_image_parts
 
     policy = ImagePolicy(max_images_per_request=MAX_IMAGES)
     messages = [
@@ -247,24 +275,26 @@ def test_a_conversation_from_typed_messages(engine):
     ]
     parts = native_image_parts(messages, policy)
     images = asyncio.run(load_native_images(parts, policy, max_pixels=engine.loaded.max_pixels))
-    prompt = render_vlm_prompt(engine.loaded, vlm_messages(messages))
+    prompt = engine.prompts.render([template_message(m, images=True) for m in messages])
     assert prompt.count("<|image_pad|>") == 2 and "A pattern." in prompt and "You describe pictures." in prompt
     assert prompt.index("What is it?") < prompt.index("And this one?") < prompt.rindex("<|image_pad|>")
-    _, last = generate(engine, GenerationRequest([], max_tokens=6, prompt_text=prompt, images=tuple(images)))
+    _, last = generate(engine, GenerationRequest(engine.prompts.build(prompt, images), max_tokens=6))
     assert last.completion_tokens == 6 or last.finish_reason == "stop"
 
 
-def own_generate(worker, model_dir, req: GenerationRequest) -> list[tuple[int, mx.array]]:
-    """mlx-vlm's own single-sequence ``stream_generate`` at temperature 0, on a copy of
-    its own (it keeps M-RoPE state in the model): each token and the distribution it came from."""
+def own_generate(worker, model_dir, req: GenerationRequest, text: str) -> list[tuple[int, mx.array]]:
+    """mlx-vlm's own single-sequence ``stream_generate`` at temperature 0 on ``text`` and the
+    request's images, on a copy of its own (it keeps M-RoPE state in the model): each token
+    and the distribution it came from."""
     from mlx_vlm import stream_generate
 
     copy = load(worker, model_dir)
+    images = [span.image for span in req.prompt.images]
 
     def steps():
         reset_vlm_stopping(copy.processor, copy.model)
         return [(r.token, r.logprobs) for r in stream_generate(
-            copy.model, copy.processor, req.prompt_text, image=list(req.images), max_tokens=req.max_tokens,
+            copy.model, copy.processor, text, image=images, max_tokens=req.max_tokens,
             temperature=0.0)][:req.max_tokens]
 
     return worker.submit(steps).result()
@@ -284,7 +314,7 @@ def test_logprobs_are_mlx_vlms_own(engine, worker, model_dir):
     got, _, without = asyncio.run(together())
     assert all(not d.logprobs for d in without)
     lps = [lp for d in got for lp in d.logprobs]
-    reference = own_generate(worker, model_dir, greedy)
+    reference = own_generate(worker, model_dir, greedy, render(engine, "What is this?", 1))
     assert len(lps) == got[-1].completion_tokens == len(reference) == 6
     for lp, (token, dist) in zip(lps, reference, strict=True):
         top = mx.argsort(-dist)[:3].tolist()

@@ -8,7 +8,9 @@ from app.api.openai.protocol import ChatCompletionRequest
 from app.config.schema import ChatParams, ModelCapabilities
 from app.errors import ConfigError, InvalidRequestError
 from app.pipeline.pipeline import build_chat
-from app.pipeline.prompting import make_profile
+from app.pipeline.prompting import make_profile, template_message
+from app.pipeline.request import ImagePart, Message, TextPart, ToolCall
+from tests.vision.sample_images import data_url, image_bytes
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +105,26 @@ def test_text_parts_join_with_one_rule(tokenizer):
     joined = {"messages": [{"role": "user", "content": "Hello\nworld"}]}
     assert prepare_chat(profile(tokenizer), chat(**parts)).prompt_text == \
         prepare_chat(profile(tokenizer), chat(**joined)).prompt_text
+
+
+def test_template_messages_with_images_keep_the_clients_order():
+    """For a builder that takes images (a native VLM): mlx-vlm's parts, in the client's order."""
+    messages = [
+        Message.of("system", "Be brief."),
+        Message("user", (TextPart("Compare"), TextPart("these:"), ImagePart(data_url(image_bytes()), "m[1].c[2]"),
+                         TextPart("and"), ImagePart(data_url(image_bytes()), "m[1].c[4]"))),
+        Message("assistant", (TextPart(""),), tool_calls=(ToolCall("c1", "look", '{"x": 1}'),)),
+        Message("tool", (TextPart("done"),), tool_call_id="c1"),
+    ]
+    assert [template_message(m, images=True) for m in messages] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare\nthese:"}, {"type": "image"},
+                                     {"type": "text", "text": "and"}, {"type": "image"}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "look", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "done", "tool_call_id": "c1"},
+    ]
+
+
+    # A text model's builder takes text: the same message is its text.
+    assert template_message(messages[1])["content"] == "Compare\nthese:\nand"

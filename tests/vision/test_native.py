@@ -1,4 +1,5 @@
-"""Native vision's request side: typed messages -> mlx-vlm messages, images checked and loaded."""
+"""Native vision's request side: image parts checked, images loaded (the messages' template
+form is the pipeline's, tests/pipeline/test_prompting.py)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,14 @@ import asyncio
 import pytest
 
 from app.errors import ImageError
-from app.pipeline.request import ImagePart, Message, TextPart, ToolCall
+from app.pipeline.request import ImagePart, Message
 from app.vision.images import ImagePolicy
-from app.vision.native import load_native_images, native_image_parts, vlm_messages
+from app.vision.native import load_native_images, native_image_parts
 from tests.vision.sample_images import data_url, image_bytes
 
 
 def img(n: int, param: str) -> ImagePart:
     return ImagePart(data_url(image_bytes((n * 40, 0, 0), (640, 480))), param)
-
-
-def test_vlm_messages_keep_the_clients_order():
-    messages = [
-        Message.of("system", "Be brief."),
-        Message("user", (TextPart("Compare"), TextPart("these:"), img(1, "m[1].c[2]"), TextPart("and"),
-                         img(2, "m[1].c[4]"))),
-        Message("assistant", (TextPart(""),), tool_calls=(ToolCall("c1", "look", '{"x": 1}'),)),
-        Message("tool", (TextPart("done"),), tool_call_id="c1"),
-    ]
-    assert vlm_messages(messages) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Compare\nthese:"}, {"type": "image"},
-                                     {"type": "text", "text": "and"}, {"type": "image"}]},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "look", "arguments": {"x": 1}}}]},
-        {"role": "tool", "content": "done", "tool_call_id": "c1"},
-    ]
 
 
 def test_too_many_images_names_the_first_extra_part():

@@ -1,30 +1,38 @@
-"""build_proxy from a resolved models.yaml: a loaded captioner, or placeholders and a reason."""
+"""build_proxy from a resolved models.yaml: a captioner on the registry's vision slot
+(loaded at start-up), or placeholders and a reason."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from app.pipeline.request import ImagePart, Message
-from app.config.loader import resolve
+from app.config.loader import ResolvedConfig, resolve
+from app.config.mapping import model_spec
 from app.config.schema import ModelsFile
-from app.vision.captioner import MlxVlmCaptioner
+from app.engine.registry import Registry
+from app.engine.vlm import VlmEngine
+from app.engine.worker import MLXWorker
+from app.pipeline.request import ImagePart, Message
+from app.vision.captioner import VlmCaptioner
 from app.vision.wiring import build_proxy
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import data_url, striped_bytes
 
 
 @pytest.fixture(scope="module")
-def mlx_thread():
-    import mlx.core as mx
+def worker():
+    w = MLXWorker()
+    w.start()
+    yield w
+    w.stop()
 
-    pool = ThreadPoolExecutor(max_workers=1)
-    yield pool
-    pool.submit(mx.clear_streams).result()  # per-thread MLX streams must go before exit
-    pool.shutdown()
+
+def registry_of(config: ResolvedConfig, worker: MLXWorker) -> Registry:
+    """The vision entry as build_state gives it to the registry (the chat entry is not needed here)."""
+    files = config.models_file
+    return Registry(worker, [model_spec(e, files.idle_unload_secs) for e in files.models if e.role == "vision"])
 
 
 def models_file(vision_path: Path, image_dir: Path) -> ModelsFile:
@@ -44,18 +52,22 @@ def models_file(vision_path: Path, image_dir: Path) -> ModelsFile:
                     "name": "eyes",
                     "role": "vision",
                     "local_path": str(vision_path),
-                    "params": {"max_images_per_request": 3, "max_pixels": 112 * 112},
+                    "params": {"max_images_per_request": 3, "max_pixels": 112 * 112, "mem": 16},
                 },
             ],
         }
     )
 
 
-def test_build_proxy_loads_the_vision_model(tmp_path, mlx_thread):
+def test_build_proxy_loads_the_vision_model(tmp_path, worker):
     model_dir = build_tiny_qwen2_vl(tmp_path / "eyes")
-    proxy, reason = build_proxy(resolve(models_file(model_dir, tmp_path)), mlx_thread)
+    config = resolve(models_file(model_dir, tmp_path))
+    registry = registry_of(config, worker)
+    proxy, reason = build_proxy(config, registry)
     assert reason is None
-    assert isinstance(proxy.captioner, MlxVlmCaptioner) and proxy.captioner.name == "eyes"
+    assert isinstance(registry.loaded("eyes"), VlmEngine), "loaded at start-up, as a registry slot"
+    assert registry.loaded("eyes").loaded.max_images == 3
+    assert isinstance(proxy.captioner, VlmCaptioner) and proxy.captioner.name == "eyes"
     assert proxy.captioner.max_tokens == 5 and proxy.captioner.max_pixels == 112 * 112
     assert proxy.policy.max_images_per_request == 3
     assert proxy.policy.allowed_file_dir == tmp_path
@@ -66,8 +78,9 @@ def test_build_proxy_loads_the_vision_model(tmp_path, mlx_thread):
     assert result.captions[0].as_dict()["image_index"] == 1
 
 
-def test_a_vision_model_that_fails_to_load_leaves_placeholders(tmp_path, mlx_thread):
-    proxy, reason = build_proxy(resolve(models_file(tmp_path / "absent", tmp_path)), mlx_thread)
+def test_a_vision_model_that_fails_to_load_leaves_placeholders(tmp_path, worker):
+    config = resolve(models_file(tmp_path / "absent", tmp_path))
+    proxy, reason = build_proxy(config, registry_of(config, worker))
     assert reason is not None and "cannot load vision model eyes" in reason
     assert proxy.captioner is None
     image = Message("user", (ImagePart(data_url(striped_bytes(5)), "messages[0].content[0]"),))

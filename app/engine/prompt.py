@@ -1,0 +1,162 @@
+"""One prompt type, whether it holds only tokens or tokens and images.
+
+    Prompt = TokenPrompt | MultimodalPrompt
+
+Every request reaches an engine as a ``Prompt`` made by its model's
+``PromptBuilder`` (chosen with the model's profile): the builder renders the
+chat template (``render``) and turns the text, and the images in the order
+their placeholders appear, into exact token ids (``build``). A native VLM's
+processor expands each image placeholder to the image's real run of tokens,
+so ``len(prompt.tokens)`` is what the KV cache holds for either kind, and the
+completion budget, admission and logs count the same thing for both (as
+llama.cpp's ``server_tokens`` keeps text tokens and media chunks in one type).
+
+A ``MultimodalPrompt`` carries, for each image, its span in the tokens, the
+decoded image the processor took, and a content hash of its pixels (sha256
+of the array's bytes and shape), so a later prefix cache can key a prompt by
+its tokens with each image run standing for its hash. The processor's model
+inputs (``pixel_values``, ``image_grid_thw``, ...) are kept as it made them,
+for the engine's vision tower: they are MLX arrays, made and used on the
+MLX-owner thread only.
+
+``TextPrompts`` is the builder of a text model (its tokenizer's chat template);
+``app.engine.vlm.VlmPrompts`` is a native VLM's. Both are plain CPU work but
+for a VLM's processor, which mlx-vlm runs on MLX arrays: ``VlmPrompts.build``
+hands that one job to the MLX thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from app.errors import ContextLengthError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt of text tokens only."""
+
+    tokens: list[int]
+
+    @property
+    def images(self) -> tuple[PromptImage, ...]:
+        return ()
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a ``MultimodalPrompt``: where its tokens are, what it was, its hash."""
+
+    # Its run of placeholder tokens in ``MultimodalPrompt.tokens``: tokens[start:start + length].
+    start: int
+    length: int
+    # sha256 of the decoded, resized pixels (``pixel_digest``): the image's identity in caches.
+    digest: str
+    # The decoded image (PIL, within the model's max_pixels) the processor took.
+    image: Any = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class MultimodalPrompt:
+    """Text tokens with images: every placeholder run expanded to its real length."""
+
+    tokens: list[int]
+    images: tuple[PromptImage, ...]
+    # The processor's model inputs besides the token ids (pixel_values, attention_mask,
+    # image_grid_thw, ...): MLX arrays, read on the MLX thread only.
+    inputs: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+
+Prompt = TokenPrompt | MultimodalPrompt
+
+
+class PromptBuilder(Protocol):
+    """Renders a model's requests: its chat template, then exact tokens."""
+
+    # Whether messages may carry image parts (``{"type": "image"}``) to ``render``.
+    takes_images: bool
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               thinking: bool | None = None, generation_prompt: bool = True) -> str:
+        """The chat template applied; ``thinking`` None leaves ``enable_thinking`` out.
+        ``InvalidRequestError`` when the template rejects the messages."""
+        ...
+
+    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+        """``text`` (a rendered prompt) and its images, in placeholder order, as a ``Prompt``."""
+        ...
+
+
+class TextPrompts:
+    """A text model's builder: the tokenizer's chat template and tokens."""
+
+    takes_images = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               thinking: bool | None = None, generation_prompt: bool = True) -> str:
+        kwargs: dict[str, Any] = {"add_generation_prompt": generation_prompt, "tokenize": False}
+        if tools:
+            kwargs["tools"] = tools
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - jinja errors are the request's shape
+            raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
+                                      param="messages") from exc
+
+    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+        if images:
+            raise InvalidRequestError("this model does not take images", param="messages")
+        # The rendered prompt already holds its special tokens.
+        return TokenPrompt(list(self.tokenizer.encode(text, add_special_tokens=False)))
+
+
+def completion_room(prompt_len: int, max_model_len: int, kv_budget_tokens: int | None,
+                    prompt_param: str = "messages") -> int:
+    """The most tokens a completion may have after a prompt of ``prompt_len`` exact tokens:
+    what the context and the KV budget leave. ``ContextLengthError`` when nothing is left.
+    The one completion-budget rule: the pipeline's ``completion_budget`` and the captioner
+    clamp what they ask for to it."""
+    if prompt_len >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {prompt_len} tokens",
+            param=prompt_param,
+        )
+    budget = kv_budget_tokens or max_model_len
+    room = min(max_model_len, budget) - prompt_len
+    if room <= 0:
+        raise ContextLengthError(
+            f"a prompt of {prompt_len} tokens does not fit this model's KV budget of {budget} tokens "
+            "(raise `mem` in models.yaml)", param=prompt_param,
+        )
+    return room
+
+
+def pixel_digest(image: Any) -> str:
+    """sha256 of an image's pixels as decoded and resized (array bytes and shape)."""
+    array = np.ascontiguousarray(np.asarray(image))
+    h = hashlib.sha256(repr((array.shape, str(array.dtype))).encode())
+    h.update(array.tobytes())
+    return h.hexdigest()
+
+
+def placeholder_runs(tokens: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """Each maximal run of ``token_id`` in ``tokens``, as (start, length)."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate([*tokens, None]):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
