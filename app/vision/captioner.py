@@ -93,6 +93,7 @@ class MlxVlmCaptioner:
         min_pixels: int | None = None,
         max_context_chars: int = 2000,
         idle_unload_s: float | None = None,
+        hf_id: str | None = None,
     ) -> None:
         try:
             template_probe = prompt_template.format(user_text="x")
@@ -103,6 +104,9 @@ class MlxVlmCaptioner:
         if template_probe == prompt_template:
             logger.warning("vision prompt_template has no {user_text}; the user's text is ignored")
         self.model_path = Path(model_path)
+        # A hub repo id: fetched (every name and hash checked, app.engine.hub) on the first load,
+        # then model_path is its snapshot. mlx-vlm itself is only ever given a directory.
+        self.hf_id = hf_id
         self.name = name or self.model_path.name
         self.prompt_template = prompt_template
         self.no_text_prompt = no_text_prompt
@@ -231,6 +235,12 @@ class MlxVlmCaptioner:
 
     def _load_on_mlx_thread(self) -> None:
         # Imported here: mlx-vlm pulls in transformers (~1 s), needless when vision is off.
+        if self.hf_id is not None:
+            from app.engine.hub import local_snapshot
+
+            self.model_path = local_snapshot(self.name, self.hf_id, "vision")
+        if not self.model_path.is_dir():  # mlx-vlm would take a missing path for a hub id
+            raise ConfigError(f"cannot load vision model {self.name} from {self.model_path}: not a directory")
         try:
             from mlx_vlm import load
 

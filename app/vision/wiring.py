@@ -114,6 +114,7 @@ def build_proxy(config: ResolvedConfig, executor: MlxExecutor, *, load: bool = T
         captioner = MlxVlmCaptioner(
             source,
             executor,
+            hf_id=None if entry.local_path else entry.hf_id,
             name=entry.name,
             prompt_template=proxy_config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
             max_tokens=proxy_config.max_tokens,
