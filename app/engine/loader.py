@@ -32,8 +32,10 @@ QUANT_BITS = {"q4": 4, "q8": 8}
 KV_GROUP_SIZE = 64
 
 
-def model_source(entry: ModelSource) -> str:
-    """A local directory or a hub id for mlx-lm / mlx-vlm ``load``."""
+def model_source(entry: ModelSource, role: str = "chat") -> str:
+    """The local directory mlx-lm / mlx-vlm / mlx-embeddings load ``entry`` from. A hub id is
+    resolved here to its verified snapshot (``app.engine.hub``: the cache, else a checked
+    download of what the loader of ``role`` needs), so no loader ever downloads by itself."""
     if entry.builtin:
         from app.engine.builtin_models import ensure_builtin
 
@@ -55,7 +57,9 @@ def model_source(entry: ModelSource) -> str:
             convert_gguf(gguf, out)
         return str(out)
     assert entry.hf_id is not None
-    return entry.hf_id
+    from app.engine.hub import local_snapshot
+
+    return str(local_snapshot(entry.name, entry.hf_id, role))
 
 
 @dataclass(frozen=True)

@@ -317,7 +317,7 @@ class Registry:
             from app.engine.vlm import load_vlm
             from app.engine.vlm_engine import VlmEngine
 
-            path = model_source(spec.source)
+            path = model_source(spec.source, "vision")
             yield
             v = spec.vision
             vlm = load_vlm(path, spec.load, name=spec.name, max_pixels=v.max_pixels, min_pixels=v.min_pixels,
@@ -332,7 +332,7 @@ class Registry:
         if spec.role in ("embedding", "rerank") and spec.encoder is not None:
             from app.engine.encoder import load_encoder
 
-            path = model_source(spec.source)
+            path = model_source(spec.source, spec.role)
             yield
             encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
             if spec.role == "embedding" and encoder.kind != "embedding":

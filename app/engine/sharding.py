@@ -25,15 +25,8 @@ log = logging.getLogger("tandem.distributed")
 
 
 def read_config(source: str) -> dict[str, Any]:
-    """A model's config.json, from its directory or (a hub id) the hub's cache."""
+    """A model's config.json, from its directory (``model_source``: a hub id's verified snapshot)."""
     path = Path(source)
-    if not path.is_dir():
-        from huggingface_hub import hf_hub_download
-
-        try:
-            path = Path(hf_hub_download(source, "config.json")).parent
-        except Exception as exc:  # noqa: BLE001 - offline, unknown repo: a config problem
-            raise ConfigError(f"cannot read the config of {source}: {exc}") from exc
     try:
         config: dict[str, Any] = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -150,6 +150,7 @@ def service_spec(args: argparse.Namespace, models_file: Path, log_path: Path) ->
 
 def _pull(args: argparse.Namespace, models_file: Path) -> int:
     from app.config.loader import load_models_file
+    from app.engine import hub
     from app.service import pull
     from app.service.models_file import append_entry
 
@@ -157,7 +158,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
     entry = next((m for m in entries if m.name == args.model or m.hf_id == args.model), None)
     if entry is not None and not entry.hf_id:
         return _pull_local(entry)
-    if entry is None and not pull.repo_id_like(args.model):
+    if entry is None and not hub.repo_id_like(args.model):
         names = ", ".join(m.name for m in entries)
         raise CommandError(f"{args.model!r} is neither an entry of {models_file} ({names}) nor a Hugging Face "
                            "repo id (owner/name)", exit_code=2)
@@ -166,7 +167,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
     if args.isq and role == "vision":
         raise CommandError("--isq converts chat models with mlx-lm; convert a vision model with "
                            "`python -m mlx_vlm.convert`", exit_code=2)
-    path = pull.download(repo_id, role=role, revision=args.revision)
+    path = hub.download(repo_id, role=role, revision=args.revision)
     print(f"downloaded {repo_id}: {path}")
     if args.isq:
         path = pull.quantize(path, repo_id, int(args.isq[1:]))
@@ -221,7 +222,7 @@ def _source(m: ModelEntry) -> dict[str, str]:
 
 def downloaded(entry: st.Entry) -> bool | None:
     """Whether an entry's weights are on this machine."""
-    from app.service.pull import cached_snapshot
+    from app.engine.hub import cached_snapshot
 
     (kind, value), = entry.source.items()
     if kind == "hf_id":

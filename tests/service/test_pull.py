@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.service import pull
+from app.engine import hub as fetcher
 from tests.conftest import REPO, free_port
 from tests.service.fake_hub import COMMIT, FakeHub
 
@@ -48,13 +48,16 @@ def blob_of(tmp_path: Path, name: str, hub: FakeHub) -> Path:
     return tmp_path / "hf" / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "blobs" / hub.repos[REPO_ID][name].etag
 
 
-def test_the_patterns_are_what_mlx_lm_and_mlx_vlm_fetch():
+def test_the_patterns_are_what_mlx_lm_mlx_vlm_and_mlx_embeddings_fetch():
+    from mlx_embeddings.utils import get_model_path as encoder_model_path
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
     from mlx_vlm.utils import get_model_path
 
-    assert pull.CHAT_PATTERNS == DEFAULT_ALLOW_PATTERNS
+    assert fetcher.CHAT_PATTERNS == DEFAULT_ALLOW_PATTERNS
     source = inspect.getsource(get_model_path)
-    assert all(f'"{p}"' in source for p in pull.VISION_PATTERNS)
+    assert all(f'"{p}"' in source for p in fetcher.VISION_PATTERNS)
+    source = inspect.getsource(encoder_model_path)
+    assert all(f'"{p}"' in source for p in fetcher.ENCODER_PATTERNS)
 
 
 def test_pull_shows_progress_and_fills_the_cache_mlx_lm_reads(tmp_path, hub):
@@ -71,7 +74,7 @@ def test_pull_shows_progress_and_fills_the_cache_mlx_lm_reads(tmp_path, hub):
     assert hashlib.sha256((snapshot / "model.safetensors").read_bytes()).hexdigest() == weights.sha256
 
     # What the server does later, offline: mlx-lm finds the snapshot in the cache as it is.
-    check = ("from mlx_lm.utils import hf_repo_to_path; from app.service.pull import cached_snapshot; "
+    check = ("from mlx_lm.utils import hf_repo_to_path; from app.engine.hub import cached_snapshot; "
              f"print(hf_repo_to_path({REPO_ID!r})); print(cached_snapshot({REPO_ID!r}, 'chat'))")
     found = subprocess.run([sys.executable, "-c", check], cwd=REPO, env={**env, "HF_HUB_OFFLINE": "1"},
                            capture_output=True, text=True, timeout=120)
