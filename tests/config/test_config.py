@@ -150,9 +150,9 @@ def test_an_embedding_entry_with_temperature_fails_naming_entry_and_key(tmp_path
 @pytest.mark.parametrize(
     "entry, key, message",
     [
-        ("  - name: v\n    role: vision\n    hf_id: x/y\n    params: {mem: 512}\n",
-         "models[1].params.mem", "model 'v' has role vision, which takes no 'mem' (a key of chat entries); "
-                                 "vision params: max_pixels, min_pixels, max_images_per_request"),
+        ("  - name: v\n    role: vision\n    hf_id: x/y\n    params: {temperature: 0.0}\n",
+         "models[1].params.temperature", "model 'v' has role vision, which takes no 'temperature' (a key of chat "
+                                         "entries); vision params: dtype, max_model_len, quantization"),
         ("  - name: c\n    hf_id: x/y\n    params: {max_batch: 4}\n",
          "models[1].params.max_batch", "model 'c' has role chat, which takes no 'max_batch' "
                                        "(a key of embedding and rerank entries)"),
@@ -234,7 +234,13 @@ def test_cli_flags_are_generated_from_the_fields():
     assert (args.isq, args.kv_cache_bits, args.temperature, args.mem) == ("q4", 8, 0.2, None)
 
 
-def test_vision_params_are_image_bounds_only():
-    assert set(VisionParams.model_fields) == {"max_pixels", "min_pixels", "max_images_per_request"}
+def test_vision_params_are_its_engines_keys_without_sampling_or_prefix_cache():
+    """A captioning VLM runs a VLM engine: loading, KV memory, batching, queueing and image bounds;
+    captions are greedy and never continued, so no sampling and no prefix-cache keys."""
+    fields = set(VisionParams.model_fields)
+    assert {"max_pixels", "min_pixels", "max_images_per_request", "mem", "max_num_seqs", "dtype"} <= fields
+    assert not fields & {"temperature", "top_p", "max_tokens", "prompt_cache", "background_share"}
+    assert fields <= set(ChatParams.model_fields)
     assert VisionParams.model_fields["max_pixels"].default == ChatParams.model_fields["max_pixels"].default
+    assert VisionParams().mem < ChatParams().mem  # a caption needs less KV than a conversation
     assert ModelsFile.model_fields["models"].description
