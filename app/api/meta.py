@@ -32,7 +32,7 @@ def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
             caps.update(reasoning=profile.reasoning, tool_parser=profile.parser)
         entry["capabilities"] = caps
     else:
-        engine = state.registry.loaded(spec.name)
+        engine = state.registry.loaded_encoder(spec.name)
         if engine is not None:
             entry["max_model_len"] = engine.encoder.max_length
             entry["dimensions"] = engine.encoder.dim
@@ -67,7 +67,7 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     body["default_model"] = state.default_model
     body["memory"] = {k: snapshot[k] for k in ("limit_mb", "used_mb", "free_mb", "mlx")}
     body["models"] = snapshot["models"]
-    engine = state.registry.loaded(state.default_model)
+    engine = state.registry.loaded_chat(state.default_model)
     stats = asdict(engine.stats()) if engine is not None else None
     body["engine"] = {**(stats or {"alive": ok}), "error": repr(state.worker.dead) if state.worker.dead else None}
     body["vision"] = _vision(state, state.default_model)
