@@ -24,7 +24,7 @@ def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
     loaded = state.registry.loaded(spec.name) is not None
     entry: dict[str, Any] = {"id": spec.name, "object": "model", "created": int(state.started), "owned_by": "tandem",
                              "role": spec.role, "loaded": loaded}
-    if spec.role == "chat":
+    if state.registry.serves(spec.name, "chat"):
         profile = state.pipeline.profile(spec.name)
         caps: dict[str, Any] = {"vision": _vision(state, spec.name)}
         if profile is not None:
@@ -45,7 +45,7 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     if not state.worker.alive:  # UIs poll this to decide whether the server works: it does not
         raise EngineDeadError("the engine is not running; see /health")
     # A vision entry captions for proxy-mode models and serves no API of its own.
-    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.specs if spec.role != "vision"]}
+    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.public_specs]}
 
 
 @get("/v1/models/{model_id:str}", summary="Describe one model")

@@ -106,7 +106,8 @@ class _StateCollector(Collector):
         if state is None:
             return
         registry = state.registry
-        engines = [e for spec in registry.specs if spec.role == "chat" and (e := registry.loaded_chat(spec.name))]
+        engines = [e for spec in registry.specs
+                   if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
         stats = [e.stats() for e in engines]
         total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
         for name, value, help_ in (

@@ -3,8 +3,11 @@
     unloaded --acquire--> loading --> loaded --idle / room--> unloading --> unloaded
                              \\--> failed (the next acquire tries again)
 
-``acquire(name)`` returns a ``Lease`` on a loaded model; a model with leases
-(requests preparing, queued or running) is never unloaded. Loading runs on the
+What a role loads, costs and serves is its row of ``app/engine/roles.py``; the
+registry asks nothing else of a role. ``acquire_chat(name)`` returns a
+``Lease[ChatEngine]`` on a loaded chat model (``acquire_captioner``: a
+``Lease[VlmEngine]``, ``acquire_encoder``: a ``Lease[EncoderEngine]``); a model
+with leases (requests preparing, queued or running) is never unloaded. Loading runs on the
 MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
 loaded keep moving; requests for a model that is loading wait under its queue
 limits (429 when too many wait, 503 past ``queue_timeout_s``).
@@ -178,6 +181,16 @@ class Registry:
     @property
     def specs(self) -> list[ModelSpec]:
         return [slot.spec for slot in self._slots.values()]
+
+    @property
+    def public_specs(self) -> list[ModelSpec]:
+        """The models clients may name (every role but those that only caption)."""
+        return [slot.spec for slot in self._slots.values() if slot.role.public]
+
+    def serves(self, name: str, api: Api) -> bool:
+        """Whether the model ``name`` (a served entry's name) serves ``api``, by its role."""
+        slot = self._slots.get(name)
+        return slot is not None and api in slot.role.serves
 
     def spec(self, name: str, param: str = "model") -> ModelSpec:
         """The spec a client names as ``name`` (or alias); 404 if none."""
