@@ -89,34 +89,33 @@ class _Slot:
         in_flight = self.handle.in_flight if self.handle is not None else 0
         return bool(self.leases or self.waiting or in_flight)
 
+    def as_(self, cls: type[H]) -> H | None:
+        """The handle if it is a ``cls`` (the registry's one way to tell handles apart), else None."""
+        return self.handle if isinstance(self.handle, cls) else None
+
     @property
     def chat(self) -> ChatEngine | None:
         """The handle as a chat engine (text or VLM), or None (an encoder, or not loaded)."""
-        return self.handle if isinstance(self.handle, BatchingEngine) else None
-
-    @property
-    def vlm(self) -> VlmEngine | None:
-        """The handle as a VLM engine (a vision entry, a native VLM chat model), or None."""
-        return self.handle if isinstance(self.handle, VlmEngine) else None
-
-    @property
-    def encoder(self) -> EncoderEngine | None:
-        """The handle as an encoder, or None (a chat engine, or not loaded)."""
-        return self.handle if isinstance(self.handle, EncoderEngine) else None
+        return self.as_(BatchingEngine)
 
 
 H = TypeVar("H", bound=ModelHandle)
+H_co = TypeVar("H_co", bound=ModelHandle, covariant=True)
 
 
-class Lease(Generic[H]):
+class Lease(Generic[H_co]):
     """A model kept loaded while a request uses it; ``release`` is idempotent."""
 
-    def __init__(self, slot: _Slot, handle: H) -> None:
+    def __init__(self, slot: _Slot, handle: H_co) -> None:
         self._slot = slot
-        self.handle: H = handle
+        self._handle = handle
         self.name = slot.spec.name
         self.role = slot.spec.role
         self._released = False
+
+    @property
+    def handle(self) -> H_co:
+        return self._handle
 
     def release(self) -> None:
         if not self._released:
@@ -222,7 +221,7 @@ class Registry:
     def loaded_encoder(self, name: str) -> EncoderEngine | None:
         """A loaded embedding or rerank model's encoder, or None."""
         slot = self._slots.get(name)
-        return slot.encoder if slot is not None and slot.state == "loaded" else None
+        return slot.as_(EncoderEngine) if slot is not None and slot.state == "loaded" else None
 
     def stop_accepting(self) -> list[ModelHandle]:
         """Shutdown: no more loads, and every loaded model (chat, vision or encoder) refuses new
@@ -242,23 +241,25 @@ class Registry:
 
     # ---- leases and loading ---------------------------------------------------------------
 
+    async def acquire(self, name: str, api: Api, handle: type[H], param: str = "model") -> Lease[H]:
+        """A lease on the model ``name`` for ``api``, its handle a ``handle``, loading it first
+        if need be; 404 for an unknown model, 400 for one whose role does not serve ``api``."""
+        slot = await self._acquire(name, api, param)
+        return self._lease(slot, slot.as_(handle))
+
     async def acquire_chat(self, name: str, param: str = "model") -> Lease[ChatEngine]:
-        """A lease on the chat model ``name``, loading it first if need be; 404 for an unknown
-        model, 400 for one that serves no chat API."""
-        slot = await self._acquire(name, "chat", param)
-        return self._lease(slot, slot.chat)
+        """A lease on the chat model ``name`` (text or native VLM)."""
+        return await self.acquire(name, "chat", BatchingEngine, param)
 
     async def acquire_captioner(self, name: str) -> Lease[VlmEngine]:
         """A lease on the VLM that captions for the vision proxy (a vision entry, or a native
         VLM chat model)."""
-        slot = await self._acquire(name, "captions", "model")
-        return self._lease(slot, slot.vlm)
+        return await self.acquire(name, "captions", VlmEngine)
 
     async def acquire_encoder(self, name: str, *, rerank: bool = False, param: str = "model") -> Lease[EncoderEngine]:
         """A lease on the encoder ``name`` for embeddings (an embedding model) or for ranking
         (``rerank``: an embedding or a rerank model)."""
-        slot = await self._acquire(name, "rerank" if rerank else "embedding", param)
-        return self._lease(slot, slot.encoder)
+        return await self.acquire(name, "rerank" if rerank else "embedding", EncoderEngine, param)
 
     async def _acquire(self, name: str, api: Api, param: str) -> _Slot:
         slot = self._slot(name, api, param)
@@ -468,7 +469,7 @@ class Registry:
                 stats = engine.stats()
                 kv_used = stats.kv_reserved_tokens * engine.kv_bytes_per_token / MB
                 running, waiting = stats.active, stats.waiting + stats.paused
-            elif (encoder := slot.encoder) is not None:
+            elif (encoder := slot.as_(EncoderEngine)) is not None:
                 jobs = encoder.stats()
                 running, waiting = jobs.running, jobs.waiting
             models[slot.spec.name] = {

@@ -59,7 +59,7 @@ Loader = Callable[[LoadContext, ModelSpec], Generator[None, None, Loaded]]
 class RoleSpec:
     """One role: its handle's class, its loader, its memory rule, what it serves."""
 
-    handle: type[BatchingEngine] | type[EncoderEngine]
+    handle: type[ModelHandle]  # the class its loader builds; ``Registry.acquire`` narrows to it
     load: Loader
     serves: frozenset[Api]
     # For error messages: "model 'x' is <what>".
