@@ -96,3 +96,17 @@ def test_registry_roles_come_from_the_table() -> None:
     """No ``role == "..."`` chains left in the registry: a new role is a row, not an edit there."""
     source = (APP / "engine/registry.py").read_text()
     assert not re.search(r"role\s*(==|in)\s*[(\"']", source)
+
+
+def test_a_lease_of_the_wrong_handle_is_a_400_and_gives_its_count_back() -> None:
+    """A text chat model asked to caption (the one mismatch the table lets through: chat rows
+    serve captions, but only a VLM's engine can) is refused, and is not left held."""
+    from app.engine.registry import Registry, _Slot
+    from app.errors import InvalidRequestError
+
+    spec = ModelSpec(name="m", role="chat", source=ModelSource(name="m", builtin="x"), aliases=(),
+                     preload=False, pin=False, idle_unload_s=None, max_queue=1, queue_timeout_s=1.0)
+    slot = _Slot(spec, ROLES["chat"], leases=1)
+    with pytest.raises(InvalidRequestError) as info:
+        Registry._lease(slot, None)
+    assert info.value.code == "wrong_model_type" and slot.leases == 0
