@@ -34,6 +34,7 @@ from app.config.mapping import load_params, model_spec
 from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed import Distributed
 from app.engine.registry import Registry
+from app.engine.roles import ROLES
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
@@ -49,7 +50,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     files = config.models_file
     primary = config.primary  # the default model, with the command line's overrides
     entries = [primary if e.name == primary.name else e for e in files.models]
-    served: list[ModelEntry] = [e for e in entries if e.role in ("chat", "vision", "embedding", "rerank")]
+    served: list[ModelEntry] = [e for e in entries if e.role in ROLES]
     if dist is not None:
         served = distributed_entries(served, primary.name)
     specs = [model_spec(e, files.idle_unload_secs) for e in served]

@@ -24,7 +24,7 @@ def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
     loaded = state.registry.loaded(spec.name) is not None
     entry: dict[str, Any] = {"id": spec.name, "object": "model", "created": int(state.started), "owned_by": "tandem",
                              "role": spec.role, "loaded": loaded}
-    if spec.role == "chat":
+    if state.registry.serves(spec.name, "chat"):
         profile = state.pipeline.profile(spec.name)
         caps: dict[str, Any] = {"vision": _vision(state, spec.name)}
         if profile is not None:
@@ -32,7 +32,7 @@ def _entry(state: AppState, spec: ModelSpec) -> dict[str, Any]:
             caps.update(reasoning=profile.reasoning, tool_parser=profile.parser)
         entry["capabilities"] = caps
     else:
-        engine = state.registry.loaded(spec.name)
+        engine = state.registry.loaded_encoder(spec.name)
         if engine is not None:
             entry["max_model_len"] = engine.encoder.max_length
             entry["dimensions"] = engine.encoder.dim
@@ -45,7 +45,7 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     if not state.worker.alive:  # UIs poll this to decide whether the server works: it does not
         raise EngineDeadError("the engine is not running; see /health")
     # A vision entry captions for proxy-mode models and serves no API of its own.
-    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.specs if spec.role != "vision"]}
+    return {"object": "list", "data": [_entry(state, spec) for spec in state.registry.public_specs]}
 
 
 @get("/v1/models/{model_id:str}", summary="Describe one model")
@@ -67,7 +67,7 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     body["default_model"] = state.default_model
     body["memory"] = {k: snapshot[k] for k in ("limit_mb", "used_mb", "free_mb", "mlx")}
     body["models"] = snapshot["models"]
-    engine = state.registry.loaded(state.default_model)
+    engine = state.registry.loaded_chat(state.default_model)
     stats = asdict(engine.stats()) if engine is not None else None
     body["engine"] = {**(stats or {"alive": ok}), "error": repr(state.worker.dead) if state.worker.dead else None}
     body["vision"] = _vision(state, state.default_model)

@@ -39,7 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from app.engine.types import GenerationRecord
+from app.engine.encoder_engine import EncoderEngine
+from app.engine.types import Engine, GenerationRecord
 
 # No "_created" timestamp series next to every counter: nothing here reads them.
 disable_created_metrics()
@@ -105,7 +106,8 @@ class _StateCollector(Collector):
         if state is None:
             return
         registry = state.registry
-        engines = [e for spec in registry.specs if spec.role == "chat" and (e := registry.loaded(spec.name))]
+        engines = [e for spec in registry.specs
+                   if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
         stats = [e.stats() for e in engines]
         total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
         for name, value, help_ in (
@@ -129,7 +131,7 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
         yield from _tier_metrics(engines)
-        encoders = [registry.loaded(spec.name) for spec in registry.specs if spec.role in ("embedding", "rerank")]
+        encoders = [registry.loaded_encoder(spec.name) for spec in registry.specs]
         yield from _encoder_metrics([e for e in encoders if e is not None])
         yield from _model_metrics(registry.snapshot())
         proxy = state.vision.proxy
@@ -143,7 +145,7 @@ class _StateCollector(Collector):
                                     value=cache["entries"])
 
 
-def _encoder_metrics(engines: list[Any]) -> Iterator[Metric]:
+def _encoder_metrics(engines: list[EncoderEngine]) -> Iterator[Metric]:
     """Each loaded encoder's jobs (``EncoderEngine.stats``)."""
     stats = [(e.name, e.stats()) for e in engines]
     running = GaugeMetricFamily("tandem_encoder_jobs_running", "Embedding and rerank jobs running.", labels=["model"])
@@ -184,7 +186,7 @@ def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"tandem_mlx_{key}_memory_bytes", help_, value=snapshot["mlx"][f"{key}_mb"] * mb)
 
 
-def _tier_metrics(engines: list[Any]) -> Iterator[Metric]:
+def _tier_metrics(engines: list[Engine]) -> Iterator[Metric]:
     """Each loaded model's prefix cache per tier (memory, disk), and the disk tiers' writes."""
     tiers = [(e.name, tier, t) for e in engines for tier, t in e.stats().prompt_cache_tiers.items()]
     for name, help_, kind in (

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.pipeline.request import RerankRequest as TypedRerank
 
 
 class RerankRequest(BaseModel):
@@ -38,8 +39,8 @@ class RerankRequest(BaseModel):
 async def rerank(data: JSONBody[RerankRequest], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     texts = data.texts()
-    ranking = await unless_disconnected(request, state.pipeline.rerank(data.model, data.query, texts,
-                                                                       truncate=data.truncate))
+    req = TypedRerank(data.model, data.query, tuple(texts), truncate=data.truncate)
+    ranking = await unless_disconnected(request, state.pipeline.rerank(req))
     results = []
     for index, score in ranking.top(data.top_n):
         result: dict[str, Any] = {"index": index, "relevance_score": score}

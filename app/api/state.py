@@ -43,7 +43,7 @@ class AppState:
     def engine(self) -> Engine:
         """The default model's engine (loaded at start-up; it loads again on its next
         request if it was unloaded since)."""
-        engine: Engine | None = self.registry.loaded(self.default_model)
+        engine: Engine | None = self.registry.loaded_chat(self.default_model)
         assert engine is not None, f"{self.default_model} is not loaded"
         return engine
 

@@ -43,6 +43,7 @@ from app.engine.admission import Admission, Waiting, busy_error
 from app.engine.channel import OpenStreams, TokenChannel
 from app.engine.loader import KVGeometry
 from app.engine.params import EngineParams
+from app.engine.prompt import PromptBuilder
 from app.engine.sampling import reset_random_state, token_logprob
 from app.engine.stops import StopMatcher
 from app.engine.types import (
@@ -124,6 +125,9 @@ class BatchingEngine(Generic[S, L]):
     and ``_drop_row``, and may hook the rest; it registers ``_step`` with the worker
     once it is built."""
 
+    # Renders this model's requests into prompts; each engine sets its own.
+    prompts: PromptBuilder
+
     def __init__(self, worker: MLXWorker, loaded: L, params: EngineParams) -> None:
         self.worker = worker
         self.loaded = loaded
@@ -158,6 +162,10 @@ class BatchingEngine(Generic[S, L]):
         config = self.loaded.config
         size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
         return int(size) if size else None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.loaded.kv.bytes_per_token)
 
     @property
     def in_flight(self) -> int:

@@ -3,8 +3,11 @@
     unloaded --acquire--> loading --> loaded --idle / room--> unloading --> unloaded
                              \\--> failed (the next acquire tries again)
 
-``acquire(name)`` returns a ``Lease`` on a loaded model; a model with leases
-(requests preparing, queued or running) is never unloaded. Loading runs on the
+What a role loads, costs and serves is its row of ``app/engine/roles.py``; the
+registry asks nothing else of a role. ``acquire_chat(name)`` returns a
+``Lease[ChatEngine]`` on a loaded chat model (``acquire_captioner``: a
+``Lease[VlmEngine]``, ``acquire_encoder``: a ``Lease[EncoderEngine]``); a model
+with leases (requests preparing, queued or running) is never unloaded. Loading runs on the
 MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
 loaded keep moving; requests for a model that is loading wait under its queue
 limits (429 when too many wait, 503 past ``queue_timeout_s``).
@@ -31,15 +34,16 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 
+from app.engine.batching import BatchingEngine
 from app.engine.encoder_engine import EncoderEngine
-from app.engine.engine import TextEngine
-from app.engine.loader import load_text_model_steps, model_source
 from app.engine.params import ModelSource, ModelSpec
-from app.engine.types import GenerationRecord
+from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
+from app.engine.types import GenerationRecord, ModelHandle
+from app.engine.vlm_engine import VlmEngine
 from app.engine.worker import MLXWorker
 from app.errors import (
     AppError,
@@ -57,9 +61,6 @@ log = logging.getLogger("tandem.registry")
 MB = 2**20
 # The memory budget when server.memory_limit_mb is not set: this share of physical memory.
 DEFAULT_MEMORY_SHARE = 0.75
-# An encoder's activations while it embeds, as a multiple of its weights (MiniLM measured
-# ~2x for a full 4096-token batch).
-ENCODER_ACTIVATION_FACTOR = 2.0
 # How often idle models are looked for.
 IDLE_SWEEP_S = 1.0
 
@@ -67,8 +68,9 @@ IDLE_SWEEP_S = 1.0
 @dataclass(eq=False)
 class _Slot:
     spec: ModelSpec
+    role: RoleSpec
     state: str = "unloaded"
-    handle: Any = None  # TextEngine | VlmEngine | EncoderEngine
+    handle: ModelHandle | None = None
     weights_bytes: int = 0
     error: str | None = None
     leases: int = 0
@@ -80,42 +82,46 @@ class _Slot:
     @property
     def budget_bytes(self) -> int:
         """What this model counts against the memory limit while loaded."""
-        if self.spec.role in ("embedding", "rerank"):
-            return int(self.weights_bytes * (1 + ENCODER_ACTIVATION_FACTOR))
-        return self.weights_bytes + self.spec.kv_budget_bytes
+        return self.role.budget_bytes(self.weights_bytes, self.spec)
 
     @property
     def busy(self) -> bool:
-        in_flight = getattr(self.handle, "in_flight", 0) if self.handle is not None else 0
+        in_flight = self.handle.in_flight if self.handle is not None else 0
         return bool(self.leases or self.waiting or in_flight)
 
+    def as_(self, cls: type[H]) -> H | None:
+        """The handle if it is a ``cls`` (the registry's one way to tell handles apart), else None."""
+        return self.handle if isinstance(self.handle, cls) else None
 
-class Lease:
+    @property
+    def chat(self) -> ChatEngine | None:
+        """The handle as a chat engine (text or VLM), or None (an encoder, or not loaded)."""
+        return self.as_(BatchingEngine)
+
+
+H = TypeVar("H", bound=ModelHandle)
+H_co = TypeVar("H_co", bound=ModelHandle, covariant=True)
+
+
+class Lease(Generic[H_co]):
     """A model kept loaded while a request uses it; ``release`` is idempotent."""
 
-    def __init__(self, registry: Registry, slot: _Slot) -> None:
-        self._registry = registry
+    def __init__(self, slot: _Slot, handle: H_co) -> None:
         self._slot = slot
-        self.handle = slot.handle
+        self._handle = handle
         self.name = slot.spec.name
         self.role = slot.spec.role
         self._released = False
+
+    @property
+    def handle(self) -> H_co:
+        return self._handle
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self._slot.leases -= 1
             self._slot.last_used = time.monotonic()
-
-
-def _is_engine(handle: Any) -> bool:
-    """A chat engine (text or native VLM), as opposed to an encoder."""
-    return hasattr(handle, "stream") and hasattr(handle, "add_listener")
-
-
-def _kv_bytes_per_token(engine: Any) -> int:
-    kv = getattr(engine.loaded, "kv", None)
-    return int(kv.bytes_per_token) if kv is not None else 0
 
 
 def physical_memory_bytes() -> int:
@@ -152,21 +158,20 @@ class Registry:
     """Every served model by name and alias, its state, and the memory budget."""
 
     def __init__(self, worker: MLXWorker, specs: list[ModelSpec], *, memory_limit_bytes: int | None = None,
-                 load_chat: Callable[[ModelSpec], tuple[Any, int]] | None = None) -> None:
+                 load_chat: ChatLoader | None = None) -> None:
         self.worker = worker
         # How a text chat model loads when not by mlx-lm's load (distributed: this rank's shard,
         # Distributed.load_engine): (engine, weights bytes). MLX thread.
-        self._load_chat = load_chat
+        self._load_ctx = LoadContext(worker, load_chat)
         self.limit_bytes = memory_limit_bytes or int(physical_memory_bytes() * DEFAULT_MEMORY_SHARE)
         self._slots: dict[str, _Slot] = {}
         self._by_name: dict[str, _Slot] = {}
         for spec in specs:
-            slot = _Slot(spec)
+            slot = _Slot(spec, role(spec.role))
             self._slots[spec.name] = slot
             for key in (spec.name, *spec.aliases):
                 self._by_name.setdefault(key, slot)
         self._listeners: list[Callable[[GenerationRecord], None]] = []
-        self._engine_hooks: list[Callable[[str, Any], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -176,54 +181,88 @@ class Registry:
     def specs(self) -> list[ModelSpec]:
         return [slot.spec for slot in self._slots.values()]
 
-    def spec(self, name: str, roles: tuple[str, ...] | None = None, param: str = "model") -> ModelSpec:
-        """The spec served as ``name`` (or alias); 404 if none, 400 if it serves another API."""
-        return self._slot(name, roles, param).spec
+    @property
+    def public_specs(self) -> list[ModelSpec]:
+        """The models clients may name (every role but those that only caption)."""
+        return [slot.spec for slot in self._slots.values() if slot.role.public]
 
-    def _slot(self, name: str, roles: tuple[str, ...] | None, param: str) -> _Slot:
+    def serves(self, name: str, api: Api) -> bool:
+        """Whether the model ``name`` (a served entry's name) serves ``api``, by its role."""
+        slot = self._slots.get(name)
+        return slot is not None and api in slot.role.serves
+
+    def spec(self, name: str, param: str = "model") -> ModelSpec:
+        """The spec a client names as ``name`` (or alias); 404 if none."""
+        return self._slot(name, None, param).spec
+
+    def _slot(self, name: str, api: Api | None, param: str) -> _Slot:
+        """The slot of ``name`` for ``api``: 404 for an unknown name (or a role no client may
+        name, such as vision), 400 for a model of a role that does not serve ``api``."""
         slot = self._by_name.get(name)
-        # A vision entry captions for the proxy (which asks for it by role) and serves no API.
-        if slot is None or (slot.spec.role == "vision" and "vision" not in (roles or ())):
+        if slot is None or not (slot.role.public or api in slot.role.serves):
             shown = name if len(name) <= 64 else name[:64] + "..."
-            served = ", ".join(sorted(s.spec.name for s in self._slots.values() if s.spec.role != "vision"))
+            served = ", ".join(sorted(s.spec.name for s in self._slots.values() if s.role.public))
             raise ModelNotFoundError(f"model {shown!r} does not exist; this server serves {served}", param=param)
-        if roles is not None and slot.spec.role not in roles:
-            what = {"chat": "a chat model (/v1/chat/completions and friends)",
-                    "embedding": "an embedding model (/v1/embeddings, /v1/rerank)",
-                    "rerank": "a rerank model (/v1/rerank)"}.get(slot.spec.role, slot.spec.role)
-            raise InvalidRequestError(f"model {slot.spec.name!r} is {what}", param=param, code="wrong_model_type")
+        if api is not None and api not in slot.role.serves:
+            raise InvalidRequestError(f"model {slot.spec.name!r} is {slot.role.what}", param=param,
+                                      code="wrong_model_type")
         return slot
 
-    def loaded(self, name: str) -> Any:
+    def loaded(self, name: str) -> ModelHandle | None:
         """The handle of a loaded model, or None (no lease: for /health and tests)."""
         slot = self._slots.get(name)
         return slot.handle if slot is not None and slot.state == "loaded" else None
 
-    def stop_accepting(self) -> list[Any]:
-        """Shutdown: no more loads, and every loaded engine (chat, vision or encoder) refuses new
+    def loaded_chat(self, name: str) -> ChatEngine | None:
+        """A loaded chat (or vision) model's engine, or None."""
+        slot = self._slots.get(name)
+        return slot.chat if slot is not None and slot.state == "loaded" else None
+
+    def loaded_encoder(self, name: str) -> EncoderEngine | None:
+        """A loaded embedding or rerank model's encoder, or None."""
+        slot = self._slots.get(name)
+        return slot.as_(EncoderEngine) if slot is not None and slot.state == "loaded" else None
+
+    def stop_accepting(self) -> list[ModelHandle]:
+        """Shutdown: no more loads, and every loaded model (chat, vision or encoder) refuses new
         requests; returns them, to drain."""
         self._closing = True
-        engines = [s.handle for s in self._slots.values() if s.handle is not None]
-        for engine in engines:
-            engine.stop_accepting()
-        return engines
+        handles = [s.handle for s in self._slots.values() if s.handle is not None]
+        for handle in handles:
+            handle.stop_accepting()
+        return handles
 
     def add_listener(self, listener: Callable[[GenerationRecord], None]) -> None:
         """Be told of every generation of every chat engine, those loaded later included."""
         self._listeners.append(listener)
         for slot in self._slots.values():
-            if _is_engine(slot.handle):
-                slot.handle.add_listener(listener)
-
-    def on_engine(self, hook: Callable[[str, Any], None]) -> None:
-        """Call ``hook(name, handle)`` whenever a model finishes loading."""
-        self._engine_hooks.append(hook)
+            if (engine := slot.chat) is not None:
+                engine.add_listener(listener)
 
     # ---- leases and loading ---------------------------------------------------------------
 
-    async def acquire(self, name: str, roles: tuple[str, ...] | None = None, param: str = "model") -> Lease:
-        """A lease on the loaded model ``name``, loading it first if need be."""
-        slot = self._slot(name, roles, param)
+    async def acquire(self, name: str, api: Api, handle: type[H], param: str = "model") -> Lease[H]:
+        """A lease on the model ``name`` for ``api``, its handle a ``handle``, loading it first
+        if need be; 404 for an unknown model, 400 for one whose role does not serve ``api``."""
+        slot = await self._acquire(name, api, param)
+        return self._lease(slot, slot.as_(handle))
+
+    async def acquire_chat(self, name: str, param: str = "model") -> Lease[ChatEngine]:
+        """A lease on the chat model ``name`` (text or native VLM)."""
+        return await self.acquire(name, "chat", BatchingEngine, param)
+
+    async def acquire_captioner(self, name: str) -> Lease[VlmEngine]:
+        """A lease on the VLM that captions for the vision proxy (a vision entry, or a native
+        VLM chat model)."""
+        return await self.acquire(name, "captions", VlmEngine)
+
+    async def acquire_encoder(self, name: str, *, rerank: bool = False, param: str = "model") -> Lease[EncoderEngine]:
+        """A lease on the encoder ``name`` for embeddings (an embedding model) or for ranking
+        (``rerank``: an embedding or a rerank model)."""
+        return await self.acquire(name, "rerank" if rerank else "embedding", EncoderEngine, param)
+
+    async def _acquire(self, name: str, api: Api, param: str) -> _Slot:
+        slot = self._slot(name, api, param)
         slot.leases += 1
         slot.last_used = time.monotonic()
         try:
@@ -231,7 +270,17 @@ class Registry:
         except BaseException:
             slot.leases -= 1
             raise
-        return Lease(self, slot)
+        return slot
+
+    @staticmethod
+    def _lease(slot: _Slot, handle: H | None) -> Lease[H]:
+        """The lease on ``slot`` as the handle asked for; a chat model that is not a VLM asked
+        to caption (the one mismatch the table lets through) gets a 400."""
+        if handle is None:
+            slot.leases -= 1
+            raise InvalidRequestError(f"model {slot.spec.name!r} ({type(slot.handle).__name__}) cannot serve this",
+                                      code="wrong_model_type")
+        return Lease(slot, handle)
 
     async def _ensure_loaded(self, slot: _Slot) -> None:
         while slot.state != "loaded":
@@ -274,7 +323,7 @@ class Registry:
         started = time.monotonic()
         slot.state = "loading"
         try:
-            handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot.spec)).result()
+            handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot)).result()
         except Exception as exc:
             slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
             if required:
@@ -287,7 +336,7 @@ class Registry:
     async def _load(self, slot: _Slot) -> None:
         started = time.monotonic()
         try:
-            handle, weights = await asyncio.wrap_future(self.worker.submit_steps(lambda: self._load_steps(slot.spec)))
+            handle, weights = await asyncio.wrap_future(self.worker.submit_steps(lambda: self._load_steps(slot)))
         except AppError as exc:
             slot.state, slot.error = "failed", exc.message
             log.error("model %s: load failed: %s", slot.spec.name, exc.message)
@@ -298,49 +347,23 @@ class Registry:
             return
         self._loaded(slot, handle, weights, started)
 
-    def _loaded(self, slot: _Slot, handle: Any, weights: int, started: float) -> None:
+    def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float) -> None:
         slot.handle, slot.weights_bytes, slot.error = handle, weights, None
         slot.state = "loaded"
-        if _is_engine(handle):
+        if (engine := slot.chat) is not None:
             for listener in self._listeners:
-                handle.add_listener(listener)
-        for hook in self._engine_hooks:
-            hook(slot.spec.name, handle)
+                engine.add_listener(listener)
         log.info("model %s: loaded in %.1fs, %.0f MB of weights; %.0f of %.0f MB in use", slot.spec.name,
                  time.monotonic() - started, weights / MB, self.used_bytes / MB, self.limit_bytes / MB)
         self.worker.submit(self._tune_mlx_memory)
 
-    def _load_steps(self, spec: ModelSpec) -> Generator[None, None, tuple[Any, int]]:
-        """Load one model on the MLX thread, in slices."""
-        if spec.role in ("chat", "vision") and spec.load is not None and spec.engine is not None \
-                and spec.vision is not None:
-            from app.engine.vlm import load_vlm
-            from app.engine.vlm_engine import VlmEngine
-
-            path = model_source(spec.source, "vision")
-            yield
-            v = spec.vision
-            vlm = load_vlm(path, spec.load, name=spec.name, max_pixels=v.max_pixels, min_pixels=v.min_pixels,
-                           max_images=v.max_images)
-            # The worst-case images' peak through the vision tower counts with the weights.
-            return VlmEngine(self.worker, vlm, spec.engine), vlm.weights_bytes + vlm.profile_peak_bytes
-        if spec.role == "chat" and self._load_chat is not None:
-            return self._load_chat(spec)
-        if spec.role == "chat" and spec.load is not None and spec.engine is not None:
-            loaded = yield from load_text_model_steps(spec.source, spec.load)
-            return TextEngine(self.worker, loaded, spec.engine), loaded.weights_bytes
-        if spec.role in ("embedding", "rerank") and spec.encoder is not None:
-            from app.engine.encoder import load_encoder
-
-            path = model_source(spec.source, spec.role)
-            yield
-            encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
-            if spec.role == "embedding" and encoder.kind != "embedding":
-                raise InvalidRequestError(f"model {spec.name!r} is a cross-encoder: serve it with role: rerank")
-            engine = EncoderEngine(self.worker, encoder, max_queue=spec.max_queue, queue_timeout_s=spec.queue_timeout_s)
-            return engine, encoder.weight_bytes
-        raise InvalidRequestError(f"model {spec.name!r}: role {spec.role!r} (without its params) is not loaded by "
-                                  "the registry")
+    def _load_steps(self, slot: _Slot) -> Generator[None, None, Loaded]:
+        """Load one model on the MLX thread, in slices, by its role's loader."""
+        handle, weights = yield from slot.role.load(self._load_ctx, slot.spec)
+        if not isinstance(handle, slot.role.handle):
+            handle.close()
+            raise TypeError(f"model {slot.spec.name}: role {slot.spec.role} loaded a {type(handle).__name__}")
+        return handle, weights
 
     # ---- memory -----------------------------------------------------------------------------
 
@@ -349,10 +372,7 @@ class Registry:
         return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
 
     def _need_bytes(self, slot: _Slot) -> int:
-        weights = estimate_weights_bytes(local_dir(slot.spec.source))
-        if slot.spec.role in ("embedding", "rerank"):
-            return int(weights * (1 + ENCODER_ACTIVATION_FACTOR))
-        return weights + slot.spec.kv_budget_bytes
+        return slot.role.budget_bytes(estimate_weights_bytes(local_dir(slot.spec.source)), slot.spec)
 
     async def _make_room(self, slot: _Slot) -> None:
         """Unload least recently used idle models until ``slot`` fits; 503 if it cannot. The
@@ -383,6 +403,7 @@ class Registry:
             return
         slot.state = "unloading"
         handle = slot.handle
+        assert handle is not None
         loop = asyncio.get_running_loop()
         slot.transition = loop.create_future()
 
@@ -443,13 +464,14 @@ class Registry:
         now = time.monotonic()
         models: dict[str, Any] = {}
         for slot in self._slots.values():
-            stats = slot.handle.stats() if _is_engine(slot.handle) else None
-            kv_used = stats.kv_reserved_tokens * _kv_bytes_per_token(slot.handle) / MB if stats else 0.0
-            if isinstance(slot.handle, EncoderEngine):
-                jobs = slot.handle.stats()
+            kv_used, running, waiting = 0.0, 0, 0
+            if (engine := slot.chat) is not None:
+                stats = engine.stats()
+                kv_used = stats.kv_reserved_tokens * engine.kv_bytes_per_token / MB
+                running, waiting = stats.active, stats.waiting + stats.paused
+            elif (encoder := slot.as_(EncoderEngine)) is not None:
+                jobs = encoder.stats()
                 running, waiting = jobs.running, jobs.waiting
-            else:
-                running, waiting = (stats.active, stats.waiting + stats.paused) if stats else (0, 0)
             models[slot.spec.name] = {
                 "role": slot.spec.role, "state": slot.state, "pinned": slot.spec.pin,
                 "idle_s": None if slot.last_used is None else round(now - slot.last_used, 1),

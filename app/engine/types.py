@@ -182,37 +182,17 @@ class EngineStats:
     prompt_cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
 
 
-class Engine(Protocol):
-    """A chat model's generation engine, as the pipeline and the app state see it."""
-
-    tokenizer: Any
-    # Renders this model's requests into prompts (its chat template, its processor).
-    prompts: PromptBuilder
+class ModelHandle(Protocol):
+    """What the registry and shutdown need of any loaded model, whatever its role
+    (``app/engine/roles.py``): a chat engine, a VLM, an encoder."""
 
     @property
     def name(self) -> str:
         """The model's name (its models.yaml entry)."""
 
     @property
-    def max_model_len(self) -> int:
-        """The context length in tokens."""
-
-    @property
-    def vocab_size(self) -> int | None:
-        """The model's vocabulary size, when its config says."""
-
-    @property
     def in_flight(self) -> int:
         """Requests queued or running."""
-
-    def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Deltas of one generation, the last carrying finish_reason; errors are raised."""
-
-    def stats(self) -> EngineStats:
-        """A snapshot for /health and /metrics."""
-
-    def add_listener(self, listener: Callable[[GenerationRecord], None]) -> None:
-        """Be told of every generation that ends."""
 
     def stop_accepting(self) -> None:
         """Refuse new requests (shutdown)."""
@@ -224,4 +204,36 @@ class Engine(Protocol):
         """End every open stream with ``exc`` from the event loop, without the MLX thread."""
 
     def finish_writes(self, timeout: float) -> bool:
-        """Finish background work already queued (prefix-cache disk writes) at shutdown; whether in time."""
+        """Finish background work already queued at shutdown; whether in time."""
+
+    def close(self) -> None:
+        """Free the model (the registry's unload; MLX thread)."""
+
+
+class Engine(ModelHandle, Protocol):
+    """A chat model's generation engine, as the pipeline and the app state see it."""
+
+    tokenizer: Any
+    # Renders this model's requests into prompts (its chat template, its processor).
+    prompts: PromptBuilder
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size, when its config says."""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes."""
+
+    def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Deltas of one generation, the last carrying finish_reason; errors are raised."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot for /health and /metrics."""
+
+    def add_listener(self, listener: Callable[[GenerationRecord], None]) -> None:
+        """Be told of every generation that ends."""

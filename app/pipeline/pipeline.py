@@ -26,7 +26,6 @@ import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
 from app.engine.encoder import Embeddings, Ranking
-from app.engine.encoder_engine import EncoderEngine
 from app.engine.grammar import Grammar
 from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
@@ -45,7 +44,7 @@ from app.pipeline.prompting import (
     template_message,
     tool_note,
 )
-from app.pipeline.request import ChatRequest, Message, Options, Priority, TextRequest, Tool
+from app.pipeline.request import ChatRequest, EmbedRequest, Message, Options, Priority, RerankRequest, TextRequest, Tool
 from app.pipeline.results import Completion, Step, Usage
 from app.pipeline.tokenizing import check_within
 from app.request_context import CLIENT, REQUEST_ID
@@ -101,7 +100,7 @@ class Prepared:
     # Captions, warnings and (on request) the prompt: Tandem's response extensions.
     extras: dict[str, Any] = field(default_factory=dict)
     # Keeps the model loaded from preparation to the end of generation.
-    lease: Lease | None = None
+    lease: Lease[Engine] | None = None
     # Choices generated from the prompt.
     n: int = 1
 
@@ -123,12 +122,12 @@ class Pipeline:
         self.server = server
         self._chats = chats
         self._vision = vision
-        self._profiles: dict[str, tuple[Any, ModelProfile]] = {}
+        self._profiles: dict[str, tuple[Engine, ModelProfile]] = {}
 
-    async def served(self, name: str, param: str = "model") -> tuple[ServedModel, Lease]:
+    async def served(self, name: str, param: str = "model") -> tuple[ServedModel, Lease[Engine]]:
         """The chat model ``name`` (or an alias), loaded, with a lease the caller releases;
         404 for an unknown model, 400 for one that is not a chat model."""
-        lease = await self.registry.acquire(name, roles=("chat",), param=param)
+        lease = await self.registry.acquire_chat(name, param=param)
         try:
             return self._served(lease.name, lease.handle), lease
         except BaseException:
@@ -137,14 +136,14 @@ class Pipeline:
 
     def profile(self, name: str) -> ModelProfile | None:
         """A loaded chat model's profile (None when it is not loaded)."""
-        engine = self.registry.loaded(name)
+        engine = self.registry.loaded_chat(name)
         return self._served(name, engine).profile if engine is not None else None
 
     def vision(self, name: str) -> VisionState:
         caps = self._chats[name].caps if name in self._chats else None
         return self._vision.get(name) or VisionState(mode=caps.vision_mode if caps else "disabled")
 
-    def _served(self, name: str, engine: Any) -> ServedModel:
+    def _served(self, name: str, engine: Engine) -> ServedModel:
         cached = self._profiles.get(name)
         if cached is None or cached[0] is not engine:  # first use of this load: probe the template once
             chat = self._chats[name]
@@ -203,7 +202,7 @@ class Pipeline:
         return len(prepared.gen.prompt.tokens)
 
     @staticmethod
-    def _hold(prepared: Prepared, lease: Lease) -> Prepared:
+    def _hold(prepared: Prepared, lease: Lease[Engine]) -> Prepared:
         """The lease goes with the prepared request: released when its generation ends,
         or when it is dropped without one."""
         prepared.lease = lease
@@ -318,31 +317,32 @@ class Pipeline:
 
     # ---- encoders ---------------------------------------------------------------------
 
-    async def embed(self, model: str, inputs: object, *, truncate: bool = False,
-                    dimensions: int | None = None) -> tuple[Embeddings, int]:
-        """The vectors of ``inputs`` from an embedding model, and their dimension."""
-        lease = await self.registry.acquire(model, roles=("embedding",))
+    async def embed(self, req: EmbedRequest) -> tuple[Embeddings, int]:
+        """The vectors of ``req.input`` from an embedding model, and their dimension."""
+        lease = await self.registry.acquire_encoder(req.model)
         try:
-            engine: EncoderEngine = lease.handle
+            engine = lease.handle
             encoder = engine.encoder
-            if dimensions is not None and dimensions != encoder.dim:
-                raise InvalidRequestError(f"model {model!r} gives {encoder.dim}-dimensional vectors; "
-                                          f"dimensions {dimensions} cannot be served", param="dimensions")
-            encoder.check_size(inputs)
-            tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(inputs, truncate=truncate))
+            if req.dimensions is not None and req.dimensions != encoder.dim:
+                raise InvalidRequestError(f"model {req.model!r} gives {encoder.dim}-dimensional vectors; "
+                                          f"dimensions {req.dimensions} cannot be served", param="dimensions")
+            encoder.check_size(req.input)
+            tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(req.input, truncate=req.truncate))
             return Embeddings(vectors, [len(t) for t in tokens]), encoder.dim
         finally:
             lease.release()
 
-    async def rerank(self, model: str, query: object, documents: object, *, truncate: bool = False) -> Ranking:
-        """Relevance of each document to ``query``: cosine with an embedding model, the
+    async def rerank(self, req: RerankRequest) -> Ranking:
+        """Relevance of each document to ``req.query``: cosine with an embedding model, the
         classifier's score with a cross-encoder (``role: rerank``)."""
-        lease = await self.registry.acquire(model, roles=("embedding", "rerank"))
+        lease = await self.registry.acquire_encoder(req.model, rerank=True)
         try:
-            engine: EncoderEngine = lease.handle
+            engine = lease.handle
             encoder = engine.encoder
+            documents = list(req.documents)
             encoder.check_size(documents, param="documents")
-            tokens, result = await engine.encode(lambda: encoder.prepare_rerank(query, documents, truncate=truncate))
+            tokens, result = await engine.encode(
+                lambda: encoder.prepare_rerank(req.query, documents, truncate=req.truncate))
             return encoder.ranking(tokens, result)
         finally:
             lease.release()

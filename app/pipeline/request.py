@@ -20,10 +20,13 @@ from typing import Any, Literal
 from app.errors import InvalidRequestError
 from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall
 
-__all__ = ["ChatRequest", "ImagePart", "Message", "Options", "OutputFormat", "Part", "Priority", "Role", "Sampling",
-           "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
+__all__ = ["ChatRequest", "EmbedRequest", "ImagePart", "JsonValue", "Message", "Options", "OutputFormat", "Part",
+           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
 
 Priority = Literal["interactive", "background"]
+# A JSON value as the client sent it: encoder inputs are checked item by item by the
+# encoder (``app/engine/encoder_inputs.py``), so a 400 names the item that is wrong.
+JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
 # A salt is a tenant's name or a random token, not a document.
 CACHE_SALT_MAX_CHARS = 256
 
@@ -150,3 +153,26 @@ class TextRequest:
     options: Options
     prompt: str
     echo: bool = False
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """Vectors of ``input`` from an embedding model (/v1/embeddings)."""
+
+    model: str
+    # A string, strings, token ids, or lists of token ids (OpenAI's ``input``).
+    input: JsonValue
+    # Cut inputs longer than the model takes instead of refusing them (TEI's ``truncate``).
+    truncate: bool = False
+    # The vector size asked for; only the model's own is served.
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    """Relevance of each document to ``query`` (/v1/rerank)."""
+
+    model: str
+    query: JsonValue
+    documents: tuple[JsonValue, ...]
+    truncate: bool = False

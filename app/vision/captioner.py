@@ -120,7 +120,7 @@ class VlmCaptioner:
         from app.engine.mlx_internals import vlm_clean_output
 
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
-        lease = await self._registry.acquire(self.name, roles=("vision", "chat"))
+        lease = await self._registry.acquire_captioner(self.name)
         try:
             engine = lease.handle
             prompts = engine.prompts

@@ -95,7 +95,7 @@ def test_a_vision_entry_is_an_ordinary_slot(served):
     assert row["role"] == "vision" and row["state"] == "loaded" and row["memory_mb"]["weights"] > 0
     assert registry.used_bytes >= engine.loaded.weights_bytes + 16 * 2**20
     with pytest.raises(Exception, match="does not exist"):
-        asyncio.run(registry.acquire("tiny-vl", roles=("chat",)))
+        asyncio.run(registry.acquire_chat("tiny-vl"))
 
 
 def test_is_a_captioner(captioner):

@@ -89,12 +89,13 @@ def test_a_vision_model_that_fails_to_load_leaves_placeholders(tmp_path, worker)
     assert reason in result.warnings[0]
 
 
-def test_a_proxy_naming_an_encoder_leaves_placeholders_and_says_why(tmp_path, mlx_thread):
+def test_a_proxy_naming_an_encoder_leaves_placeholders_and_says_why(tmp_path, worker):
     mf = ModelsFile.model_validate({"models": [
         {"name": "chat", "builtin": "smollm2-135m-instruct",
          "capabilities": {"vision_mode": "proxy", "vision_proxy": {"model": "minilm"}}},
         {"name": "minilm", "role": "embedding", "builtin": "all-minilm-l6-v2"},
     ]})
-    proxy, reason = build_proxy(resolve(mf), mlx_thread)
+    config = resolve(mf)
+    proxy, reason = build_proxy(config, registry_of(config, worker))
     assert reason == "vision model 'minilm' is not a VLM (role embedding)" and proxy.captioner is None
     assert proxy.policy.max_images_per_request == 8  # the chat model's bound

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.pipeline.request import EmbedRequest
 
 
 class EmbeddingRequest(BaseModel):
@@ -29,7 +30,8 @@ class EmbeddingRequest(BaseModel):
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")
 async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
-    work = state.pipeline.embed(data.model, data.input, truncate=data.truncate, dimensions=data.dimensions)
+    req = EmbedRequest(data.model, data.input, truncate=data.truncate, dimensions=data.dimensions)
+    work = state.pipeline.embed(req)
     result, _ = await unless_disconnected(request, work)
     if data.encoding_format == "base64":  # little-endian float32, as OpenAI's SDK decodes it
         vectors: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in result.vectors]
