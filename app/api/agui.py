@@ -19,7 +19,6 @@ a RUN_ERROR "internal error".
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -49,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.api.errors import as_app_error
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, started, unless_disconnected
+from app.api.wire import new_id
 from app.errors import InvalidRequestError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.parsers import Event as ParserEvent
@@ -159,7 +159,7 @@ class AguiRenderer:
         if self.open == kind:
             return []
         out = self._close()
-        self.open, self.message_id = kind, f"msg_{uuid.uuid4().hex[:16]}"
+        self.open, self.message_id = kind, new_id("msg", "_", 16)
         if kind == "text":
             out.append(TextMessageStartEvent(message_id=self.message_id, role="assistant"))
         else:

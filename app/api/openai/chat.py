@@ -9,7 +9,6 @@ always agree.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,13 +20,10 @@ from app.api.errors import stream_error
 from app.api.openai.protocol import ChatCompletionRequest
 from app.api.state import AppState
 from app.api.streaming import EventStream, started, to_json, unless_disconnected
+from app.api.wire import new_id
 from app.parsers import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallError, ToolCallStart
 from app.pipeline.logprobs import LogprobInfo
 from app.pipeline.results import Completion, Step, Usage, total_usage
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:

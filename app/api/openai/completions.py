@@ -10,10 +10,11 @@ from litestar import Request, post
 from litestar.params import JSONBody
 
 from app.api.errors import stream_error
-from app.api.openai.chat import new_id, usage_dict
+from app.api.openai.chat import usage_dict
 from app.api.openai.protocol import CompletionRequest
 from app.api.state import AppState
 from app.api.streaming import EventStream, started, to_json, unless_disconnected
+from app.api.wire import new_id
 from app.pipeline.logprobs import LogprobInfo
 from app.pipeline.results import Step, Usage, total_usage
 

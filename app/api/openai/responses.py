@@ -21,7 +21,6 @@ and left out of the output (its raw text follows as message text).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -35,13 +34,10 @@ from app.api.openai.response_store import ResponseStore
 from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, started, to_json, unless_disconnected
+from app.api.wire import new_id
 from app.errors import AppError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.pipeline.results import Step, Usage
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
@@ -54,7 +50,7 @@ def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
 def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[str, Any]:
     """The response object before any output: what the request asked for, echoed."""
     body: dict[str, Any] = {
-        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "id": new_id("resp", "_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": data.instructions,
         "max_output_tokens": data.max_output_tokens, "model": data.model, "output": [],
         "parallel_tool_calls": data.parallel_tool_calls is not False,
@@ -174,11 +170,11 @@ class ResponseWriter:
             return []
         out = self._close("completed")
         if kind == "message":
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         out += self._added(kind, item)
         out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.next_index - 1,
@@ -187,7 +183,7 @@ class ResponseWriter:
 
     def _open_call(self, ev: ToolCallStart) -> list[Event]:
         namespace, name = self.namespaces.get(ev.name, (None, ev.name))
-        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": ev.id, "name": name,
+        item: dict[str, Any] = {"id": new_id("fc", "_"), "type": "function_call", "call_id": ev.id, "name": name,
                                 "arguments": "", "status": "in_progress"}
         if namespace is not None:
             item["namespace"] = namespace
