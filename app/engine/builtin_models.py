@@ -20,21 +20,20 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
-import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from app.engine.demo_model import (
     DEMO_MODEL_NAME,
     cache_root,
     ensure_demo_model,
-    exclusive_lock,
+    prepare_once,
     wheel_file,
 )
-from app.engine.gguf import publish_dir, remove_partials
+from app.engine.gguf import publish_dir
 from app.errors import ConfigError
 
 MINILM_NAME = "all-minilm-l6-v2"
@@ -69,18 +68,14 @@ def ensure_minilm(*, progress: bool = True) -> Path:
     """
     source = minilm_zip_path()
     out_dir = minilm_dir()
-    if _unpack_is_current(out_dir, source):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stream = sys.stderr if progress else None
-    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what=MINILM_NAME):
-        if _unpack_is_current(out_dir, source):
-            return out_dir
-        remove_partials(out_dir)
+
+    def build(stream: TextIO | None) -> None:
         if stream:
             print(f"Preparing the embedding model {MINILM_NAME} (one-time unpack)", file=stream)
         _unpack(source, out_dir)
-    return out_dir
+
+    return prepare_once(out_dir, lambda: _unpack_is_current(out_dir, source), build, progress=progress,
+                        what=MINILM_NAME)
 
 
 def ensure_builtin(name: str, *, progress: bool = True) -> Path:

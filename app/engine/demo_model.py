@@ -17,7 +17,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -81,18 +81,34 @@ def ensure_demo_model(*, progress: bool = True) -> Path:
     """
     source = demo_gguf_path()
     out_dir = demo_model_dir()
-    if conversion_is_current(out_dir, source):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stream = sys.stderr if progress else None
-    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what="the demo model"):
-        if conversion_is_current(out_dir, source):
-            return out_dir
-        remove_partials(out_dir)
+
+    def build(stream: TextIO | None) -> None:
         reporter = _ProgressLine(stream) if stream else None
         if stream:
             print(f"Preparing the demo model {DEMO_MODEL_NAME} (one-time conversion)", file=stream)
         convert_gguf(source, out_dir, progress=reporter)
+
+    return prepare_once(out_dir, lambda: conversion_is_current(out_dir, source), build, progress=progress,
+                        what="the demo model")
+
+
+def prepare_once(out_dir: Path, is_current: Callable[[], bool], build: Callable[[TextIO | None], None], *,
+                 progress: bool, what: str) -> Path:
+    """``out_dir``, built first by ``build(stream)`` unless ``is_current()``.
+
+    A file lock beside it keeps concurrent processes from building at once; the ones
+    that wait check again and reuse the winner's copy. Partial copies of an
+    interrupted build go first. ``stream`` is stderr with ``progress``, else None.
+    """
+    if is_current():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stream = sys.stderr if progress else None
+    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what=what):
+        if is_current():
+            return out_dir
+        remove_partials(out_dir)
+        build(stream)
     return out_dir
 
 
