@@ -19,7 +19,6 @@ a RUN_ERROR "internal error".
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -48,7 +47,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.api.errors import as_app_error
 from app.api.state import AppState
-from app.api.streaming import Event, EventStream, started, unless_disconnected
+from app.api.streaming import Event, EventStream, Rendering, answer
+from app.api.wire import new_id
 from app.errors import InvalidRequestError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.parsers import Event as ParserEvent
@@ -159,7 +159,7 @@ class AguiRenderer:
         if self.open == kind:
             return []
         out = self._close()
-        self.open, self.message_id = kind, f"msg_{uuid.uuid4().hex[:16]}"
+        self.open, self.message_id = kind, new_id("msg", "_", 16)
         if kind == "text":
             out.append(TextMessageStartEvent(message_id=self.message_id, role="assistant"))
         else:
@@ -209,20 +209,12 @@ def encode(event: BaseEvent) -> Event:
     return Event(event.model_dump_json(by_alias=True, exclude_none=True))
 
 
-async def agui_events(request: Request, inp: RunAgentInput, steps: AsyncIterator[Step]) -> AsyncIterator[Event]:
-    """The run's events; a failure after the start ends it with RUN_ERROR."""
+async def agui_events(inp: RunAgentInput, renderer: AguiRenderer, steps: AsyncIterator[Step]) -> AsyncIterator[Event]:
+    """The run's events, ending in RUN_FINISHED (or RUN_ERROR for a broken tool call)."""
     yield encode(RunStartedEvent(thread_id=inp.thread_id, run_id=inp.run_id, protocol_version=PROTOCOL_VERSION))
-    renderer = AguiRenderer()
-    try:
-        async for step in steps:
-            for ev in renderer.feed(step.events):
-                yield encode(ev)
-    except Exception as exc:  # noqa: BLE001 - any failure ends the run with RUN_ERROR
-        err = as_app_error(request, exc)  # logs an unexpected error with its traceback
-        for ev in renderer.finish():
+    async for step in steps:
+        for ev in renderer.feed(step.events):
             yield encode(ev)
-        yield encode(RunErrorEvent(message=err.message, code=err.code or err.openai_type))
-        return
     for ev in renderer.finish():
         yield encode(ev)
     if renderer.error is not None:
@@ -231,9 +223,21 @@ async def agui_events(request: Request, inp: RunAgentInput, steps: AsyncIterator
     yield encode(RunFinishedEvent(thread_id=inp.thread_id, run_id=inp.run_id))
 
 
+def run_error(request: Request, renderer: AguiRenderer, exc: Exception) -> list[Event]:
+    """A failure after the start: what is open closes, so the event order stays legal, then RUN_ERROR."""
+    err = as_app_error(request, exc)  # logs an unexpected error with its traceback
+    return [*(encode(ev) for ev in renderer.finish()),
+            encode(RunErrorEvent(message=err.message, code=err.code or err.openai_type))]
+
+
+def _rendering(request: Request, inp: RunAgentInput) -> Rendering:
+    renderer = AguiRenderer()
+    return Rendering(events=lambda steps: agui_events(inp, renderer, steps),
+                     error=lambda exc: run_error(request, renderer, exc))  # no whole answer: AG-UI streams
+
+
 @post("/v1/agui", status_code=200, summary="Run the model as an AG-UI agent (SSE of AG-UI events)")
 async def agui(data: JSONBody[RunAgentInput], request: Request) -> EventStream:
     state: AppState = request.app.state.tandem
-    prepared = await state.pipeline.prepare_chat(to_chat_request(data, state.default_model))
-    steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
-    return EventStream(agui_events(request, data, steps))
+    prepare = state.pipeline.prepare_chat(to_chat_request(data, state.default_model))
+    return await answer(request, state.pipeline, prepare, True, lambda _prepared: _rendering(request, data))

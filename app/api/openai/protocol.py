@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from app.api.wire import Lenient
 from app.pipeline import request as typed
 
 
@@ -27,21 +28,17 @@ JsonArguments = Annotated[str, BeforeValidator(_arguments_to_json)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ImageURL(_Lenient):
+class ImageURL(Lenient):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text", "input_text"]
     text: str
 
 
-class ImagePart(_Lenient):
+class ImagePart(Lenient):
     type: Literal["image_url", "input_image"]
     image_url: ImageURL
 
@@ -54,18 +51,18 @@ class ImagePart(_Lenient):
 ContentPart = TextPart | ImagePart
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str = Field(min_length=1)
     arguments: JsonArguments = "{}"
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -101,24 +98,24 @@ class ChatMessage(_Lenient):
                              tool_call_id=self.tool_call_id, reasoning=self.reasoning_content, param=where)
 
 
-class FunctionDef(_Lenient):
+class FunctionDef(Lenient):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
 
-class ToolDef(_Lenient):
+class ToolDef(Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"] = "function"
     function: dict[str, str]
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: str | None = None
@@ -128,7 +125,7 @@ class JsonSchemaFormat(_Lenient):
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -146,15 +143,15 @@ class ResponseFormat(_Lenient):
         return typed.OutputFormat("json_schema", js.schema_, js.name, bool(js.strict))
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatTemplateKwargs(_Lenient):
+class ChatTemplateKwargs(Lenient):
     enable_thinking: bool | None = None
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(Lenient):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -21,9 +21,7 @@ and left out of the output (its raw text follows as message text).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,14 +32,12 @@ from app.api.errors import as_app_error
 from app.api.openai.response_store import ResponseStore
 from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
 from app.api.state import AppState
-from app.api.streaming import Event, EventStream, started, to_json, unless_disconnected
+from app.api.streaming import Event, Rendering, answer, to_json
+from app.api.wire import new_id
 from app.errors import AppError
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
+from app.pipeline.pipeline import Prepared
 from app.pipeline.results import Step, Usage
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
@@ -54,7 +50,7 @@ def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
 def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[str, Any]:
     """The response object before any output: what the request asked for, echoed."""
     body: dict[str, Any] = {
-        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "id": new_id("resp", "_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": data.instructions,
         "max_output_tokens": data.max_output_tokens, "model": data.model, "output": [],
         "parallel_tool_calls": data.parallel_tool_calls is not False,
@@ -174,11 +170,11 @@ class ResponseWriter:
             return []
         out = self._close("completed")
         if kind == "message":
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         out += self._added(kind, item)
         out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.next_index - 1,
@@ -187,7 +183,7 @@ class ResponseWriter:
 
     def _open_call(self, ev: ToolCallStart) -> list[Event]:
         namespace, name = self.namespaces.get(ev.name, (None, ev.name))
-        item: dict[str, Any] = {"id": new_id("fc"), "type": "function_call", "call_id": ev.id, "name": name,
+        item: dict[str, Any] = {"id": new_id("fc", "_"), "type": "function_call", "call_id": ev.id, "name": name,
                                 "arguments": "", "status": "in_progress"}
         if namespace is not None:
             item["namespace"] = namespace
@@ -227,23 +223,15 @@ class ResponseWriter:
 # ---- routes -------------------------------------------------------------------------------
 
 
-async def _all(steps: AsyncIterator[Step]) -> list[Step]:
-    async with aclosing(steps) as s:  # type: ignore[type-var]  # an async generator underneath
-        return [step async for step in s]
-
-
-async def response_events(request: Request, writer: ResponseWriter, steps: AsyncIterator[Step],
+async def response_events(writer: ResponseWriter, steps: AsyncIterator[Step],
                           on_done: Callable[[ResponseWriter], None]) -> AsyncIterator[Event]:
-    """The streamed response; a failure after the start ends it with one ``error`` event."""
+    """The streamed response."""
     for ev in writer.start():
         yield ev
-    try:
-        async for step in steps:
-            for ev in writer.feed(step):
-                yield ev
-        on_done(writer)
-    except Exception as exc:  # noqa: BLE001 - once streaming, errors travel as one event
-        yield writer.error(as_app_error(request, exc))  # logs an unexpected error with its traceback
+    async for step in steps:
+        for ev in writer.feed(step):
+            yield ev
+    on_done(writer)
 
 
 def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
@@ -251,12 +239,9 @@ def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
     return extras if asked else {k: extras[k] for k in ("captions", "warnings") if k in extras}
 
 
-@post("/v1/responses", status_code=200, summary="Create a model response (OpenAI's Responses API)")
-async def create_response(data: JSONBody[ResponsesRequest], request: Request) -> Any:
-    state: AppState = request.app.state.tandem
-    store: ResponseStore = state.responses
-    history = store.get(data.previous_response_id, "previous_response_id").items if data.previous_response_id else []
-    prepared = await state.pipeline.prepare_chat(data.to_request(history))
+def _rendering(request: Request, data: ResponsesRequest, history: list[dict[str, Any]],
+               prepared: Prepared) -> Rendering:
+    store: ResponseStore = request.app.state.tandem.responses
     writer = ResponseWriter(response_skeleton(data, _extras(prepared.extras, data.extensions)),
                             data.namespaces(), data.encrypted_reasoning)
     conversation = [*history, *(i.model_dump(by_alias=True, exclude_none=True) for i in data.input)]
@@ -265,13 +250,25 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
         if data.stores:
             store.put(w.response, [*conversation, *w.output])
 
-    if data.stream:
-        steps = await unless_disconnected(request, started(state.pipeline.steps(prepared)))
-        return EventStream(response_events(request, writer, steps, keep))
-    for step in await unless_disconnected(request, _all(state.pipeline.steps(prepared))):
-        writer.feed(step)  # the same events as a stream, only the final response kept
-    keep(writer)
-    return writer.response
+    def whole(steps: list[Step]) -> dict[str, Any]:
+        for step in steps:
+            writer.feed(step)  # the same events as a stream, only the final response kept
+        keep(writer)
+        return writer.response
+
+    # A failure after the start ends the stream with one ``error`` event (as_app_error logs
+    # an unexpected one with its traceback).
+    return Rendering(events=lambda steps: response_events(writer, steps, keep),
+                     error=lambda exc: [writer.error(as_app_error(request, exc))], whole=whole)
+
+
+@post("/v1/responses", status_code=200, summary="Create a model response (OpenAI's Responses API)")
+async def create_response(data: JSONBody[ResponsesRequest], request: Request) -> Any:
+    state: AppState = request.app.state.tandem
+    history = (state.responses.get(data.previous_response_id, "previous_response_id").items
+               if data.previous_response_id else [])
+    return await answer(request, state.pipeline, state.pipeline.prepare_chat(data.to_request(history)), data.stream,
+                        lambda prepared: _rendering(request, data, history, prepared))
 
 
 @get("/v1/responses/{response_id:str}", summary="Retrieve a stored response")

@@ -26,9 +26,7 @@ import binascii
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -38,6 +36,7 @@ from pydantic import (
 )
 
 from app.api.openai.protocol import JsonArguments
+from app.api.wire import Lenient
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -67,30 +66,26 @@ def flat_name(namespace: str | None, name: str) -> str:
     return f"{namespace}{name}" if namespace.endswith("_") else f"{namespace}__{name}"
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 # ---- input ----------------------------------------------------------------------------
 
 
-class TextContent(_Lenient):
+class TextContent(Lenient):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class ImageContent(_Lenient):
+class ImageContent(Lenient):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
 
 
-class FileContent(_Lenient):
+class FileContent(Lenient):
     type: Literal["input_file"]
 
 
-class RefusalContent(_Lenient):
+class RefusalContent(Lenient):
     type: Literal["refusal"]
     refusal: str
 
@@ -103,7 +98,7 @@ def _text_list(v: Any, kind: str = "input_text") -> Any:
     return [{"type": kind, "text": v}] if isinstance(v, str) else v
 
 
-class MessageItem(_Lenient):
+class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[Content]
@@ -117,7 +112,7 @@ class MessageItem(_Lenient):
         return v
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(Lenient):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -125,7 +120,7 @@ class FunctionCallItem(_Lenient):
     namespace: str | None = None
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: list[Content]
@@ -136,11 +131,11 @@ class FunctionCallOutputItem(_Lenient):
         return _text_list(v)
 
 
-class ReasoningText(_Lenient):
+class ReasoningText(Lenient):
     text: str
 
 
-class ReasoningItem(_Lenient):
+class ReasoningItem(Lenient):
     type: Literal["reasoning"]
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
@@ -162,7 +157,7 @@ INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 # ---- tools and options ----------------------------------------------------------------
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -174,7 +169,7 @@ class FunctionTool(_Lenient):
         return typed.Tool(flat_name(namespace, self.name), self.description, parameters, bool(self.strict))
 
 
-class OtherTool(_Lenient):
+class OtherTool(Lenient):
     """A tool OpenAI's servers run (web_search, custom, mcp, ...): accepted, not served."""
 
     type: str
@@ -185,7 +180,7 @@ def _tool_kind(v: Any) -> str:
     return kind if kind in ("function", "namespace") else "other"
 
 
-class NamespaceTool(_Lenient):
+class NamespaceTool(Lenient):
     type: Literal["namespace"]
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -200,7 +195,7 @@ ToolDef = Annotated[
 ]
 
 
-class TextFormat(_Lenient):
+class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -213,11 +208,11 @@ class TextFormat(_Lenient):
         return self
 
 
-class TextConfig(_Lenient):
+class TextConfig(Lenient):
     format: TextFormat | None = None
 
 
-class ReasoningConfig(_Lenient):
+class ReasoningConfig(Lenient):
     # "none" turns thinking off; any other effort turns it on; absent takes the model's default.
     effort: str | None = None
     summary: str | None = None
@@ -244,7 +239,7 @@ def _bounded_metadata(v: Any) -> Any:
 Metadata = Annotated[dict[str, str], BeforeValidator(_bounded_metadata)]
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     model: str = Field(min_length=1)
     input: list[InputItem] = []
     instructions: str | None = None

@@ -1,0 +1,139 @@
+"""Contracts of every name behind the private-API fence (``app/engine/mlx_internals.py``).
+
+The fence's docstring lists each private or undocumented name of mlx-lm, mlx-vlm and
+mlx-embeddings that Tandem uses. Here each has a contract: that it exists, with the
+parameters we pass and the attributes we read (``test_contract[<name>]``), or, for the
+members of a loaded VLM, a behaviour test on the tiny Qwen2-VL in
+``test_mlx_internals.py``. A test parses the list, so a name cannot be added without its
+contract; an upgrade that breaks one fails here by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import pytest
+
+from app.engine import mlx_internals
+from tests.engine import test_mlx_internals, test_mlx_lm_internals
+
+# name -> (parameters we pass, attributes we read on the class or a fresh instance)
+Contract = tuple[frozenset[str], frozenset[str]]
+
+
+def _c(params: str = "", attrs: str = "") -> Contract:
+    return frozenset(params.split()), frozenset(attrs.split())
+
+
+CONTRACTS: dict[str, Contract] = {
+    "mlx_lm.generate.BatchGenerator": _c(
+        "model max_tokens stop_tokens completion_batch_size prefill_batch_size prefill_step_size"),
+    "mlx_lm.generate.BatchGenerator.insert_segments": _c(
+        "segments max_tokens caches all_tokens samplers logits_processors"),
+    "mlx_lm.generate.BatchGenerator.next": _c(),
+    "mlx_lm.generate.BatchGenerator.extract_cache": _c("uids"),
+    "mlx_lm.generate.BatchGenerator.remove": _c("uids return_prompt_caches"),
+    "mlx_lm.generate.BatchGenerator.prompt_cache_nbytes": _c(),
+    "mlx_lm.generate.GenerationBatch._step": _c(),
+    "mlx_lm.models.cache.LRUPromptCache": _c("max_size max_bytes"),
+    "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache": _c("model tokens"),
+    "mlx_lm.models.cache.LRUPromptCache.insert_cache": _c("model tokens prompt_cache cache_type"),
+    "mlx_lm.models.cache.LRUPromptCache.trim_to": _c("n_sequences n_bytes"),
+    "mlx_lm.models.cache.LRUPromptCache.nbytes": _c(),
+    "mlx_lm.models.cache.LRUPromptCache.__len__": _c(),
+    "mlx_lm.models.cache.trim_prompt_cache": _c("cache num_tokens"),
+    "mlx_lm.models.cache.make_prompt_cache": _c("model"),
+    "mlx_lm.models.cache.KVCache": _c(attrs="keys values offset step"),
+    "mlx_lm.models.cache.QuantizedKVCache": _c("group_size bits", "keys values offset step"),
+    "mlx_lm.models.cache._BaseCache": _c(),
+    "mlx_lm.models.cache.BatchKVCache": _c(attrs="merge extract filter extend prepare finalize make_mask"),
+    "mlx_lm.models.cache.dynamic_roll": _c("x shifts axis"),
+    "mlx_lm.models.base.create_causal_mask": _c("N offset left_padding"),
+    "mlx_lm.utils.sharded_load": _c("repo pipeline_group tensor_group return_config"),
+    "mlx_lm.utils._get_classes": _c("config"),
+    "mlx_lm.tokenizer_utils.TokenizerWrapper": _c(attrs="detokenizer eos_token_ids has_thinking think_start think_end"),
+    "mlx_lm.tokenizer_utils.SPMStreamingDetokenizer": _c("tokenizer trim_space"),
+    "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer": _c("tokenizer"),
+    "mlx_vlm.prepare_inputs": _c("processor images prompts image_token_index add_special_tokens"),
+    "mlx_vlm.generate.ar.BatchGenerator": _c(
+        "model processor completion_batch_size prefill_batch_size prefill_step_size compute_logprobs sampler"),
+    "mlx_vlm.generate.ar.BatchGenerator.insert": _c("prompts max_tokens prompt_kwargs logits_processors"),
+    "mlx_vlm.generate.ar.BatchGenerator.next": _c(),
+    "mlx_vlm.generate.ar.BatchGenerator.remove": _c(),
+    "mlx_vlm.generate.ar.BatchGenerator.close": _c(),
+    "mlx_vlm.utils.should_add_special_tokens": _c("model_type processor"),
+    "mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS": _c(attrs="__contains__"),
+    "mlx_vlm.tokenizer_utils.make_streaming_detokenizer": _c("processor"),
+    "mlx_embeddings.utils.load_model": _c("model_path model_config"),
+}
+
+# Members of a loaded VLM: their contracts are behaviour tests on the tiny Qwen2-VL.
+M = test_mlx_internals
+BEHAVIOUR = {
+    "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
+    "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
+    "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),
+    "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
+    "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
+}
+# Behaviours of the names above that a signature cannot show, checked on real models.
+BEHAVIOUR_TOO = [
+    (test_mlx_lm_internals, "test_contract_every_kv_cache_grows_in_steps_of_kv_step"),
+    (test_mlx_lm_internals, "test_contract_batch_caches_are_rectangles_as_wide_as_the_widest_row"),
+    (test_mlx_lm_internals, "test_contract_batch_generator_reports_the_bytes_of_its_caches"),
+    (test_mlx_lm_internals, "test_contract_lru_prompt_cache_len_trim_and_nearest"),
+    (test_mlx_internals, "test_a_continuation_keeps_its_leading_space"),
+    (test_mlx_internals, "test_new_vlm_detokenizer_is_private_per_sequence"),
+]
+
+
+def fenced_names() -> list[str]:
+    """The names the fence's docstring lists under "Fenced names"."""
+    doc = mlx_internals.__doc__ or ""
+    block = doc[doc.index("Fenced names"):].split("\n\n")[1]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def resolve(name: str) -> Any:
+    """The object an import path names: the longest importable module, then attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+def test_every_fenced_name_has_a_contract_test():
+    names = fenced_names()
+    assert len(names) == len(set(names)) and len(names) > 30
+    missing = [n for n in names if n not in CONTRACTS and n not in BEHAVIOUR]
+    assert not missing, f"fenced names without a contract test: {missing}"
+    stale = [n for n in [*CONTRACTS, *BEHAVIOUR] if n not in names]
+    assert not stale, f"contracts for names the fence no longer lists: {stale}"
+    for module, test in [*BEHAVIOUR.values(), *BEHAVIOUR_TOO]:
+        assert callable(getattr(module, test, None)), f"{module.__name__}.{test} is gone"
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_contract(name):
+    """``name`` exists, takes the parameters we pass and has the attributes we read."""
+    obj = resolve(name)
+    params, attrs = CONTRACTS[name]
+    if params:
+        signature = inspect.signature(obj.__init__ if inspect.isclass(obj) else obj)
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        absent = params - set(signature.parameters)
+        assert not absent or takes_kwargs, f"{name} no longer takes {sorted(absent)}"
+    if attrs:
+        instance = None
+        if inspect.isclass(obj) and name.endswith("KVCache") and name != "mlx_lm.models.cache.BatchKVCache":
+            instance = obj()  # fields set in __init__
+        lacking = [a for a in attrs if not hasattr(obj, a) and not hasattr(instance, a)]
+        assert not lacking, f"{name} has no {lacking}"
