@@ -32,7 +32,7 @@ from app.api.state import AppState
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_spec
 from app.config.schema import ChatEntry, ModelEntry
-from app.engine.distributed import Distributed
+from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.roles import ROLES
 from app.engine.worker import MLXWorker

@@ -30,9 +30,9 @@ from typing import Any, NoReturn, TypeVar
 
 from app.config.loader import ResolvedConfig
 from app.config.mapping import load_params, model_source
-from app.engine.distributed import Distributed, DistributedInfo, join
-from app.engine.loader import model_source as source_path
-from app.engine.sharding import check_params, check_splittable, load_shard, read_config
+from app.engine.distributed.distributed import Distributed, DistributedInfo, join
+from app.engine.distributed.sharding import check_params, check_splittable, load_shard, read_config
+from app.engine.models.loader import model_source as source_path
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError
 

@@ -445,8 +445,8 @@ def bench_compile(model_path: str) -> dict[str, float]:
     """Schema compile times on the model's tokenizer: its one-time setup, a cold compile, a cached one."""
     from mlx_lm.utils import load_tokenizer
 
-    from app.engine.constraints import JsonSchema
-    from app.engine.grammar import compiler_for
+    from app.engine.constrain.constraints import JsonSchema
+    from app.engine.constrain.grammar import compiler_for
 
     tokenizer = load_tokenizer(Path(model_path))
     t0 = time.perf_counter()
@@ -519,7 +519,7 @@ def main() -> None:
         {"vision"} if args.skip_vision else set())
     prof = PROFILES[args.profile]
     if args.model_path is None:
-        from app.engine.demo_model import ensure_demo_model
+        from app.engine.models.demo_model import ensure_demo_model
 
         args.model_path = str(ensure_demo_model(progress=False))
     name = "bench"

@@ -55,7 +55,7 @@ def build_llama(out: Path, shape: dict[str, int]) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from app.engine.demo_model import ensure_demo_model
+    from app.engine.models.demo_model import ensure_demo_model
 
     demo = ensure_demo_model(progress=False)
     config = {"model_type": "llama", "rms_norm_eps": 1e-5, "vocab_size": 49152, "rope_theta": 10000.0,

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_embeddings.py                  # the embedded MiniLM
     .venv/bin/python scripts/bench_embeddings.py --model-path DIR --seconds 10
 
-Runs in this process, straight on ``app.engine.encoder`` (no server), so it
+Runs in this process, straight on ``app.engine.models.encoder`` (no server), so it
 measures the engine: tokenizing, padding, the forward pass and pooling. Inputs
 are seeded pseudo-sentences of 8 to 40 words (about 10 to 50 tokens), plus a
 batch of inputs at the model's full length. Memory is this process's resident
@@ -82,8 +82,8 @@ def bench_embeddings(model_path: Path | None = None, seconds: float = 5.0) -> di
 
     from app.config.mapping import encoder_limits
     from app.config.schema import EncoderParams
-    from app.engine.builtin_models import ensure_minilm
-    from app.engine.encoder import load_encoder
+    from app.engine.models.builtin_models import ensure_minilm
+    from app.engine.models.encoder import load_encoder
 
     imported, import_s = rss_mb(), time.perf_counter() - start
     path = model_path or ensure_minilm(progress=False)

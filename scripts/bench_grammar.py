@@ -62,8 +62,8 @@ sys.path.insert(0, str(REPO))
 import mlx.core as mx  # noqa: E402 - after the sys.path insert
 import numpy as np  # noqa: E402 - after the sys.path insert
 
-from app.engine.constraints import JSON_WHITESPACE, JsonSchema  # noqa: E402 - after the sys.path insert
-from app.engine.grammar import GrammarCompiler, GrammarProcessor  # noqa: E402 - after the sys.path insert
+from app.engine.constrain.constraints import JSON_WHITESPACE, JsonSchema  # noqa: E402 - after the sys.path insert
+from app.engine.constrain.grammar import GrammarCompiler, GrammarProcessor  # noqa: E402 - after the sys.path insert
 
 # A pydantic-ai output type: enums in $defs, booleans, bounded strings, a list.
 PYDANTIC_OUTPUT = {
@@ -367,7 +367,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["llguidance", "xgrammar"])
     args = parser.parse_args()
     if args.model is None:
-        from app.engine.demo_model import ensure_demo_model
+        from app.engine.models.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model(progress=False))
     from mlx_lm import load

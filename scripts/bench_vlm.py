@@ -35,8 +35,8 @@ from PIL import Image  # noqa: E402
 from app.config.mapping import engine_params, load_params  # noqa: E402
 from app.config.schema import ChatParams  # noqa: E402
 from app.engine.mlx_internals import vlm_prompt_inputs  # noqa: E402
+from app.engine.models.vlm import VlmEngine, load_vlm, render_vlm_prompt  # noqa: E402
 from app.engine.types import GenerationRequest  # noqa: E402
-from app.engine.vlm import VlmEngine, load_vlm, render_vlm_prompt  # noqa: E402
 from app.engine.worker import MLXWorker  # noqa: E402
 
 

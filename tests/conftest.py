@@ -34,7 +34,7 @@ def prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once into the user cache."""
-    from app.engine.demo_model import ensure_demo_model
+    from app.engine.models.demo_model import ensure_demo_model
 
     return ensure_demo_model(progress=False)
 
@@ -42,7 +42,7 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The embedded all-MiniLM-L6-v2 embedding model, unpacked once into the user cache."""
-    from app.engine.builtin_models import ensure_minilm
+    from app.engine.models.builtin_models import ensure_minilm
 
     return ensure_minilm(progress=False)
 

@@ -94,3 +94,20 @@ def test_wire_formats_do_not_import_each_other(fmt):
     for path in files:
         others = [name for name in imports(path) for other in FORMATS if other != fmt and _under(name, other)]
         assert not others, f"{path.relative_to(APP.parent)} imports {others}"
+
+
+# A package holds one concern; past about a dozen modules it holds several (app/engine was 30 flat).
+MAX_MODULES_PER_PACKAGE = 12
+
+
+def test_no_package_outgrows_one_concern():
+    for package in sorted(p for p in APP.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        modules = [m for m in package.glob("*.py") if m.name != "__init__.py"]
+        assert len(modules) <= MAX_MODULES_PER_PACKAGE, (
+            f"{package.relative_to(APP.parent)} holds {len(modules)} modules: split it by concern")
+
+
+def test_engine_subpackages_say_what_they_hold():
+    for package in sorted(p for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        init = package / "__init__.py"
+        assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{package} needs a docstring"

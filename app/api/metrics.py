@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from app.engine.encoder_engine import EncoderEngine
+from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.types import Engine, GenerationRecord
 
 # No "_created" timestamp series next to every counter: nothing here reads them.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from app.api.metrics import Metrics
 from app.api.openai.response_store import ResponseStore
 from app.config.loader import ResolvedConfig
-from app.engine.distributed import Distributed
+from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.types import Engine
 from app.engine.worker import MLXWorker

@@ -264,7 +264,7 @@ def vlm_clean_output(processor: Any, text: str) -> str:
     return clean(text) if callable(clean) else text
 
 
-# ---- mlx-vlm: native VLM chat models (app/engine/vlm.py, vlm_engine.py) ----------------
+# ---- mlx-vlm: native VLM chat models (app/engine/models/vlm.py, vlm_engine.py) ----------------
 
 
 def new_vlm_batch_generator(

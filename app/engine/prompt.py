@@ -20,7 +20,7 @@ for the engine's vision tower: they are MLX arrays, made and used on the
 MLX-owner thread only.
 
 ``TextPrompts`` is the builder of a text model (its tokenizer's chat template);
-``app.engine.vlm.VlmPrompts`` is a native VLM's. Both are plain CPU work but
+``app.engine.models.vlm.VlmPrompts`` is a native VLM's. Both are plain CPU work but
 for a VLM's processor, which mlx-vlm runs on MLX arrays: ``VlmPrompts.build``
 hands that one job to the MLX thread.
 """

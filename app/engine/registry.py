@@ -38,12 +38,12 @@ from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 
-from app.engine.batching import BatchingEngine
-from app.engine.encoder_engine import EncoderEngine
+from app.engine.batch.batching import BatchingEngine
+from app.engine.batch.encoder_engine import EncoderEngine
+from app.engine.batch.vlm_engine import VlmEngine
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
 from app.engine.types import GenerationRecord, ModelHandle
-from app.engine.vlm_engine import VlmEngine
 from app.engine.worker import MLXWorker
 from app.errors import (
     AppError,
@@ -137,11 +137,11 @@ def local_dir(source: ModelSource) -> Path | None:
     if source.local_path:
         return Path(source.local_path).expanduser()
     if source.builtin:
-        from app.engine.demo_model import cache_root
+        from app.engine.models.demo_model import cache_root
 
         return cache_root() / "models" / source.builtin
     if source.weight_file:
-        from app.engine.demo_model import cache_root
+        from app.engine.models.demo_model import cache_root
 
         return cache_root() / "converted" / source.name
     return None  # a hub id: its size is known after the load

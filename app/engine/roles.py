@@ -25,9 +25,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Literal
 
-from app.engine.batching import BatchingEngine
-from app.engine.encoder_engine import EncoderEngine
-from app.engine.loader import load_text_model_steps, model_source
+from app.engine.batch.batching import BatchingEngine
+from app.engine.batch.encoder_engine import EncoderEngine
+from app.engine.models.loader import load_text_model_steps, model_source
 from app.engine.params import ModelSpec
 from app.engine.types import Engine, ModelHandle
 from app.engine.worker import MLXWorker
@@ -82,8 +82,8 @@ class RoleSpec:
 
 
 def _load_vlm(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded]:
-    from app.engine.vlm import load_vlm
-    from app.engine.vlm_engine import VlmEngine
+    from app.engine.batch.vlm_engine import VlmEngine
+    from app.engine.models.vlm import load_vlm
 
     _require(spec, spec.load is not None and spec.engine is not None and spec.vision is not None)
     assert spec.load is not None and spec.engine is not None and spec.vision is not None
@@ -101,7 +101,7 @@ def _load_chat(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loade
         return (yield from _load_vlm(ctx, spec))
     if ctx.load_chat is not None:
         return ctx.load_chat(spec)
-    from app.engine.engine import TextEngine
+    from app.engine.batch.engine import TextEngine
 
     _require(spec, spec.load is not None and spec.engine is not None)
     assert spec.load is not None and spec.engine is not None
@@ -110,7 +110,7 @@ def _load_chat(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loade
 
 
 def _load_encoder(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded]:
-    from app.engine.encoder import load_encoder
+    from app.engine.models.encoder import load_encoder
 
     _require(spec, spec.encoder is not None)
     assert spec.encoder is not None

@@ -52,7 +52,7 @@ class ConstraintProcessor(Protocol):
 
 
 class LogitsConstraint(Protocol):
-    """A compiled constraint (``app.engine.grammar.Grammar``): one logits processor per sequence."""
+    """A compiled constraint (``app.engine.constrain.grammar.Grammar``): one logits processor per sequence."""
 
     def processor(self, prompt_len: int) -> ConstraintProcessor:
         """A fresh processor for a sequence whose first ``prompt_len`` context tokens are prompt."""
@@ -80,7 +80,7 @@ class GenerationRequest:
     # Keep this prompt (all but its last token) in the prefix cache whatever the cache mode,
     # for sibling generations of the same request (n > 1) to reuse.
     share_prefix: bool = False
-    # Constrained decoding (``app.engine.grammar``); None adds no processor and costs nothing.
+    # Constrained decoding (``app.engine.constrain.grammar``); None adds no processor and costs nothing.
     constraint: LogitsConstraint | None = None
 
     @property

@@ -8,7 +8,7 @@ detect it (``family.py`` draws how the parts use them). llama.cpp's
 ``common_chat_params_init_*`` sets the prompt, parse format and grammar of a
 format together in the same way, so they cannot drift apart.
 
-Why a package of its own: the engine's grammar (``app.engine.constraints``)
+Why a package of its own: the engine's grammar (``app.engine.constrain.constraints``)
 and the parsers both read the call syntax, and the engine must not import the
 parsers (nor they the engine). So families sit below both, a leaf that
 imports nothing of the app::

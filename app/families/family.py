@@ -5,7 +5,7 @@ is told, what it is forced to write and what is parsed back are one description:
 
     Family.call_syntax(template, takes_tools) -> CallSyntax
         the prompt (app.pipeline.prompting)   which syntax the model is told; the tool note's sentence
-        the grammar (app.engine.constraints)  forces that syntax for tool_choice required / named
+        the grammar (app.engine.constrain.constraints)  forces that syntax for tool_choice required / named
         the parser (app.parsers)              reads every syntax in ``Family.reads``
 
 A syntax the grammar may force is always one the family's parser reads

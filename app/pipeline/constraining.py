@@ -3,7 +3,7 @@
     ChatRequest.output / tool_choice / tools          (every wire format maps onto these)
         constraint_spec()   -> JsonSchema | JsonObject | ToolCalls | None
         reasoning_for()     -> Reasoning | None      (the model may think first, freely)
-        compile_constraint() -> Grammar              (app.engine.grammar; a 400 if it cannot be)
+        compile_constraint() -> Grammar              (app.engine.constrain.grammar; a 400 if it cannot be)
 
 What each request asks for:
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.engine import constraints as c
-from app.engine.grammar import Grammar, compiler_for
+from app.engine.constrain import constraints as c
+from app.engine.constrain.grammar import Grammar, compiler_for
 from app.errors import InvalidRequestError
 from app.parsers import template_opens_reasoning
 from app.pipeline.prompting import ModelProfile

@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
-from app.engine.encoder import Embeddings, Ranking
-from app.engine.grammar import Grammar
+from app.engine.constrain.grammar import Grammar
+from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams

@@ -25,7 +25,7 @@ __all__ = ["ChatRequest", "EmbedRequest", "ImagePart", "JsonValue", "Message", "
 
 Priority = Literal["interactive", "background"]
 # A JSON value as the client sent it: encoder inputs are checked item by item by the
-# encoder (``app/engine/encoder_inputs.py``), so a 400 names the item that is wrong.
+# encoder (``app/engine/models/encoder_inputs.py``), so a 400 names the item that is wrong.
 JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
 # A salt is a tenant's name or a random token, not a document.
 CACHE_SALT_MAX_CHARS = 256

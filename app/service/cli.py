@@ -150,7 +150,7 @@ def service_spec(args: argparse.Namespace, models_file: Path, log_path: Path) ->
 
 def _pull(args: argparse.Namespace, models_file: Path) -> int:
     from app.config.loader import load_models_file
-    from app.engine import hub
+    from app.engine.models import hub
     from app.service import pull
     from app.service.models_file import append_entry
 
@@ -190,7 +190,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
 def _pull_local(entry: ModelEntry) -> int:
     """A builtin is prepared (converted from the wheel, offline); a local model has nothing to pull."""
     if entry.builtin:
-        from app.engine.builtin_models import ensure_builtin
+        from app.engine.models.builtin_models import ensure_builtin
 
         print(f"{entry.name} is embedded: ready at {ensure_builtin(entry.builtin, progress=True)}")
         return 0
@@ -213,7 +213,7 @@ def _models(args: argparse.Namespace, models_file: Path, url: str) -> int:
 
 
 def _source(m: ModelEntry) -> dict[str, str]:
-    # The loader's precedence (app/engine/loader.py model_source).
+    # The loader's precedence (app/engine/models/loader.py model_source).
     for key in ("builtin", "local_path", "weight_file", "hf_id"):
         if value := getattr(m, key, None):
             return {key: str(value)}
@@ -222,7 +222,7 @@ def _source(m: ModelEntry) -> dict[str, str]:
 
 def downloaded(entry: st.Entry) -> bool | None:
     """Whether an entry's weights are on this machine."""
-    from app.engine.hub import cached_snapshot
+    from app.engine.models.hub import cached_snapshot
 
     (kind, value), = entry.source.items()
     if kind == "hf_id":
@@ -231,7 +231,7 @@ def downloaded(entry: st.Entry) -> bool | None:
         return (Path(value).expanduser() / "config.json").is_file()
     if kind == "weight_file":
         return Path(value).expanduser().is_file()
-    from app.engine import builtin_models, demo_model
+    from app.engine.models import builtin_models, demo_model
 
     shipped = {demo_model.DEMO_MODEL_NAME: demo_model.demo_gguf_path,
                builtin_models.MINILM_NAME: builtin_models.minilm_zip_path}

@@ -1,7 +1,7 @@
 """``tandem pull --isq``: a downloaded model converted to fewer bits with mlx-lm, once.
 
 The download itself (``tandem pull NAME|HF_ID``: one progress bar, resume, every name and hash
-from the hub checked) is ``app.engine.hub``'s, the fetcher the server uses too.
+from the hub checked) is ``app.engine.models.hub``'s, the fetcher the server uses too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 def converted_dir(repo_id: str, bits: int) -> Path:
     """Where ``--isq`` writes a converted model: ``<tandem cache>/models/<owner>--<name>-q<bits>``."""
-    from app.engine.demo_model import cache_root
+    from app.engine.models.demo_model import cache_root
 
     return cache_root() / "models" / f"{repo_id.replace('/', '--').lower()}-q{bits}"
 

@@ -1,6 +1,6 @@
 """Native vision: a chat request's messages and images as a native VLM takes them.
 
-For a ``vision_mode: native`` chat model (served by ``app.engine.vlm.VlmEngine``)
+For a ``vision_mode: native`` chat model (served by ``app.engine.models.vlm.VlmEngine``)
 the pipeline sends the images themselves, not captions:
 
     parts  = native_image_parts(messages)          # every image part, in order (400s: no URL,
@@ -9,7 +9,7 @@ the pipeline sends the images themselves, not captions:
 
 (``native_images`` does both; ``app.vision.wiring.native_reader`` binds it to a
 model's limits for the pipeline.) The pipeline then hands the messages and these images to the model's prompt
-builder (``app.engine.vlm.VlmPrompts``): each image part becomes the model's
+builder (``app.engine.models.vlm.VlmPrompts``): each image part becomes the model's
 own placeholder where the client put it (``prompting.template_message``), the
 processor expands it to the image's tokens, and the images follow the same
 order. All images are read and decoded (the check) before any generation

@@ -35,7 +35,7 @@ Q = "What is the capital of France?"
 
 def _install(target: Path) -> None:
     """``npm ci`` the pinned client into ``target``, atomically: a half-done install is never seen."""
-    from app.engine.demo_model import exclusive_lock
+    from app.engine.models.demo_model import exclusive_lock
 
     lock = (FIXTURE / "package-lock.json").read_bytes()
     stamp = hashlib.sha256(lock).hexdigest()
@@ -69,7 +69,7 @@ def _install(target: Path) -> None:
 @pytest.fixture(scope="session")
 def agui_client() -> Path:
     """The directory holding the pinned ``@ag-ui/client``'s node_modules."""
-    from app.engine.demo_model import cache_root
+    from app.engine.models.demo_model import cache_root
 
     for tool in ("node", "npm"):
         if shutil.which(tool) is None:

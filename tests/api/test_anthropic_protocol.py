@@ -20,8 +20,8 @@ from app.api.anthropic.protocol import (
     pipeline_tool_id,
 )
 from app.errors import InvalidRequestError
-from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.families.mistral import mistral_call_id
+from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.pipeline import request as typed
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city",

@@ -68,8 +68,9 @@ def test_base64_equals_float_and_batched_equals_single(srv):
 
 
 def test_token_ids_equal_the_text(srv):
-    from app.engine.builtin_models import ensure_minilm
     from tokenizers import Tokenizer
+
+    from app.engine.models.builtin_models import ensure_minilm
 
     tokenizer = Tokenizer.from_file(str(ensure_minilm(progress=False) / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads to 128; ids are used exactly as sent

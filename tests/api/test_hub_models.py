@@ -1,6 +1,6 @@
 """A real ``tandem serve`` loading an ``hf_id`` model from a hub, hostile or not.
 
-The server fetches a hub model only through ``app.engine.hub`` (every name and hash checked),
+The server fetches a hub model only through ``app.engine.models.hub`` (every name and hash checked),
 never through mlx-lm's own ``snapshot_download``, which writes wherever a mirror's ETag points.
 A hostile mirror in ``HF_ENDPOINT`` then costs that model's load (503 ``model_unavailable`` in
 OpenAI's shape), never a file outside the cache, and the server keeps serving its other models.

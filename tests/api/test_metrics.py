@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
 import re
+import time
 from contextlib import ExitStack
 
 import httpx

@@ -106,7 +106,8 @@ def test_a_long_engine_step_does_not_hold_the_shutdown(tmp_path, tiny_model_dir)
     anyway, and the server stops, instead of waiting for the step."""
     import threading
 
-    from tests.api.serving import serving, tiny_yaml as yaml_for
+    from tests.api.serving import serving
+    from tests.api.serving import tiny_yaml as yaml_for
     from tests.api.sse_frames import stream_chunks
 
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1900, "stream": True}

@@ -7,10 +7,9 @@ emit the format, and the real parser path runs on real generated text.
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
+import pytest
 from ag_ui.core import EventType
 from pydantic import TypeAdapter
 

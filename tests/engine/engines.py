@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
-from app.engine.engine import TextEngine
-from app.engine.loader import load_text_model
+from app.engine.batch.engine import TextEngine
+from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.types import GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker

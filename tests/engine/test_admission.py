@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.admission import KV_STEP, Admission, Waiting, sequence_width
+from app.engine.batch.admission import KV_STEP, Admission, Waiting, sequence_width
 from app.errors import ContextLengthError
 
 

@@ -21,9 +21,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine.disk_cache import DiskTier, open_disk_tier
-from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv_snapshot import KVLayout
+from app.engine.kv.disk_cache import DiskTier, open_disk_tier
+from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv.kv_snapshot import KVLayout
 from app.engine.mlx_internals import KVCache
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
@@ -328,7 +328,7 @@ def test_a_file_written_for_another_prompt_is_not_used(tiny_model_dir, tmp_path,
     eng = disk_engine(tiny_model_dir, tmp_path)
     other = request(eng, " Q?", system=SYSTEM.replace("sheep", "goats"))
     stop(eng)
-    from app.engine.disk_cache import _digest, _tokens_bytes
+    from app.engine.kv.disk_cache import _digest, _tokens_bytes
 
     head = other.prompt_tokens[: other.cache_prefix_len]
     key = system.name.split("-")[0]

@@ -13,13 +13,13 @@ from tokenizers import Tokenizer
 
 from app.config.mapping import encoder_limits
 from app.config.schema import EncoderParams
-from app.engine.builtin_models import (
+from app.engine.models.builtin_models import (
     MARKER_NAME,
     ensure_builtin,
     ensure_minilm,
     minilm_dir,
 )
-from app.engine.encoder import Ranking, load_encoder, plan_batches
+from app.engine.models.encoder import Ranking, load_encoder, plan_batches
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tests.fixtures.tiny_reranker import build_tiny_reranker
@@ -274,7 +274,7 @@ def test_the_engine_runs_rerank_jobs_in_turns(reranker):
     it alone, their batches taking turns (max_batch 2: several batches each)."""
     import asyncio
 
-    from app.engine.encoder_engine import EncoderEngine
+    from app.engine.batch.encoder_engine import EncoderEngine
 
     docs = ["cats sleep a lot", "the market fell sharply", "a", "dogs bark at night", "rain", "sun and sea"]
     worker = MLXWorker()

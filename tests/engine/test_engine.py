@@ -148,7 +148,7 @@ def test_cancel_frees_the_sequence(engine):
 
 def test_failing_sampler_fails_one_request_only(engine, monkeypatch):
     """A bad per-request piece fails that request; the thread and others go on."""
-    import app.engine.engine as mod
+    import app.engine.batch.engine as mod
 
     real = mod.build_sampler
 

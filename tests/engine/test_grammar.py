@@ -14,14 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine.constraints import (
+from app.engine.constrain.constraints import (
     JsonObject,
     JsonSchema,
     Reasoning,
     Tool,
     ToolCalls,
 )
-from app.engine.grammar import Grammar, compiler_for
+from app.engine.constrain.grammar import Grammar, compiler_for
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GREEDY, GenerationRequest
 from app.errors import InvalidRequestError
@@ -375,7 +375,7 @@ def test_a_limit_hit_mid_run_ends_the_sequence_with_an_error(engine):
 
 
 def test_a_limit_error_at_compile_time_names_the_limit():
-    from app.engine.grammar import _rejection
+    from app.engine.constrain.grammar import _rejection
 
     err = _rejection(JsonSchema({}), "Parser Error: Current row has 2500 items; max is 2000\n<state>...")
     assert err.code == "grammar_limit_exceeded" and err.param == "response_format"

@@ -17,11 +17,11 @@ import threading
 
 import pytest
 
-from app.engine.admission import KV_STEP
+from app.engine.batch.admission import KV_STEP
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
-from tests.fixtures.tiny_llama import build_tiny_llama
 from tests.engine.engines import make_engine, run
+from tests.fixtures.tiny_llama import build_tiny_llama
 
 # 4 layers x 4 KV heads x head_dim 64: 8 KB a token in float32, 2.25 KB at 8 bits,
 # so 16 MB (the least `mem` there is) holds 2,048 / 7,281 tokens.

@@ -15,8 +15,8 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from app.config.mapping import load_params
 from app.config.schema import ChatParams
-from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
-from app.engine.loader import load_text_model
+from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
+from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest

@@ -10,8 +10,8 @@ import pytest
 
 from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
-from app.engine.engine import TextEngine
-from app.engine.loader import activation_dtype, load_text_model
+from app.engine.batch.engine import TextEngine
+from app.engine.models.loader import activation_dtype, load_text_model
 from app.engine.params import ModelSource
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError

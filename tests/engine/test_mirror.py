@@ -19,9 +19,9 @@ import pytest
 
 from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
-from app.engine.engine import TextEngine
-from app.engine.loader import load_text_model
-from app.engine.mirror import Follower, MirrorOps
+from app.engine.batch.engine import TextEngine
+from app.engine.distributed.mirror import Follower, MirrorOps
+from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest

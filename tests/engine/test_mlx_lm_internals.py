@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from app.engine.admission import KV_STEP
-from app.engine.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
+from app.engine.batch.admission import KV_STEP
+from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
 from app.engine.mlx_internals import (
     KVCache,
     LRUPromptCache,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from app.config.schema import ROLE_ENTRIES, role_params
-from app.engine.batching import BatchingEngine
-from app.engine.encoder_engine import EncoderEngine
+from app.engine.batch.batching import BatchingEngine
+from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import ENCODER_ACTIVATION_FACTOR, ROLES
 

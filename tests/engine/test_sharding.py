@@ -6,7 +6,7 @@ import pytest
 
 from app.config.mapping import load_params
 from app.config.schema import ChatParams
-from app.engine.sharding import check_params, check_splittable
+from app.engine.distributed.sharding import check_params, check_splittable
 from app.errors import ConfigError
 from tests.fixtures.tiny_ministral import _config as ministral_config
 

@@ -6,7 +6,7 @@ import pytest
 
 from app.config.mapping import load_params
 from app.config.schema import ChatParams
-from app.engine.loader import load_text_model
+from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from tests.fixtures.tiny_ministral import DEFAULT_SYSTEM_PROMPT, SPECIAL_TOKENS, build_tiny_ministral
 

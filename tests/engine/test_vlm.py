@@ -20,9 +20,9 @@ from PIL import Image
 from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
 from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
+from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.prompt import MultimodalPrompt, TokenPrompt, completion_room, pixel_digest
 from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
-from app.engine.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, EngineError, ImageError, InvalidRequestError
 from app.vision.images import ImagePolicy

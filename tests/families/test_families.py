@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 import app.families
-from app.engine.constraints import Tool, ToolCalls
-from app.engine.grammar import Grammar, compiler_for
+from app.engine.constrain.constraints import Tool, ToolCalls
+from app.engine.constrain.grammar import Grammar, compiler_for
 from app.families import FAMILIES, REASONING_MARKERS, CallSyntax
 from app.parsers import collect, make_parser
 from tests.fixtures.tiny_llama import TOKENIZER_FILES

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine import hub as fetcher
+from app.engine.models import hub as fetcher
 from tests.conftest import REPO, free_port
 from tests.service.fake_hub import COMMIT, FakeHub
 
@@ -74,7 +74,7 @@ def test_pull_shows_progress_and_fills_the_cache_mlx_lm_reads(tmp_path, hub):
     assert hashlib.sha256((snapshot / "model.safetensors").read_bytes()).hexdigest() == weights.sha256
 
     # What the server does later, offline: mlx-lm finds the snapshot in the cache as it is.
-    check = ("from mlx_lm.utils import hf_repo_to_path; from app.engine.hub import cached_snapshot; "
+    check = ("from mlx_lm.utils import hf_repo_to_path; from app.engine.models.hub import cached_snapshot; "
              f"print(hf_repo_to_path({REPO_ID!r})); print(cached_snapshot({REPO_ID!r}, 'chat'))")
     found = subprocess.run([sys.executable, "-c", check], cwd=REPO, env={**env, "HF_HUB_OFFLINE": "1"},
                            capture_output=True, text=True, timeout=120)

@@ -12,10 +12,10 @@ import pytest
 
 from app.config.mapping import load_params, vision_engine_params
 from app.config.schema import VisionParams
+from app.engine.models.vlm import VlmEngine
 from app.engine.params import ModelSource, ModelSpec, VisionSpec
 from app.engine.registry import Registry
 from app.engine.types import GenerationRecord, GenerationRequest
-from app.engine.vlm import VlmEngine
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ModelLoadError
 from app.pipeline.request import ImagePart, Message, TextPart

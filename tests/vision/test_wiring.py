@@ -11,8 +11,8 @@ import pytest
 from app.config.loader import ResolvedConfig, resolve
 from app.config.mapping import model_spec
 from app.config.schema import ModelsFile
+from app.engine.models.vlm import VlmEngine
 from app.engine.registry import Registry
-from app.engine.vlm import VlmEngine
 from app.engine.worker import MLXWorker
 from app.pipeline.request import ImagePart, Message
 from app.vision.captioner import VlmCaptioner

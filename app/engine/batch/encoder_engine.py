@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.engine.admission import busy_error
-from app.engine.encoder import Encoder
+from app.engine.batch.admission import busy_error
+from app.engine.models.encoder import Encoder
 from app.engine.worker import MLXWorker
 from app.errors import AppError, EngineDeadError, EngineError, RateLimitError
 

@@ -23,7 +23,7 @@ Two halves, two threads. ``prepare_embed`` / ``prepare_rerank`` check and
 tokenize a request: plain Python and the Rust tokenizer (which releases the
 GIL and is never reconfigured once loaded), so a server runs them in a worker
 thread, never on the MLX thread. ``forward`` runs one batch and belongs on the
-MLX-owner thread; ``app.engine.encoder_engine`` schedules a request's batches
+MLX-owner thread; ``app.engine.batch.encoder_engine`` schedules a request's batches
 there between chat steps. ``embed`` / ``rerank`` do both in one go, in process
 (tests, benchmarks).
 
@@ -47,14 +47,14 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from app.engine.encoder_inputs import (
+from app.engine.mlx_internals import load_embedding_model
+from app.engine.models.encoder_inputs import (
     check_count,
     check_text,
     check_text_list,
     input_list,
     over_length,
 )
-from app.engine.mlx_internals import load_embedding_model
 from app.engine.params import EncoderLimits
 from app.errors import ConfigError, EngineError, InvalidRequestError
 

@@ -4,7 +4,7 @@ A chat entry with ``vision_mode: native`` is served by mlx-vlm itself: its
 chat template places one image placeholder per image part (never a string we
 guess), its processor expands each placeholder into the image's tokens, and
 its vision tower turns the pixels into the features merged at those tokens.
-``VlmEngine`` (``app.engine.vlm_engine``, re-exported here) generates with it.
+``VlmEngine`` (``app.engine.batch.vlm_engine``, re-exported here) generates with it.
 
 The discipline of vLLM's multimodal profiling (``get_supported_mm_limits``,
 dummy inputs): ``max_images_per_request`` is the model's own (refused at load
@@ -33,7 +33,6 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from app.engine.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
 from app.engine.mlx_internals import (
     vlm_image_limit,
     vlm_input_embeddings,
@@ -42,6 +41,7 @@ from app.engine.mlx_internals import (
     vlm_text_config,
     vlm_text_tokens,
 )
+from app.engine.models.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
 from app.engine.params import LoadParams
 from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage, TokenPrompt, pixel_digest, placeholder_runs
 from app.errors import ConfigError, InvalidRequestError
@@ -361,7 +361,7 @@ def _apply_template(
     )
 
 
-from app.engine.vlm_engine import VlmEngine  # noqa: E402 - re-exported: the engine half of this module
+from app.engine.batch.vlm_engine import VlmEngine  # noqa: E402 - re-exported: the engine half of this module
 
 __all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image", "load_vlm",
            "profile_worst_case", "prompt_inputs"]

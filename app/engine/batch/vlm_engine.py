@@ -1,6 +1,6 @@
 """The native VLM engine: mlx-vlm's BatchGenerator driven from the MLX-owner thread.
 
-The request lifecycle is ``BatchingEngine``'s (``app.engine.batching``), as for
+The request lifecycle is ``BatchingEngine``'s (``app.engine.batch.batching``), as for
 ``TextEngine``: admission under the KV budget with ``max_queue`` /
 ``queue_timeout``, a client that leaves cancels its sequence, one bad request
 fails alone, a ``GenerationRecord`` to the listeners whenever a generation ends,
@@ -36,18 +36,18 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from app.engine.batching import BatchingEngine, Seq
+from app.engine.batch.batching import BatchingEngine, Seq
+from app.engine.batch.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
+from app.engine.batch.stops import StopMatcher
 from app.engine.mlx_internals import new_vlm_batch_generator, new_vlm_detokenizer, vlm_input_embeddings
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt
-from app.engine.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
-from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ContextLengthError, EngineError, ImageError
 
 if TYPE_CHECKING:
-    from app.engine.vlm import LoadedVlm
+    from app.engine.models.vlm import LoadedVlm
 
 log = logging.getLogger("tandem.engine")
 
@@ -64,7 +64,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
 
     def __init__(self, worker: MLXWorker, loaded: LoadedVlm, params: EngineParams) -> None:
         super().__init__(worker, loaded, params)
-        from app.engine.vlm import VlmPrompts
+        from app.engine.models.vlm import VlmPrompts
 
         # The processor's one job per prompt runs here, on the MLX thread.
         self.prompts = VlmPrompts(loaded, lambda fn: worker.submit(fn).result())
@@ -132,7 +132,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         seq = self._starting.popleft()
         req = seq.req
         try:
-            from app.engine.vlm import prompt_inputs
+            from app.engine.models.vlm import prompt_inputs
 
             ids = list(req.prompt.tokens)
             kwargs = vlm_input_embeddings(self.loaded.model, prompt_inputs(req.prompt))

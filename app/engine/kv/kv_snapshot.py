@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from app.engine.kv_files import FORMAT, DamagedFileError, Tensor
-from app.engine.kv_quant import SeqQuantizedKVCache
+from app.engine.kv.kv_files import FORMAT, DamagedFileError, Tensor
+from app.engine.kv.kv_quant import SeqQuantizedKVCache
 from app.engine.mlx_internals import KVCache, make_prompt_cache
 
 DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32", mx.int32: "I32",

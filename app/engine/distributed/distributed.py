@@ -34,11 +34,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.control import ControlClient, ControlError, ControlServer
-from app.engine.engine import TextEngine
-from app.engine.mirror import DesyncError, Follower, MirrorOps
+from app.engine.batch.engine import TextEngine
+from app.engine.distributed.control import ControlClient, ControlError, ControlServer
+from app.engine.distributed.mirror import DesyncError, Follower, MirrorOps
+from app.engine.distributed.sharding import load_shard
 from app.engine.params import ModelSpec
-from app.engine.sharding import load_shard
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, EngineDeadError
 

@@ -16,7 +16,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from app.engine.disk_cache import DiskEntry, DiskTier
+from app.engine.kv.disk_cache import DiskEntry, DiskTier
 from app.engine.types import CacheTierStats
 
 log = logging.getLogger("tandem.engine")

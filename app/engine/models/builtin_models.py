@@ -26,14 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from app.engine.demo_model import (
+from app.engine.models.demo_model import (
     DEMO_MODEL_NAME,
     cache_root,
     ensure_demo_model,
     prepare_once,
     wheel_file,
 )
-from app.engine.gguf import publish_dir
+from app.engine.models.gguf import publish_dir
 from app.errors import ConfigError
 
 MINILM_NAME = "all-minilm-l6-v2"

@@ -38,7 +38,7 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
-from app.engine.constraints import (
+from app.engine.constrain.constraints import (
     Constraint,
     JsonSchema,
     Reasoning,

@@ -1,6 +1,6 @@
 """The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
 
-The request lifecycle is ``BatchingEngine``'s (``app.engine.batching``): the
+The request lifecycle is ``BatchingEngine``'s (``app.engine.batch.batching``): the
 inbox, admission against the KV budget (``admission``: what MLX will really
 allocate), cancellations, queue expiry, stop strings, one ``GenerationRecord``
 to the listeners per generation, failing one request or one batch step alone.
@@ -26,7 +26,7 @@ keeps its reservation, and is inserted again with that KV once no interactive
 request waits.
 
 Every BatchGenerator, prompt-cache and KV-cache call goes through ``ops``
-(``app.engine.mirror.BatchOps``): made here, or, distributed, made here and
+(``app.engine.distributed.mirror.BatchOps``): made here, or, distributed, made here and
 replayed on every other rank.
 """
 
@@ -40,18 +40,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.admission import sequence_width
-from app.engine.batching import BatchingEngine, Seq
-from app.engine.disk_cache import disk_root, open_disk_tier
-from app.engine.kv_snapshot import probe_layout
-from app.engine.loader import KV_GROUP_SIZE, LoadedModel
-from app.engine.mirror import LOCAL_OPS, BatchOps
+from app.engine.batch.admission import sequence_width
+from app.engine.batch.batching import BatchingEngine, Seq
+from app.engine.batch.sampling import build_logits_processors, build_sampler
+from app.engine.batch.stops import StopMatcher
+from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
+from app.engine.kv.disk_cache import disk_root, open_disk_tier
+from app.engine.kv.kv_snapshot import probe_layout
+from app.engine.kv.prefix_cache import UNBOUNDED, PrefixCache
 from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
+from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
-from app.engine.prefix_cache import UNBOUNDED, PrefixCache
 from app.engine.prompt import MultimodalPrompt, TextPrompts
-from app.engine.sampling import build_logits_processors, build_sampler
-from app.engine.stops import StopMatcher
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -83,7 +83,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                  ops: BatchOps = LOCAL_OPS) -> None:
         super().__init__(worker, loaded, params)
         # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
-        # (distributed, app.engine.mirror) made here and replayed by every other rank.
+        # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
         self.ops = ops
         self.prompts = TextPrompts(self.tokenizer)
         self.bytes_per_token = loaded.kv.bytes_per_token

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from app.engine.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv_snapshot import KVLayout, check_finite, export_cache, restore_cache
+from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv.kv_snapshot import KVLayout, check_finite, export_cache, restore_cache
 from app.engine.types import CacheTierStats
 
 log = logging.getLogger("tandem.engine")
@@ -378,7 +378,7 @@ def disk_root(configured: str | None) -> Path:
         return Path(configured).expanduser()
     if env := os.environ.get("TANDEM_PROMPT_CACHE_DIR"):
         return Path(env).expanduser()
-    from app.engine.demo_model import cache_root
+    from app.engine.models.demo_model import cache_root
 
     return cache_root() / "prompt-cache"
 

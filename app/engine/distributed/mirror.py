@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from app.engine.kv_quant import make_quantized_prompt_cache
+from app.engine.kv.kv_quant import make_quantized_prompt_cache
 from app.engine.mlx_internals import LRUPromptCache, new_batch_generator, trim_prompt_cache
 
 log = logging.getLogger("tandem.distributed")
@@ -110,7 +110,7 @@ def _handle(cache: Any) -> int:
     handle = getattr(cache, "handle", None)
     if handle is None:
         raise DesyncError("a cache that did not come through MirrorOps reached it (distributed mode "
-                          "mirrors every cache it hands out; see app/engine/mirror.py)")
+                          "mirrors every cache it hands out; see app/engine/distributed/mirror.py)")
     return int(handle)
 
 

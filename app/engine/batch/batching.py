@@ -1,7 +1,7 @@
 """What both batching engines share: a request's lifecycle around a batch generator.
 
-``TextEngine`` (``app.engine.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
-(``app.engine.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
+``TextEngine`` (``app.engine.batch.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
+(``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
 sequence is started and what happens around a batch step differ. A request's way
 through, in either:
 
@@ -39,13 +39,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from app.engine.admission import Admission, Waiting, busy_error
-from app.engine.channel import OpenStreams, TokenChannel
-from app.engine.loader import KVGeometry
+from app.engine.batch.admission import Admission, Waiting, busy_error
+from app.engine.batch.channel import OpenStreams, TokenChannel
+from app.engine.batch.sampling import reset_random_state, token_logprob
+from app.engine.batch.stops import StopMatcher
+from app.engine.models.loader import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.prompt import PromptBuilder
-from app.engine.sampling import reset_random_state, token_logprob
-from app.engine.stops import StopMatcher
 from app.engine.types import (
     ConstraintProcessor,
     EngineStats,

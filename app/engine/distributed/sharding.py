@@ -16,8 +16,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from app.engine.loader import LoadedModel, activation_dtype, apply_params, kv_geometry, loaded_model, model_source
 from app.engine.mlx_internals import sharded_load, sharding_support
+from app.engine.models.loader import (
+    LoadedModel,
+    activation_dtype,
+    apply_params,
+    kv_geometry,
+    loaded_model,
+    model_source,
+)
 from app.engine.params import LoadParams, ModelSource
 from app.errors import ConfigError
 

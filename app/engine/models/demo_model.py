@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from app.engine.gguf import conversion_is_current, convert_gguf, remove_partials
+from app.engine.models.gguf import conversion_is_current, convert_gguf, remove_partials
 from app.errors import ConfigError
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"

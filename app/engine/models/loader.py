@@ -34,10 +34,10 @@ KV_GROUP_SIZE = 64
 
 def model_source(entry: ModelSource, role: str = "chat") -> str:
     """The local directory mlx-lm / mlx-vlm / mlx-embeddings load ``entry`` from. A hub id is
-    resolved here to its verified snapshot (``app.engine.hub``: the cache, else a checked
+    resolved here to its verified snapshot (``app.engine.models.hub``: the cache, else a checked
     download of what the loader of ``role`` needs), so no loader ever downloads by itself."""
     if entry.builtin:
-        from app.engine.builtin_models import ensure_builtin
+        from app.engine.models.builtin_models import ensure_builtin
 
         return str(ensure_builtin(entry.builtin))
     if entry.local_path:
@@ -46,8 +46,8 @@ def model_source(entry: ModelSource, role: str = "chat") -> str:
             raise ConfigError(f"model {entry.name!r}: local_path {path} is not a directory")
         return str(path)
     if entry.weight_file:
-        from app.engine.demo_model import cache_root
-        from app.engine.gguf import convert_gguf
+        from app.engine.models.demo_model import cache_root
+        from app.engine.models.gguf import convert_gguf
 
         gguf = Path(entry.weight_file).expanduser()
         if not gguf.is_file():
@@ -57,7 +57,7 @@ def model_source(entry: ModelSource, role: str = "chat") -> str:
             convert_gguf(gguf, out)
         return str(out)
     assert entry.hf_id is not None
-    from app.engine.hub import local_snapshot
+    from app.engine.models.hub import local_snapshot
 
     return str(local_snapshot(entry.name, entry.hf_id, role))
 
@@ -211,7 +211,7 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
     read from the config (a shard holds part of the KV)."""
     kv = kv or kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
     if params.kv_cache_bits is not None:
-        from app.engine.kv_quant import check_quantizable
+        from app.engine.kv.kv_quant import check_quantizable
 
         try:
             check_quantizable(model, kv.head_dim, params.kv_cache_bits, KV_GROUP_SIZE)
@@ -219,7 +219,7 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
-    from app.engine.kv_snapshot import kv_identity
+    from app.engine.kv.kv_snapshot import kv_identity
 
     identity = kv_identity(model, source, {
         "activation_dtype": str(activation_dtype(model)), "dtype": params.dtype, "quantization": params.quantization,
