@@ -111,3 +111,15 @@ def test_engine_subpackages_say_what_they_hold():
     for package in sorted(p for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"):
         init = package / "__init__.py"
         assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{package} needs a docstring"
+
+
+def test_the_command_line_starts_without_mlx():
+    """`tandem pull`, `ps` and `service` import the CLI and the HTTP side's error shapes, never MLX or
+    transformers: a hub error is one line (transformers warns on import) and the commands stay fast."""
+    import subprocess
+    import sys
+
+    code = "import sys, app.cli; print(sorted(m for m in ('mlx', 'transformers', 'mlx_lm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=APP.parent).stdout.strip()
+    assert out == "[]"

@@ -21,14 +21,15 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from litestar import Request
 from litestar.response import Stream
 
-from app.pipeline.pipeline import Pipeline, Prepared
-from app.pipeline.results import Step
+if TYPE_CHECKING:  # annotations only: `tandem pull` and friends import the HTTP side without MLX
+    from app.pipeline.pipeline import Pipeline, Prepared
+    from app.pipeline.results import Step
 
 T = TypeVar("T")
 
