@@ -30,7 +30,6 @@ from app.api.openai.responses import create_response, delete_response, get_respo
 from app.api.rerank import rerank
 from app.api.state import AppState
 from app.config.loader import ResolvedConfig
-from app.config.mapping import load_params, model_spec
 from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
@@ -38,6 +37,7 @@ from app.engine.roles import ROLES
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
+from app.specs import load_params, model_spec
 
 log = logging.getLogger("tandem")
 

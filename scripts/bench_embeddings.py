@@ -80,10 +80,10 @@ def bench_embeddings(model_path: Path | None = None, seconds: float = 5.0) -> di
     import mlx.core as mx
     import mlx_embeddings.utils  # type: ignore[import-untyped]  # noqa: F401 - its import cost, apart from the load
 
-    from app.config.mapping import encoder_limits
     from app.config.schema import EncoderParams
     from app.engine.models.builtin_models import ensure_minilm
     from app.engine.models.encoder import load_encoder
+    from app.specs import encoder_limits
 
     imported, import_s = rss_mb(), time.perf_counter() - start
     path = model_path or ensure_minilm(progress=False)

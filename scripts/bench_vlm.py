@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from PIL import Image  # noqa: E402
 
-from app.config.mapping import engine_params, load_params  # noqa: E402
 from app.config.schema import ChatParams  # noqa: E402
 from app.engine.mlx_internals import vlm_prompt_inputs  # noqa: E402
 from app.engine.models.vlm import VlmEngine, load_vlm, render_vlm_prompt  # noqa: E402
 from app.engine.types import GenerationRequest  # noqa: E402
 from app.engine.worker import MLXWorker  # noqa: E402
+from app.specs import engine_params, load_params  # noqa: E402
 
 
 def picture(seed: int, side: int) -> Image.Image:

@@ -4,6 +4,7 @@
     api  ->  vision    ->  engine
          pipeline, vision  ->  messages (the conversation's types: a leaf)
          engine, parsers  ->  families (the model families' data: a leaf)
+    main, specs  ->  config, engine   (side by side; both  ->  kinds, a leaf)
 
 engine and parsers never import the API layer, the pipeline, Litestar or
 pydantic; families (the model families' data, which the engine's grammar and
@@ -11,7 +12,8 @@ the parsers both read) import nothing of the app; the pipeline never imports
 the API layer, Litestar or vision (main wires the vision proxy and the native
 image reader into it); vision never imports the API layer, Litestar or the
 pipeline (the messages it rewrites are ``app.messages``, below both); config
-reaches into the engine only for the frozen params types it builds; service (the
+and the engine never import each other (app/specs.py maps one onto the other, and
+the value kinds both name are the leaf app/kinds.py); service (the
 CLI's service, pull, ps and models commands) talks to the server over HTTP, never
 through its modules. Every import counts, ``if TYPE_CHECKING:`` ones included.
 """
@@ -33,8 +35,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                   "app.pipeline", "app.errors", "mlx", "llguidance"), ()),
     "vision": (("litestar", "pydantic", "app.api", "app.pipeline"), ()),
     "pipeline": (("litestar", "pydantic", "app.api", "app.vision"), ()),
-    "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"),
-               ("app.engine.params",)),
+    "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"), ()),
     # The service commands are clients of the server (HTTP) and of the service manager.
     "service": (("litestar", "uvicorn", "app.api", "app.pipeline", "app.parsers", "app.vision", "app.main",
                  "app.httpserver"), ()),
@@ -123,3 +124,11 @@ def test_the_command_line_starts_without_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=APP.parent).stdout.strip()
     assert out == "[]"
+
+
+def test_the_leaf_modules_import_nothing_of_the_app():
+    """app/kinds.py (the value kinds config and the engine share) and app/messages.py (the
+    conversation's types) sit below everything that names them."""
+    for leaf in ("kinds.py", "messages.py"):
+        inside = [n for n in imports(APP / leaf) if _under(n, "app")]
+        assert not inside, f"app/{leaf} imports {inside}"

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, SecretStr, Tag, model_validator
 
-from app.engine.params import Distributed, Dtype, KVBits, PromptCacheMode, Quantization
+from app.kinds import Distributed, Dtype, KVBits, PromptCacheMode, Quantization
 
 VisionMode = Literal["disabled", "proxy", "native"]
 BUILTIN_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")

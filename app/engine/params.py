@@ -1,6 +1,6 @@
 """The engine's own frozen parameters, and every knob it has.
 
-``app.config.mapping`` builds these from a models.yaml entry (pydantic, validated
+``app.specs`` builds these from a models.yaml entry (pydantic, validated
 there); the engine never sees pydantic. A knob that models.yaml sets has no default
 here: its one default and description are on the schema's field of the same name
 (``app/config/schema.py``; renamed ones say so). Knobs with a default here are the
@@ -11,13 +11,8 @@ engine's own, not configurable. The value types models.yaml offers (``Dtype``,
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-Dtype = Literal["float16", "bfloat16", "float32"]
-Quantization = Literal["q4", "q8"]
-KVBits = Literal[4, 8]
-Distributed = Literal["tensor", "pipeline"]
-PromptCacheMode = Literal["off", "system", "first_message", "prefix"]
+from app.kinds import Distributed, Dtype, KVBits, PromptCacheMode, Quantization
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One served model, from its models.yaml entry (``app.config.mapping.model_spec``)."""
+    """One served model, from its models.yaml entry (``app.specs.model_spec``)."""
 
     name: str
     role: str  # chat | embedding | rerank | vision (a VLM that captions for proxy-mode chat models)

@@ -15,7 +15,7 @@ typed by its handle. The config side's twin is ``app/config/schema.py``'s
 ``ROLE_ENTRIES`` (role -> entry -> params); a test checks the two name the same
 roles. A new role (a draft model, speech-to-text) is its engine module, a row
 here, its entry and row in ``schema.py`` and its params' mapping in
-``app/config/mapping.py``; the registry is not edited (``Registry.acquire(name,
+``app/specs.py``; the registry is not edited (``Registry.acquire(name,
 api, HandleClass)``).
 """
 

@@ -12,11 +12,11 @@ from pydantic import BaseModel, ValidationError
 
 from app.config import schema
 from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
-from app.config.mapping import engine_params, load_params, model_spec
 from app.config.schema import ChatEntry, ChatParams, EmbeddingEntry, EncoderParams, ModelsFile, VisionParams
 from app.engine.params import EncoderLimits, EngineParams, LoadParams, VisionSpec
 from app.engine.types import SamplingParams
 from app.errors import ConfigError
+from app.specs import engine_params, load_params, model_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

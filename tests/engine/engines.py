@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.types import GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
+from app.specs import engine_params, load_params
 
 
 def make_engine(path, **params) -> TextEngine:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from app.config.mapping import encoder_limits
 from app.config.schema import EncoderParams
 from app.engine.models.builtin_models import (
     MARKER_NAME,
@@ -22,6 +21,7 @@ from app.engine.models.builtin_models import (
 from app.engine.models.encoder import Ranking, load_encoder, plan_batches
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ContextLengthError, InvalidRequestError
+from app.specs import encoder_limits
 from tests.fixtures.tiny_reranker import build_tiny_reranker
 
 SENTENCES = [

@@ -13,7 +13,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from app.config.mapping import load_params
 from app.config.schema import ChatParams
 from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache, make_quantized_prompt_cache
 from app.engine.models.loader import load_text_model
@@ -21,6 +20,7 @@ from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from app.errors import ConfigError
+from app.specs import load_params
 from tests.engine.engines import make_engine, run
 from tests.fixtures.tiny_llama import build_tiny_llama
 

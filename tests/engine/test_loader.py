@@ -8,13 +8,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
 from app.engine.models.loader import activation_dtype, load_text_model
 from app.engine.params import ModelSource
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError
+from app.specs import engine_params, load_params
 
 
 def load(path, **params):

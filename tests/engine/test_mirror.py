@@ -17,7 +17,6 @@ import time
 import mlx.core as mx
 import pytest
 
-from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
 from app.engine.distributed.mirror import Follower, MirrorOps
@@ -26,6 +25,7 @@ from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
 from app.engine.worker import MLXWorker
+from app.specs import engine_params, load_params
 from tests.engine.engines import run
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.config.mapping import load_params
 from app.config.schema import ChatParams
 from app.engine.distributed.sharding import check_params, check_splittable
 from app.errors import ConfigError
+from app.specs import load_params
 from tests.fixtures.tiny_ministral import _config as ministral_config
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.config.mapping import load_params
 from app.config.schema import ChatParams
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
+from app.specs import load_params
 from tests.fixtures.tiny_ministral import DEFAULT_SYSTEM_PROMPT, SPECIAL_TOKENS, build_tiny_ministral
 
 THINK = "[THINK]The user wants weather.[/THINK]It is sunny"

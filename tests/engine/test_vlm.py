@@ -17,7 +17,6 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from app.config.mapping import engine_params, load_params
 from app.config.schema import ChatParams
 from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
 from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
@@ -25,6 +24,7 @@ from app.engine.prompt import MultimodalPrompt, TokenPrompt, completion_room, pi
 from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, EngineError, ImageError, InvalidRequestError
+from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy
 from tests.engine.engines import run
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl

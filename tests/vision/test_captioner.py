@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from app.config.mapping import load_params, vision_engine_params
 from app.config.schema import VisionParams
 from app.engine.models.vlm import VlmEngine
 from app.engine.params import ModelSource, ModelSpec, VisionSpec
@@ -19,6 +18,7 @@ from app.engine.types import GenerationRecord, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ModelLoadError
 from app.pipeline.request import ImagePart, Message, TextPart
+from app.specs import load_params, vision_engine_params
 from app.vision.cache import CaptionCache
 from app.vision.captioner import CAPTION_REQUEST_ID, Captioner, VlmCaptioner, image_then_text, render_prompt
 from app.vision.images import ImagePolicy, load_image

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from app.config.loader import ResolvedConfig, resolve
-from app.config.mapping import model_spec
 from app.config.schema import ModelsFile
 from app.engine.models.vlm import VlmEngine
 from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
 from app.pipeline.request import ImagePart, Message
+from app.specs import model_spec
 from app.vision.captioner import VlmCaptioner
 from app.vision.wiring import build_proxy
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl

@@ -1,7 +1,8 @@
 """models.yaml entries -> the engine's frozen parameter types.
 
-The one place where the pydantic schema (``schema``) meets the engine's own
-dataclasses (``app/engine/params.py``): the engine never imports pydantic. The
+The one place where the pydantic schema (``app.config.schema``) meets the engine's own
+dataclasses (``app/engine/params.py``), above both: config and the engine sit side by
+side and never import each other (the engine never sees pydantic, config never sees MLX). The
 dataclasses have no defaults for what models.yaml sets, so every value comes from
 the schema, defaults included; code and tests that need engine params build them
 here (``engine_params(ChatParams(mem=64))``).
