@@ -80,7 +80,7 @@ def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpe
         load=load_params(p) if isinstance(p, ChatParams | VisionParams) else None,
         engine=engine_params(p) if isinstance(p, ChatParams) else vision_engine_params(p) if isinstance(p, VisionParams)
         else None,
-        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request)
+        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request, p.vision_feature_cache_mb * 2**20)
         if vlm and isinstance(p, ChatParams | VisionParams) else None,
         encoder=EncoderSpec(p.dtype, encoder_limits(p)) if isinstance(p, EncoderParams) else None,
     )

@@ -137,6 +137,10 @@ class _ImageParams(_Params):
     min_pixels: int = Field(
         default=28 * 28, ge=1, description="Smallest image (in pixels) the VLM sees: smaller ones are resized up.")
     max_images_per_request: int = Field(default=8, ge=1, description="Images one request may carry.")
+    vision_feature_cache_mb: int = Field(
+        default=64, ge=0, description="MB for the vision tower's output per image (keyed by the image's decoded "
+        "pixels, its processor settings and the request's cache scope), so an image seen before skips the tower; "
+        "counted in the model's memory next to its weights, LRU-evicted beyond it; 0 turns it off.")
 
 
 class ChatParams(_ImageParams, _DefaultSampling, _PromptCacheParams, _QueueParams, _BatchParams, _WeightParams):
@@ -154,6 +158,9 @@ class VisionParams(_ImageParams, _QueueParams, _BatchParams, _WeightParams):
     mem: int = Field(
         default=256, ge=16, description="KV-cache memory budget in MB of the captioning engine: a caption is one "
         "image's tokens and a short answer, so less than a chat model needs.")
+    vision_feature_cache_mb: int = Field(
+        default=0, ge=0, description="MB for the vision tower's output per image; off by default here, since the "
+        "proxy's caption cache already keys captions by the image's pixels.")
 
 
 class EncoderParams(_QueueParams, _WeightParams):

@@ -67,6 +67,11 @@ mlx-vlm
 - ``model.get_input_embeddings(input_ids, pixel_values, mask=, **processor_extras)
   .to_dict()``: the prompt's embeddings with the image features merged in, and
   the model's position extras (Qwen2-VL's M-RoPE ``position_ids``, ``rope_deltas``);
+  with ``cached_image_features=`` (Qwen2-VL, Qwen2.5-VL) it merges those rows in place
+  of running the vision tower; ``model.vision_tower(pixel_values, grid_thw,
+  output_hidden_states=False)`` there gives one row per image token, image after
+  image, each image's rows its own (block-diagonal attention over ``grid_thw``),
+  which is what lets ``vision_features`` encode and cache images one by one;
   ``model.language_model``; ``model.config.text_config`` (a dataclass);
 - ``utils.should_add_special_tokens(model_type, processor)``, the rule
   ``mlx_vlm.generate`` applies before ``prepare_inputs``; without images,
@@ -124,6 +129,8 @@ list and the contract tests in step):
     <vlm processor>.tokenizer.stopping_criteria.reset
     <vlm processor>.clean_output
     <vlm model>.get_input_embeddings
+    <vlm model>.get_input_embeddings.cached_image_features
+    <vlm model>.vision_tower
     <vlm model>.language_model
     <vlm model>.config.text_config
     mlx_embeddings.utils.load_model
@@ -166,6 +173,8 @@ __all__ = [
     "vlm_clean_output",
     "vlm_image_limit",
     "vlm_input_embeddings",
+    "vlm_encode_images",
+    "vlm_feature_rows",
     "vlm_language_model",
     "vlm_prompt_inputs",
     "vlm_text_config",
@@ -319,15 +328,41 @@ def vlm_text_tokens(model: Any, processor: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add)["input_ids"])
 
 
-def vlm_input_embeddings(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+def vlm_input_embeddings(model: Any, inputs: dict[str, Any], image_features: Any = None) -> dict[str, Any]:
     """The ``prompt_kwargs`` BatchGenerator.insert takes for one prompt: its
-    embeddings with the image features merged in (this runs the vision tower),
-    and the model's position extras, as mlx-vlm's own server builds them."""
+    embeddings with the image features merged in, and the model's position extras,
+    as mlx-vlm's own server builds them. The vision tower runs here unless
+    ``image_features`` (``vlm_encode_images``' rows for every image, in order) are given."""
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    cached = {"cached_image_features": image_features} if image_features is not None else {}
     features = model.get_input_embeddings(
-        inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extras
+        inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extras, **cached
     )
     return {**extras, **{k: v for k, v in features.to_dict().items() if v is not None}}
+
+
+# Model types whose get_input_embeddings takes ``cached_image_features`` and whose vision
+# tower maps (pixel_values, grid_thw) to one row per image token (read from mlx-vlm 0.7.x).
+_FEATURE_CACHE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+
+def vlm_feature_rows(model: Any, inputs: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """For a model whose image features can be cached image by image: each image's rows
+    in ``inputs["pixel_values"]`` as (start, count), in prompt order. None otherwise."""
+    if model.config.model_type not in _FEATURE_CACHE_MODEL_TYPES or inputs.get("image_grid_thw") is None:
+        return None
+    rows, start = [], 0
+    for t, h, w in inputs["image_grid_thw"].tolist():
+        rows.append((start, t * h * w))
+        start += t * h * w
+    return rows
+
+
+def vlm_encode_images(model: Any, pixel_values: Any, grid_thw: Any) -> Any:
+    """The vision tower on some images' patches (rows of ``pixel_values``, one
+    ``grid_thw`` row each): their features, one row per image token, image after image."""
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    return model.vision_tower(pixel_values.astype(dtype), grid_thw, output_hidden_states=False)
 
 
 def vlm_language_model(model: Any) -> Any:

@@ -114,6 +114,7 @@ class VisionSpec:
     max_pixels: int
     min_pixels: int
     max_images: int  # schema: max_images_per_request
+    feature_cache_bytes: int  # schema: vision_feature_cache_mb (in bytes)
 
 
 @dataclass(frozen=True)

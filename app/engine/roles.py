@@ -92,8 +92,10 @@ def _load_vlm(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded
     v = spec.vision
     vlm = load_vlm(path, spec.load, name=spec.name, max_pixels=v.max_pixels, min_pixels=v.min_pixels,
                    max_images=v.max_images)
-    # The worst-case images' peak through the vision tower counts with the weights.
-    return VlmEngine(ctx.worker, vlm, spec.engine), vlm.weights_bytes + vlm.profile_peak_bytes
+    # The worst-case images' peak through the vision tower, and the cap on cached
+    # image features, count with the weights.
+    engine = VlmEngine(ctx.worker, vlm, spec.engine, feature_cache_bytes=v.feature_cache_bytes)
+    return engine, vlm.weights_bytes + vlm.profile_peak_bytes + v.feature_cache_bytes
 
 
 def _load_chat(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded]:

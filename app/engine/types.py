@@ -140,9 +140,11 @@ class GenerationRecord:
 
 @dataclass
 class CacheTierStats:
-    """One prefix-cache tier's figures (``memory``, ``disk``), for /health and /metrics."""
+    """One cache's (or prefix-cache tier's: ``memory``, ``disk``) figures, for /health and /metrics."""
 
     hits: int = 0
+    # Lookups that found nothing (counted by the vision-feature cache).
+    misses: int = 0
     # Prompt tokens served from this tier (prefill they saved).
     tokens: int = 0
     bytes: int = 0
@@ -180,6 +182,11 @@ class EngineStats:
     kv_max_sequence_tokens: int = 0
     # Per prefix-cache tier: "memory", and "disk" when it is on.
     prompt_cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
+    # A native VLM's vision-feature cache (None: none); its ``tokens`` are image tokens served.
+    vision_feature_cache: CacheTierStats | None = None
+    # Images the vision tower encoded, and its seconds in all.
+    vision_encoded_images: int = 0
+    vision_encode_s: float = 0.0
 
 
 class ModelHandle(Protocol):

@@ -75,6 +75,9 @@ BEHAVIOUR = {
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),
+    "<vlm model>.get_input_embeddings.cached_image_features": (
+        M, "test_vlm_cached_image_features_merge_in_place_of_the_tower"),
+    "<vlm model>.vision_tower": (M, "test_vlm_vision_tower_gives_each_image_its_own_rows"),
     "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
     "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
 }

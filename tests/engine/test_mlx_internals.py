@@ -57,6 +57,37 @@ def test_vlm_input_embeddings_gives_embeds_and_positions(vlm):
     assert text_only["inputs_embeds"].shape[:2] == (1, 3)
 
 
+def test_vlm_vision_tower_gives_each_image_its_own_rows(vlm):
+    """One row per image token, image after image; an image encoded alone gives the rows
+    it has among others (the vision-feature cache encodes and keeps images one by one)."""
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(2), [image(1), Image.new("RGB", (60, 120), "red")])
+    rows = mi.vlm_feature_rows(model, inputs)
+    grid = inputs["image_grid_thw"]
+    assert rows is not None and len(rows) == 2 and rows[1][0] == rows[0][1]
+    both = mi.vlm_encode_images(model, inputs["pixel_values"], grid)
+    tokens = [n // 4 for _, n in rows]  # 2x2 patches per token
+    assert both.shape == (sum(tokens), model.config.text_config.hidden_size)
+    for i, (start, n) in enumerate(rows):
+        alone = mi.vlm_encode_images(model, inputs["pixel_values"][start:start + n], grid[i:i + 1])
+        at = sum(tokens[:i])
+        assert mx.allclose(alone, both[at:at + tokens[i]], atol=1e-5).item()
+    assert mi.vlm_feature_rows(model, {"input_ids": inputs["input_ids"]}) is None
+
+
+def test_vlm_cached_image_features_merge_in_place_of_the_tower(vlm):
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    ran = mi.vlm_input_embeddings(model, inputs)
+    features = mi.vlm_encode_images(model, inputs["pixel_values"], inputs["image_grid_thw"])
+    given = mi.vlm_input_embeddings(model, inputs, features)
+    assert mx.array_equal(given["inputs_embeds"], ran["inputs_embeds"]).item()
+    assert mx.array_equal(given["position_ids"], ran["position_ids"]).item()
+    # Other features in: they are what is merged (the tower did not run).
+    other = mi.vlm_input_embeddings(model, inputs, features * 0)
+    assert not mx.array_equal(other["inputs_embeds"], ran["inputs_embeds"]).item()
+
+
 def test_vlm_batch_generator_insert_next_remove(vlm):
     model, processor, prompt = vlm
     bg = mi.new_vlm_batch_generator(model, processor, max_num_seqs=2, prefill_batch_size=1, prefill_step_size=16)

@@ -48,7 +48,8 @@ def spec(path: Path, name: str = "tiny-vl", role: str = "vision", idle: float | 
     return ModelSpec(name=name, role=role, source=ModelSource(name, local_path=str(path)), aliases=(), preload=False,
                      pin=False, max_queue=params.max_queue, queue_timeout_s=params.queue_timeout_s,
                      load=load_params(params), engine=vision_engine_params(params),
-                     vision=VisionSpec(max_pixels=MAX_PIXELS, min_pixels=28 * 28, max_images=1), idle_unload_s=idle)
+                     vision=VisionSpec(max_pixels=MAX_PIXELS, min_pixels=28 * 28, max_images=1, feature_cache_bytes=0),
+                     idle_unload_s=idle)
 
 
 def serve(worker: MLXWorker, *specs: ModelSpec) -> tuple[Registry, list[GenerationRecord]]:

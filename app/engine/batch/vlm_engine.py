@@ -39,10 +39,11 @@ import mlx.core as mx
 from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
 from app.engine.batch.stops import StopMatcher
-from app.engine.mlx_internals import new_vlm_batch_generator, new_vlm_detokenizer, vlm_input_embeddings
+from app.engine.mlx_internals import new_vlm_batch_generator, new_vlm_detokenizer
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt
 from app.engine.types import EngineStats, GenerationRequest
+from app.engine.vision_features import FeatureCache, input_embeddings
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ContextLengthError, EngineError, ImageError
 
@@ -62,8 +63,11 @@ class _Seq(Seq):
 class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
     """Continuous batching for one loaded native VLM, images and text alike."""
 
-    def __init__(self, worker: MLXWorker, loaded: LoadedVlm, params: EngineParams) -> None:
+    def __init__(self, worker: MLXWorker, loaded: LoadedVlm, params: EngineParams, *,
+                 feature_cache_bytes: int = 0) -> None:
         super().__init__(worker, loaded, params)
+        # The vision tower's output per image (``app.engine.vision_features``); 0 bytes: none.
+        self.features = FeatureCache(feature_cache_bytes) if feature_cache_bytes > 0 else None
         from app.engine.models.vlm import VlmPrompts
 
         # The processor's one job per prompt runs here, on the MLX thread.
@@ -72,9 +76,10 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         self._starting: deque[_Seq] = deque()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
-            "vlm %s: KV %d bytes/token, budget %d tokens, at most %d image(s) per request; EngineParams %s",
+            "vlm %s: KV %d bytes/token, budget %d tokens, at most %d image(s) per request, vision-feature "
+            "cache %.1f MB; EngineParams %s",
             loaded.name, loaded.kv.bytes_per_token, self.admission.budget_tokens, loaded.max_images,
-            params.to_log_string(),
+            feature_cache_bytes / 2**20, params.to_log_string(),
         )
 
     # ---- called from the event loop -------------------------------------------------
@@ -83,9 +88,17 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         """Leave the MLX loop and drop the model (an unload). MLX thread only, idle."""
         super().close()
         self._bg = None
+        if self.features is not None:
+            self.features.clear()
 
     def stats(self) -> EngineStats:
-        return replace(super().stats(), active=len(self._running) + len(self._starting))
+        f = self.features
+        return replace(
+            super().stats(), active=len(self._running) + len(self._starting),
+            vision_feature_cache=f.stats() if f is not None else None,
+            vision_encoded_images=f.encoded if f is not None else 0,
+            vision_encode_s=f.encode_s if f is not None else 0.0,
+        )
 
     async def _open(self, req: GenerationRequest) -> _Seq:
         self._check_open()
@@ -135,7 +148,9 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             from app.engine.models.vlm import prompt_inputs
 
             ids = list(req.prompt.tokens)
-            kwargs = vlm_input_embeddings(self.loaded.model, prompt_inputs(req.prompt))
+            images = req.prompt.images if isinstance(req.prompt, MultimodalPrompt) else ()
+            kwargs = input_embeddings(self.loaded.model, prompt_inputs(req.prompt), images, self.features,
+                                      req.cache_namespace, self.loaded.max_pixels, self.loaded.min_pixels)
             processors = build_logits_processors(req.sampling)
             if req.constraint is not None:  # masks before the sampling processor draws
                 seq.constraint = req.constraint.processor(len(ids))

@@ -1,0 +1,120 @@
+"""The vision-feature cache: the vision tower's output per image, so an image seen before
+skips the tower even when the text around it changed.
+
+Open WebUI resends every earlier image on every turn, and a new conversation about the
+same screenshot sends it again: the tower's work on those pixels is the same each time.
+What one image's features depend on, and so what its key holds:
+
+    scope        the request's cache namespace (API key, cache_salt): features never
+                 cross scopes, as the text prefix cache's prefixes do not
+    digest       sha256 of the decoded, resized pixels (``PromptImage.digest``): the
+                 same picture as PNG, lossless WebP or from another URL is one key,
+                 two pictures behind one URL are two
+    processor    the model's max_pixels / min_pixels, and the image's patch grid as
+                 the processor made it (its resize): the shape the tower saw
+
+The value is the tower's rows for that image (one per image token, as the processor
+expanded its placeholder), an MLX array that stays on the MLX thread. The cache is an
+LRU bounded in bytes (``vision_feature_cache_mb``), counted in the model's memory
+budget next to its weights and the worst-case profile (``app.engine.roles``); an
+entry larger than the whole cap is not kept. Models whose mlx-vlm class cannot take
+features from outside (``mlx_internals.vlm_feature_rows`` None) encode every time.
+MLX thread only, except ``stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from app.engine.mlx_internals import vlm_encode_images, vlm_feature_rows, vlm_input_embeddings
+from app.engine.prompt import PromptImage
+from app.engine.types import CacheTierStats
+
+
+class FeatureCache:
+    """An LRU of per-image vision features, at most ``max_bytes`` in all."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, mx.array] = OrderedDict()
+        self._bytes = 0
+        self._stats = CacheTierStats(budget_bytes=max_bytes)
+        # The vision tower's own runs: images encoded, and their seconds in all.
+        self.encoded = 0
+        self.encode_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: str) -> mx.array | None:
+        """The features under ``key`` (now the most recently used), or None; counted."""
+        value = self._entries.get(key)
+        if value is None:
+            self._stats.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self._stats.hits += 1
+        self._stats.tokens += int(value.shape[0])
+        return value
+
+    def put(self, key: str, features: mx.array) -> None:
+        """Keep ``features`` under ``key``, evicting the least recently used beyond the cap."""
+        size = int(features.nbytes)
+        if size > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= int(old.nbytes)
+        self._entries[key] = features
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= int(evicted.nbytes)
+            self._stats.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def stats(self) -> CacheTierStats:
+        """Hits, misses, evictions, bytes and entries now (``tokens``: image tokens served)."""
+        return replace(self._stats, bytes=self._bytes, entries=len(self._entries))
+
+
+def feature_key(scope: str, image: PromptImage, grid: Sequence[int], max_pixels: int, min_pixels: int) -> str:
+    """One image's key: its scope, its pixels, and what shaped the tower's input."""
+    return "\x00".join((scope, image.digest, f"{max_pixels}/{min_pixels}", "x".join(map(str, grid))))
+
+
+def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,
+                     scope: str, max_pixels: int, min_pixels: int) -> dict[str, Any]:
+    """``vlm_input_embeddings`` for one prompt, each image's features from ``cache`` when
+    it holds them, the rest through the vision tower (then kept). MLX thread."""
+    rows = vlm_feature_rows(model, inputs) if cache is not None and images else None
+    if cache is None or rows is None or len(rows) != len(images):
+        return vlm_input_embeddings(model, inputs)
+    grids = inputs["image_grid_thw"].tolist()
+    keys = [feature_key(scope, img, grid, max_pixels, min_pixels) for img, grid in zip(images, grids, strict=True)]
+    features: list[mx.array | None] = [cache.get(k) for k in keys]
+    missing = [i for i, f in enumerate(features) if f is None]
+    for i in missing:  # one image at a time: each entry owns exactly its rows
+        started = time.perf_counter()
+        start, count = rows[i]
+        encoded = vlm_encode_images(model, inputs["pixel_values"][start:start + count], mx.array([grids[i]]))
+        mx.eval(encoded)
+        cache.encode_s += time.perf_counter() - started
+        cache.encoded += 1
+        features[i] = encoded
+        cache.put(keys[i], encoded)
+    merged = mx.concatenate([f for f in features if f is not None], axis=0)
+    return vlm_input_embeddings(model, inputs, merged)
