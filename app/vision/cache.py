@@ -1,8 +1,12 @@
-"""Caption cache: an LRU of captions keyed by image bytes, prompt and model.
+"""Caption cache: an LRU of captions keyed by image pixels, prompt and model.
 
 Chat UIs such as Open WebUI send the whole conversation on every turn, images
 included, so without this cache every turn would caption every earlier image
-again. It lives on the event loop (no lock): the proxy is its only user.
+again. The image's part of the key is the hash of its decoded pixels as the
+captioner sees them (``app.engine.prompt.pixel_digest``), not of its bytes: one
+picture sent as PNG, as lossless WebP or from another URL is captioned once, as
+a native VLM's vision-feature cache encodes it once. It lives on the event loop
+(no lock): the proxy is its only user.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import NamedTuple
 class CaptionKey(NamedTuple):
     """What a caption depends on."""
 
-    sha256: str  # of the image's raw bytes
+    pixels: str  # sha256 of the decoded pixels the captioner takes (``pixel_digest``)
     prompt: str  # the text the VLM was asked with
     model: str  # the captioner's name
 

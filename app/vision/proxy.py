@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from app.engine.prompt import pixel_digest
 from app.errors import AppError, ImageError, InvalidRequestError
 from app.messages import ImagePart, Message
 from app.vision.cache import CaptionCache, CaptionKey
@@ -55,11 +56,13 @@ FAILED = "[Image {n}: could not be described]"
 
 @dataclass
 class _Image:
-    """An image's bytes and hash; decoded only when it must be checked or captioned."""
+    """An image's bytes, their hash and its pixels' hash; decoded only when it must be
+    checked or captioned (a repeat's pixel hash is remembered from its first decode)."""
 
     sha256: str
     raw: bytes
     param: str
+    pixels: str
     loaded: LoadedImage | None = None
 
 
@@ -129,9 +132,10 @@ class VisionProxy:
         # One image at a time: VLM work never runs concurrently with itself, and
         # a request waiting here finds a caption another request just made.
         self._lock = asyncio.Lock()
-        # Hashes of images that decoded cleanly under this policy: chat UIs resend
-        # every earlier image on every turn, and a repeat should cost a hash, not a decode.
-        self._known: OrderedDict[str, None] = OrderedDict()
+        # Images that decoded cleanly under this policy, by bytes hash and decode size, with
+        # their pixel hash: chat UIs resend every earlier image on every turn, and a repeat
+        # should cost a hash, not a decode.
+        self._known: OrderedDict[tuple[str, int | None], str] = OrderedDict()
         self._known_max = max(64, cache.max_entries)
 
     async def rewrite(self, messages: Sequence[Message]) -> ProxyResult:
@@ -170,14 +174,17 @@ class VisionProxy:
         """Read the bytes; decode them (the check) unless this exact image decoded before."""
         raw = await read_image_async(part.url, self.policy, param=part.param)
         sha = hashlib.sha256(raw).hexdigest()
-        if sha in self._known:
-            self._known.move_to_end(sha)
-            return _Image(sha, raw, part.param)
+        known = (sha, self._decode_pixels())
+        pixels = self._known.get(known)
+        if pixels is not None:
+            self._known.move_to_end(known)
+            return _Image(sha, raw, part.param, pixels)
         loaded = await self._decode_small(raw, part.param)
-        self._known[sha] = None
+        pixels = await asyncio.to_thread(pixel_digest, loaded.image)
+        self._known[known] = pixels
         if len(self._known) > self._known_max:
             self._known.popitem(last=False)
-        return _Image(sha, raw, part.param, loaded)
+        return _Image(sha, raw, part.param, pixels, loaded)
 
     async def _decoded(self, image: _Image) -> LoadedImage:
         if image.loaded is None:
@@ -188,11 +195,13 @@ class VisionProxy:
         """Decode straight to what the VLM will see (a thumbnail with no VLM: the
         decode is the check), so a request's images wait small, not at up to
         max_image_pixels each."""
+        return await decode_image_async(raw, self.policy, param=param, max_pixels=self._decode_pixels())
+
+    def _decode_pixels(self) -> int | None:
         if self.captioner is None:
-            max_pixels: int | None = THUMBNAIL_PIXELS
-        else:
-            max_pixels = getattr(self.captioner, "max_pixels", None)
-        return await decode_image_async(raw, self.policy, param=param, max_pixels=max_pixels)
+            return THUMBNAIL_PIXELS
+        max_pixels: int | None = getattr(self.captioner, "max_pixels", None)
+        return max_pixels
 
     def _check_count(self, parts: list[tuple[int, ImagePart]]) -> None:
         check_image_count([p.param for _, p in parts], self.policy.max_images_per_request)
@@ -217,7 +226,7 @@ class VisionProxy:
         """Caption one image through the cache; None if the VLM failed on it."""
         captioner = self.captioner
         assert captioner is not None
-        key = CaptionKey(image.sha256, captioner.prompt(user_text), captioner.name)
+        key = CaptionKey(image.pixels, captioner.prompt(user_text), captioner.name)
         started = time.perf_counter()
         caption = self.cache.get(key)
         cached = caption is not None
@@ -238,10 +247,10 @@ class VisionProxy:
     ) -> CaptionInfo:
         latency_ms = (time.perf_counter() - started) * 1000
         logger.info(
-            "image %d (message %d, sha256 %s): %s in %.0f ms; cache %s",
+            "image %d (message %d, pixels %s): %s in %.0f ms; cache %s",
             n,
             i,
-            image.sha256[:12],
+            image.pixels[:12],
             "cache hit" if cached else "captioned",
             latency_ms,
             self.cache.stats(),

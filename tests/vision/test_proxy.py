@@ -158,6 +158,40 @@ def test_same_image_twice_in_one_request_is_captioned_once():
     assert [c.cached for c in result.captions] == [False, True]
 
 
+def test_captions_are_keyed_by_pixels_not_bytes():
+    """The same picture as PNG, as lossless WebP, or from a file: one caption; two
+    different pictures at one URL (a file rewritten between turns): two captions."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    from tests.vision.sample_images import striped_bytes
+
+    png = striped_bytes(4)
+    buf = BytesIO()
+    Image.open(BytesIO(png)).save(buf, format="WEBP", lossless=True)
+    webp = data_url(buf.getvalue(), "image/webp")
+    assert buf.getvalue() != png
+    fake = FakeCaptioner()
+    proxy = make(fake)
+    rewrite(proxy, [user("What is this?", img(data_url(png)))])
+    result = rewrite(proxy, [user("What is this?", img(webp))])
+    assert len(fake.calls) == 1 and [c.cached for c in result.captions] == [True]
+
+
+def test_one_url_with_new_pixels_is_captioned_again(tmp_path):
+    fake = FakeCaptioner()
+    proxy = make(fake, allowed_file_dir=tmp_path)
+    path = tmp_path / "shot.png"
+    url = path.as_uri()
+    path.write_bytes(image_bytes((255, 0, 0)))
+    first = rewrite(proxy, [user("What is this?", img(url))])
+    path.write_bytes(image_bytes((0, 255, 0)))
+    second = rewrite(proxy, [user("What is this?", img(url))])
+    assert len(fake.calls) == 2
+    assert text_of(first.messages[0]).endswith("red square") and text_of(second.messages[0]).endswith("green square")
+
+
 def test_concurrent_requests_caption_serially_and_once_per_image():
     fake = FakeCaptioner()
     proxy = make(fake)
