@@ -65,6 +65,8 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     stats = asdict(report.engine) if report.engine is not None else None
     body["engine"] = {**(stats or {"alive": ok}), "error": report.error}
     body["vision"] = _vision(report.vision)
+    if report.captions is not None:
+        body["vision"]["caption_cache"] = report.captions
     body["distributed"] = report.distributed
     return body, 200 if ok else 503
 

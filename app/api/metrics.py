@@ -19,7 +19,9 @@ scrape time by a collector. Each app has its own registry.
     tandem_kv_cache_bytes                         bytes MLX's KV caches hold (rows, paused, memory tier)
     tandem_prompt_cache_tier_{hits,tokens,evictions}_total{model,tier}, ..._tier_{bytes,entries}{model,tier}
     tandem_prompt_cache_disk_writes_total{model,outcome}, tandem_prompt_cache_disk_damaged_total{model}
-    tandem_caption_cache_hits_total, tandem_caption_cache_misses_total, tandem_caption_cache_entries
+    tandem_vision_feature_cache_{hits,misses,evictions,tokens}_total{model}, ..._{bytes,entries}{model}
+    tandem_vision_encoded_images_total{model}, tandem_vision_encode_seconds_total{model}   the tower's own runs
+    tandem_caption_cache_{hits,misses,evictions}_total, tandem_caption_cache_{entries,bytes}
     tandem_encoder_jobs_running{model}, tandem_encoder_jobs_waiting{model}   embedding / rerank jobs now
     tandem_encoder_jobs_total{model,outcome}      ended jobs: done, cancelled (client gone), error
     tandem_encoder_batches_total{model}, tandem_encoder_tokens_total{model}   batches run, tokens encoded
@@ -125,6 +127,7 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
         yield from _tier_metrics(figures.chat)
+        yield from _feature_metrics(figures.chat)
         yield from _encoder_metrics(figures.encoders)
         yield from _model_metrics(figures.memory)
         cache = figures.captions
@@ -133,8 +136,38 @@ class _StateCollector(Collector):
                                       value=cache["hits"])
             yield CounterMetricFamily("tandem_caption_cache_misses", "Images that had to be captioned.",
                                       value=cache["misses"])
+            yield CounterMetricFamily("tandem_caption_cache_evictions", "Captions evicted to stay within the "
+                                      "cache's entries.", value=cache["evictions"])
             yield GaugeMetricFamily("tandem_caption_cache_entries", "Captions held by the cache.",
                                     value=cache["entries"])
+            yield GaugeMetricFamily("tandem_caption_cache_bytes", "UTF-8 bytes of the captions held.",
+                                    value=cache["bytes"])
+
+
+def _feature_metrics(engines: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """Each loaded native VLM's vision-feature cache, and its vision tower's own runs."""
+    caches = [(name, s.vision_feature_cache) for name, s in engines if s.vision_feature_cache is not None]
+    for name, help_, kind in (
+        ("hits", "Images whose features came from the cache.", CounterMetricFamily),
+        ("misses", "Images the cache did not hold (encoded by the vision tower).", CounterMetricFamily),
+        ("evictions", "Images' features evicted to stay within vision_feature_cache_mb.", CounterMetricFamily),
+        ("tokens", "Image tokens whose features came from the cache.", CounterMetricFamily),
+        ("bytes", "Bytes of image features the cache holds.", GaugeMetricFamily),
+        ("entries", "Images whose features the cache holds.", GaugeMetricFamily),
+    ):
+        family = kind(f"tandem_vision_feature_cache_{name}", help_, labels=["model"])
+        for model, c in caches:
+            family.add_metric([model], getattr(c, name))
+        yield family
+    images = CounterMetricFamily("tandem_vision_encoded_images", "Images run through the vision tower.",
+                                 labels=["model"])
+    seconds = CounterMetricFamily("tandem_vision_encode_seconds", "Seconds the vision tower ran.", labels=["model"])
+    for model, s in engines:
+        if s.vision_feature_cache is not None:
+            images.add_metric([model], s.vision_encoded_images)
+            seconds.add_metric([model], s.vision_encode_s)
+    yield images
+    yield seconds
 
 
 def _encoder_metrics(stats: list[tuple[str, EncoderStats]]) -> Iterator[Metric]:

@@ -78,6 +78,9 @@ class Health:
     engine: EngineStats | None
     vision: VisionReport
     distributed: dict[str, Any] | None
+    # The proxy caption cache's counters (hits, misses, evictions, bytes, entries), when the
+    # default model has one; a native VLM's vision-feature cache is in ``engine``.
+    captions: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class Figures:
     chat: list[tuple[str, EngineStats]]
     encoders: list[tuple[str, EncoderStats]]
     memory: dict[str, Any]
-    # The proxy caption cache's counters (hits, misses, entries), when the default model has one.
+    # The proxy caption cache's counters (hits, misses, evictions, bytes, entries), when the
+    # default model has one.
     captions: dict[str, int] | None
 
 
@@ -164,7 +168,8 @@ class Runtime:
         dead = self.worker.dead
         return Health(self.worker.alive, repr(dead) if dead else None, self.default_model, self.registry.snapshot(),
                       engine.stats() if engine is not None else None, VisionReport.of(self.vision),
-                      self.distributed.health() if self.distributed is not None else None)
+                      self.distributed.health() if self.distributed is not None else None,
+                      self.vision.proxy.cache.stats() if self.vision.proxy is not None else None)
 
     def figures(self) -> Figures:
         registry = self.registry

@@ -33,6 +33,9 @@ class CaptionCache:
         self.max_entries = max_entries
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
+        # UTF-8 bytes of the captions held.
+        self.bytes = 0
         self._entries: OrderedDict[CaptionKey, str] = OrderedDict()
 
     def get(self, key: CaptionKey) -> str | None:
@@ -49,10 +52,15 @@ class CaptionCache:
         """Store ``caption``, evicting the least recently used entry when full."""
         if self.max_entries == 0:
             return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old.encode())
         self._entries[key] = caption
-        self._entries.move_to_end(key)
+        self.bytes += len(caption.encode())
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= len(evicted.encode())
+            self.evictions += 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,6 +71,7 @@ class CaptionCache:
     def clear(self) -> None:
         """Drop every entry; counters are kept."""
         self._entries.clear()
+        self.bytes = 0
 
     def stats(self) -> dict[str, int]:
         """Counters for logs and a metrics endpoint."""
@@ -71,4 +80,6 @@ class CaptionCache:
             "max_entries": self.max_entries,
             "hits": self.hits,
             "misses": self.misses,
+            "evictions": self.evictions,
+            "bytes": self.bytes,
         }

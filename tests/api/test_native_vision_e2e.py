@@ -105,3 +105,30 @@ def test_counted_tokens_are_the_prompts_exact_tokens(native):
     used = ask(native, url).usage.prompt_tokens
     text_only = ask(native).usage.prompt_tokens
     assert counted.json()["input_tokens"] == used > text_only
+
+
+def test_a_repeated_image_skips_the_tower_and_shows_in_metrics_and_health(native):
+    """Another question about the same picture: its features come from the cache (counted
+    in /metrics), the answer is what a cold encode gave; another cache_salt encodes anew."""
+    from tests.api.test_metrics import scrape
+
+    url = data_url(striped_bytes(11))
+    before = scrape(native)
+    first = ask(native, url, text="What is in the picture?")
+    again = ask(native, url, text="Describe the colours, please.")
+    salted = ask(native, url, text="Describe the colours, please.", extra_body={"cache_salt": "someone else"})
+    after = scrape(native)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('tandem_vision_feature_cache_hits_total{model="qwen"}') == 1
+    assert delta('tandem_vision_feature_cache_misses_total{model="qwen"}') == 2
+    assert delta('tandem_vision_encoded_images_total{model="qwen"}') == 2  # not three: one skipped the tower
+    assert after['tandem_vision_feature_cache_bytes{model="qwen"}'] > 0
+    assert 'tandem_vision_feature_cache_evictions_total{model="qwen"}' in after
+    assert again.choices[0].message.content == salted.choices[0].message.content, "cached = encoded anew"
+    assert first.usage.prompt_tokens > 0
+    # The default (proxy) model's caption cache in /health, with its new counters.
+    cache = native.get("/health").json()["vision"]["caption_cache"]
+    assert {"hits", "misses", "evictions", "bytes", "entries"} <= set(cache)

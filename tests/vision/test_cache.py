@@ -17,7 +17,18 @@ def test_hit_and_miss_counters():
     cache.put(key("a"), "a cat")
     assert cache.get(key("a")) == "a cat"
     assert (cache.hits, cache.misses) == (1, 1)
-    assert cache.stats() == {"entries": 1, "max_entries": 4, "hits": 1, "misses": 1}
+    assert cache.stats() == {"entries": 1, "max_entries": 4, "hits": 1, "misses": 1, "evictions": 0, "bytes": 5}
+
+
+def test_evictions_and_bytes_are_counted():
+    cache = CaptionCache(max_entries=2)
+    for name in "abc":
+        cache.put(key(name), f"caption {name}")
+    cache.put(key("c"), "ç")  # replaced, not added: its old bytes go
+    assert cache.stats() == {"entries": 2, "max_entries": 2, "hits": 0, "misses": 0, "evictions": 1,
+                              "bytes": len("caption b") + 2}
+    cache.clear()
+    assert cache.stats()["bytes"] == 0
 
 
 def test_every_key_field_matters():
