@@ -129,6 +129,9 @@ def test_a_repeated_image_skips_the_tower_and_shows_in_metrics_and_health(native
     assert 'tandem_vision_feature_cache_evictions_total{model="qwen"}' in after
     assert again.choices[0].message.content == salted.choices[0].message.content, "cached = encoded anew"
     assert first.usage.prompt_tokens > 0
+    health = native.get("/health").json()
+    # The cache's cap (vision_feature_cache_mb, 64 by default) counts in the model's memory.
+    assert health["models"]["qwen"]["memory_mb"]["weights"] >= 64
     # The default (proxy) model's caption cache in /health, with its new counters.
-    cache = native.get("/health").json()["vision"]["caption_cache"]
+    cache = health["vision"]["caption_cache"]
     assert {"hits", "misses", "evictions", "bytes", "entries"} <= set(cache)

@@ -11,15 +11,49 @@ A request's way through, on the MLX thread:
     stream(req)      the prompt's exact tokens are known (``VlmPrompts.build`` ran the
                      processor at prepare time): admission reserves the real KV
     admit            against the KV budget, interactive before background
-    encode           the vision tower on the processor's inputs (one request per
-                     loop turn, so running streams keep moving): its embeddings
+    encode           each image's features from the vision-feature cache, the others
+                     through the vision tower (one request per loop turn, so running
+                     streams keep moving), merged into the prompt's embeddings
     BatchGenerator   prefill and decode, batched with every other running request
 
 What is batched: prefill (``prefill_batch_size`` prompts at a time, in chunks of
 ``prefill_chunk_size``) and decode of every running request, images or not.
 What is serialized: the vision tower, one request's images at a time between
 batch steps; its memory is what the load-time worst-case profile measured.
-Not here (``TextEngine`` has them): the prefix cache, pausing background work.
+
+Caches (issue 22). What the installed mlx-vlm (0.7.x) allows decides the design:
+
+- The vision-feature cache (``app.engine.vision_features``) is ours and complete:
+  ``get_input_embeddings`` merges image features at the placeholder tokens
+  (``merge_input_ids_with_image_features``: the tower's rows, one per image token,
+  image after image) and, for Qwen2-VL and Qwen2.5-VL, takes them ready-made as
+  ``cached_image_features``. So each image's rows are kept under its pixel digest,
+  processor settings and cache scope, and only images not held go through the tower.
+  The prompt's embeddings are still built whole for each request (a token lookup,
+  cheap); only the tower's work is saved.
+- A prefix cache (KV reuse, as ``TextEngine._insert`` does with mlx-lm's
+  ``insert_segments(caches=, all_tokens=)``) is NOT here, because mlx-vlm's
+  ``BatchGenerator`` gives no way in or out for a row's KV:
+  ``insert(prompts, max_tokens, prompt_kwargs, logits_processors,
+  thinking_budget_criteria, attention_mask)`` takes no cache; the only warm start
+  is ``_build_mixed_prompt_batch``, reached only with mlx-vlm's own APC
+  (``apc_manager=APCManager(...)``: its block pool, hash chain and SSD tier, set up
+  from environment variables), whose rows' KV comes from that manager and goes back
+  into it after prefill (``apc_meta``); generation responses carry ``uid, token,
+  token_logprob, finish_reason, top_logprobs`` and no cache, ``remove(uid)`` returns
+  a bool, and a finished row is filtered out of ``GenerationBatch`` inside ``next()``.
+  Feeding ``app.engine.kv.PrefixCache`` would mean replacing ``_next`` and the prompt
+  and generation batches' internals: a fork. The two ways on: upstream a
+  ``caches=`` argument to ``insert`` and a ``return_prompt_caches`` on ``remove`` and
+  finished responses (then the key is the prompt's tokens with each placeholder run
+  standing for its ``PromptImage.digest``, scoped as the text engine's); or adopt
+  mlx-vlm's APC with ``_apc_semantic_hash`` set per prompt from the scope and the
+  image digests, its pool taken out of ``mem`` and counted by admission (it salts a
+  whole prompt with one image hash, so a turn that adds an image misses the lot,
+  and it keeps its own disk tier beside ours). So ``cached_tokens`` stays 0 here.
+
+Not here either (``TextEngine`` has it): pausing background work.
+
 Per-request sampling rides on mlx-vlm's per-row logits processors
 (``sampling_processor``), since its sampler is one for the whole batch. That
 processor leaves only the sampled token, so mlx-vlm's own logprobs would say
