@@ -35,7 +35,8 @@ Caches (issue 22). What the installed mlx-vlm (0.7.x) allows decides the design:
   ``insert_segments(caches=, all_tokens=)``) is NOT here, because mlx-vlm's
   ``BatchGenerator`` gives no way in or out for a row's KV:
   ``insert(prompts, max_tokens, prompt_kwargs, logits_processors,
-  thinking_budget_criteria, attention_mask)`` takes no cache; the only warm start
+  thinking_budget_criteria, attention_mask)`` takes no cache (the constructor's
+  ``prompt_cache=`` is accepted and never read); the only warm start
   is ``_build_mixed_prompt_batch``, reached only with mlx-vlm's own APC
   (``apc_manager=APCManager(...)``: its block pool, hash chain and SSD tier, set up
   from environment variables), whose rows' KV comes from that manager and goes back
