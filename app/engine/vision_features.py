@@ -105,16 +105,17 @@ def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[Prompt
         return vlm_input_embeddings(model, inputs)
     grids = inputs["image_grid_thw"].tolist()
     keys = [feature_key(scope, img, grid, max_pixels, min_pixels) for img, grid in zip(images, grids, strict=True)]
-    features: list[mx.array | None] = [cache.get(k) for k in keys]
-    missing = [i for i, f in enumerate(features) if f is None]
-    for i in missing:  # one image at a time: each entry owns exactly its rows
-        started = time.perf_counter()
-        start, count = rows[i]
-        encoded = vlm_encode_images(model, inputs["pixel_values"][start:start + count], mx.array([grids[i]]))
-        mx.eval(encoded)
-        cache.encode_s += time.perf_counter() - started
-        cache.encoded += 1
-        features[i] = encoded
-        cache.put(keys[i], encoded)
-    merged = mx.concatenate([f for f in features if f is not None], axis=0)
+    features: list[mx.array] = []
+    for i, key in enumerate(keys):  # in order: an image twice in one prompt is encoded once
+        found = cache.get(key)
+        if found is None:  # one image at a time: each entry owns exactly its rows
+            started = time.perf_counter()
+            start, count = rows[i]
+            found = vlm_encode_images(model, inputs["pixel_values"][start:start + count], mx.array([grids[i]]))
+            mx.eval(found)
+            cache.encode_s += time.perf_counter() - started
+            cache.encoded += 1
+            cache.put(key, found)
+        features.append(found)
+    merged = mx.concatenate(features, axis=0)
     return vlm_input_embeddings(model, inputs, merged)

@@ -115,6 +115,14 @@ def test_two_images_one_cached_one_new(worker, loaded, tower_calls):
     assert generate(uncached, request(uncached, "Compare them", [a, b])) == both
 
 
+def test_one_image_twice_in_a_prompt_is_encoded_once(worker, loaded, tower_calls):
+    cached, uncached = make_engine(worker, loaded, 8), make_engine(worker, loaded, 0)
+    photo = decoded(striped_bytes(12))
+    twice = generate(cached, request(cached, "Same?", [photo, photo]))
+    assert len(tower_calls) == 1
+    assert generate(uncached, request(uncached, "Same?", [photo, photo])) == twice
+
+
 def test_the_same_pixels_in_png_and_lossless_webp_hit(worker, loaded, tower_calls):
     engine = make_engine(worker, loaded, 8)
     png = striped_bytes(7)
