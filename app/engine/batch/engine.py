@@ -14,8 +14,20 @@ What is this engine's own:
                      prefill reaches it)
     each token       logprobs straight from mlx-lm's responses; a finished
                      conversation's KV goes to the prefix cache (``prompt_cache: prefix``)
+    before each step every row's reservation grown to what it holds plus a KV step
+                     (``_fit_reservations``), and the prefill chunk sized by time
+                     while rows decode (``pacing``: the step's time budget, at the
+                     prefill rate measured on this model)
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
+
+Memory: when the rows' growth does not fit the KV budget, the prefix cache is
+evicted first, then the lowest-priority row (background first, then the widest,
+then the newest) leaves the batch: its KV goes to the prefix cache (and the disk
+tier), its reservation is given back, and it waits at the head of the queue, to
+resume from that prefix when room returns (``_pause_for_memory``). Its sampler,
+processors and detokenizer stay with it, so at temperature 0 its output is what
+it would have been.
 
 Priority: while an interactive request waits for its first token (queued, or
 in prefill), background requests (titles, tags, follow-ups) are not admitted,
@@ -35,6 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +55,7 @@ import mlx.core as mx
 
 from app.engine.batch.admission import KV_STEP, prefill_span, reservation, sequence_width
 from app.engine.batch.batching import BatchingEngine, Seq
+from app.engine.batch.pacing import PrefillPacer
 from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
@@ -85,7 +99,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     """Continuous batching for one loaded chat model."""
 
     def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
-                 ops: BatchOps = LOCAL_OPS) -> None:
+                 ops: BatchOps = LOCAL_OPS, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(worker, loaded, params)
         # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
         # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
@@ -112,6 +126,11 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         # Rows paused because the KV budget could not take their growth.
         self.memory_pauses = 0
         self._paused: deque[_Seq] = deque()
+        # Prefill chunks sized by time while rows decode (``pacing``), timed on ``clock``.
+        self.pacer = PrefillPacer(params.prefill_chunk_size, params.prefill_step_ms / 1000)
+        self._clock = clock
+        self._progress: dict[int, int] = {}
+        self._prefilled = 0
         self._last_wait_log = 0.0
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
@@ -190,6 +209,19 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         else:
             self._resume_background()
         self._admit_and_insert(background=not interactive_waits)
+
+    def _batch_step(self) -> bool:
+        """One step with its prefill chunk sized by time (``pacing``) and timed for the next."""
+        decoding = any(not s.prefilling for s in self._running.values())
+        prompts = min(sum(s.prefilling for s in self._running.values()), self.params.prefill_batch_size)
+        chunk = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        if chunk != self._bg.prefill_step_size:
+            self._bg.prefill_step_size = chunk
+        self._prefilled = 0
+        start = self._clock()
+        busy = super()._batch_step()
+        self.pacer.observe(prefilled=self._prefilled, decoding=decoding, seconds=self._clock() - start)
+        return busy
 
     def _settle(self) -> None:
         """After a step: the memory tier within what the reservations leave of the budget
@@ -415,6 +447,15 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="system")
 
     def _on_prompt_progress(self, responses: list[Any]) -> None:
+        # Prompt tokens this step prefilled: each row's progress since its last step.
+        for r in responses:
+            if r.end_of_prompt:
+                self._progress.pop(r.uid, None)
+            else:
+                self._prefilled += r.progress[0] - self._progress.get(r.uid, 0)
+                self._progress[r.uid] = r.progress[0]
+        if len(self._progress) > len(self._running):  # rows removed in prefill
+            self._progress = {uid: n for uid, n in self._progress.items() if uid in self._running}
         for r in responses:
             seq = self._running.get(r.uid)
             if seq and r.end_of_prompt:
