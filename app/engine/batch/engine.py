@@ -454,7 +454,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             else:
                 self._prefilled += r.progress[0] - self._progress.get(r.uid, 0)
                 self._progress[r.uid] = r.progress[0]
-        if len(self._progress) > len(self._running):  # rows removed in prefill
+        if any(uid not in self._running for uid in self._progress):  # rows removed in prefill
             self._progress = {uid: n for uid, n in self._progress.items() if uid in self._running}
         for r in responses:
             seq = self._running.get(r.uid)
