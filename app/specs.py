@@ -41,6 +41,7 @@ def engine_params(p: ChatParams) -> EngineParams:
         max_num_seqs=p.max_num_seqs,
         prefill_chunk_size=p.prefill_chunk_size,
         prefill_batch_size=min(p.prefill_batch_size, p.max_num_seqs),
+        prefill_step_ms=p.prefill_step_ms,
         max_queue=p.max_queue,
         queue_timeout_s=p.queue_timeout_s,
         prompt_cache=p.prompt_cache,

@@ -38,6 +38,9 @@ It measures, in this order (one server at a time, so they never compete):
  12. bodies: RSS after 100 requests whose body carries 0.9 MB of `{}` in a field
      the server ignores, each on its own connection, against RSS after 10: what
      a request leaves behind once answered (a plateau, not a climb).
+ 13. pacing: the longest and the median gap between the tokens of a decoding stream
+     while a long prompt is prefilled beside it, with prefill chunks sized by time
+     (`prefill_step_ms` 250) against fixed `prefill_chunk_size` chunks (0).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -68,10 +71,12 @@ sys.path.insert(0, str(REPO))
 PROFILES = {
     "cpu": {"decode_tokens": 32, "concurrency": [1, 4, 8], "stream_tokens": 16, "system_tokens": 300,
             "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256,
-            "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2},
+            "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2,
+            "pacing_prompt_tokens": 600, "pacing_stream_tokens": 64},
     "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
              "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096,
-             "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2},
+             "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2,
+             "pacing_prompt_tokens": 8000, "pacing_stream_tokens": 256},
 }
 
 
@@ -484,6 +489,37 @@ async def bench_priority(base: str, model: str) -> tuple[float, float]:
     return alone, busy
 
 
+async def bench_pacing(base: str, model: str, prof: dict) -> dict[str, float]:
+    """Gaps between a decoding stream's tokens while a long prompt is prefilled beside it
+    (from that prompt's submission to its first token), and how long that prefill took."""
+    url = base + "/v1/chat/completions"
+
+    def chat(content: str, max_tokens: int) -> dict:
+        return {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await one_stream(client, url, chat("Hello, are you there?", 2))  # warm up
+        stamps: list[float] = []
+        decoding = asyncio.Event()
+
+        async def stream() -> None:
+            body = {**chat("Tell me a long story.", prof["pacing_stream_tokens"]), "stream": True}
+            async with client.stream("POST", url, json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        stamps.append(time.perf_counter())
+                        decoding.set()
+
+        task = asyncio.create_task(stream())
+        await decoding.wait()
+        long = await one_stream(client, url, chat(system_prompt(prof["pacing_prompt_tokens"]), 1))
+        await task
+    begin, end = long["start"], long["start"] + long["ttft"]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > begin and a < end]
+    return {"max_gap": max(gaps), "p50_gap": statistics.median(gaps), "prefill_s": long["ttft"]}
+
+
 async def bench_models(base: str, loaded: str, cold: str) -> dict[str, float]:
     """TTFT of a loaded model, then of one that must load first; then the gaps of a
     stream on the loaded model while a third copy loads."""
@@ -586,7 +622,7 @@ def bench_bodies(base: str, model: str, pid: int, total: int = 100, early: int =
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing")
 
 
 def main() -> None:
@@ -785,6 +821,22 @@ def main() -> None:
             stop(ours)
         ratios.append(f"RSS after 100 requests of 0.9 MB of {{}} / after 10: {late:.0f} MB / {early:.0f} MB = "
                       f"{late / early:.3f}   (target <= 1.1)")
+
+    if "pacing" in run:
+        # No prefix cache: each run prefills the long prompt in full.
+        paced = {}
+        for step_ms in (250, 0):
+            ours, base = serve(prompt_cache="off", prefill_step_ms=step_ms)
+            try:
+                paced[step_ms] = asyncio.run(bench_pacing(base, name, prof))
+            finally:
+                stop(ours)
+            print(f"prefill_step_ms {step_ms}: {paced[step_ms]}")
+        on, off = paced[250], paced[0]
+        ratios.append(f"longest token gap of a stream beside a {prof['pacing_prompt_tokens']}-token prefill, "
+                      f"time-sized chunks / fixed: {on['max_gap']:.2f}s / {off['max_gap']:.2f}s = "
+                      f"{on['max_gap'] / off['max_gap']:.3f}   (median gap {on['p50_gap']:.2f}s / "
+                      f"{off['p50_gap']:.2f}s; the prefill {on['prefill_s']:.0f}s / {off['prefill_s']:.0f}s)")
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

@@ -114,7 +114,8 @@ class _StateCollector(Collector):
             ("tandem_requests_paused", total("paused"), "Background sequences paused for interactive work."),
             ("tandem_kv_budget_tokens", total("kv_budget_tokens"), "KV-cache budget in tokens (mem), loaded models."),
             ("tandem_kv_reserved_tokens", total("kv_reserved_tokens"),
-             "KV tokens reserved: running and paused rows x (the widest + an allocation step)."),
+             "KV tokens reserved: running and paused rows x (the widest reservation, what a row holds + its next "
+             "allocation step, grown as it decodes + a step unused)."),
             ("tandem_prompt_cache_bytes", total("prompt_cache_bytes"), "Bytes held by the prefix caches."),
             ("tandem_kv_cache_bytes", total("kv_cache_bytes"),
              "Bytes MLX's KV caches hold: batch rows, paused sequences, the prefix caches' memory tiers."),

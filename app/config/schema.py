@@ -74,6 +74,11 @@ class _BatchParams(_Params):
         default=512, ge=16, description="Largest prompt slice prefilled in one step, so decoding streams keep moving.")
     prefill_batch_size: int = Field(
         default=8, ge=1, le=256, description="Prompts prefilled together in one step (capped at max_num_seqs).")
+    prefill_step_ms: int = Field(
+        default=250, ge=0, description="While other streams decode, each prefill chunk is sized (at most "
+        "prefill_chunk_size) so that a batch step takes about this long, at the prefill rate measured on this "
+        "model: a long prompt no longer stalls every stream beside it for a whole chunk per token. With nothing "
+        "decoding, chunks are prefill_chunk_size. 0: always prefill_chunk_size.")
 
     @property
     def kv_mem_mb(self) -> int:

@@ -23,7 +23,8 @@ mlx-lm
   all_tokens``; ``extract_cache(uids)`` and ``remove(uids,
   return_prompt_caches=True)`` give ``{uid: (cache, tokens)}``;
   ``prompt_cache_nbytes``: the bytes of every cache it holds (queued, prefilling,
-  decoding), read by ``batch_kv_nbytes``. Its batch caches are rectangles: each
+  decoding), read by ``batch_kv_nbytes``; ``prefill_step_size``, set between steps:
+  the next step's chunk of every prompt in prefill (``pacing`` sizes it by time). Its batch caches are rectangles: each
   row as wide as the widest (left padding, right-padded prefill chunks rolled
   left), grown ``KVCache.step`` (256) tokens at a time (``admission`` relies on it).
 - ``models.cache``: ``LRUPromptCache(max_size=, max_bytes=)`` with
@@ -97,6 +98,7 @@ list and the contract tests in step):
     mlx_lm.generate.BatchGenerator.extract_cache
     mlx_lm.generate.BatchGenerator.remove
     mlx_lm.generate.BatchGenerator.prompt_cache_nbytes
+    mlx_lm.generate.BatchGenerator.prefill_step_size
     mlx_lm.generate.GenerationBatch._step
     mlx_lm.models.cache.LRUPromptCache
     mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache

@@ -35,6 +35,7 @@ class EngineParams:
     max_num_seqs: int
     prefill_chunk_size: int
     prefill_batch_size: int  # never more than max_num_seqs
+    prefill_step_ms: int
     max_queue: int
     queue_timeout_s: float
     prompt_cache: PromptCacheMode

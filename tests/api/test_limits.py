@@ -250,5 +250,6 @@ def test_a_queued_client_that_hangs_up_leaves_the_queue(tmp_path, tiny_model_dir
             time.sleep(0.02)
         # It left while the long stream still held the only slot (not when that one ended).
         stats = engine.stats()
-        assert stats.active == 1 and stats.kv_reserved_tokens == first
+        # (The long stream's reservation grows as it decodes: what it holds plus a step.)
+        assert stats.active == 1 and stats.kv_reserved_tokens >= first
         assert '"finish_reason":null' in next(line for line in running if line)

@@ -121,3 +121,42 @@ def test_the_admission_figure_is_within_one_step_of_the_bytes(model_dir, bits):
         assert sum(len(r.prompt_tokens) + r.max_tokens for r in reqs) * eng.bytes_per_token < held
     finally:
         eng.worker.stop()
+
+
+def test_long_rows_reserve_as_they_grow_and_a_small_request_is_not_starved(model_dir):
+    """Two rows that may write 1,000 tokens each and a title-sized request, in a budget
+    (2,048 tokens) that holds one long row whole. Reserving max_tokens up front ran the
+    long rows one after the other and the small request after both; reserving what a row
+    holds plus a step admits all three at once: the small one ends first, and when the
+    long rows outgrow the budget the wider, newer one is paused (its KV to the prefix
+    cache) and resumes when the other ends, with the output it has alone."""
+    eng = make_engine(model_dir, mem=MEM_MB, max_num_seqs=4, prefill_chunk_size=128, prompt_cache="off",
+                      prompt_cache_mem=8)
+    try:
+        long_a = GenerationRequest(TokenPrompt(prompt(40, 1)), max_tokens=1000)
+        long_b = GenerationRequest(TokenPrompt(prompt(41, 2)), max_tokens=1000)
+        small = GenerationRequest(TokenPrompt(prompt(30, 3)), max_tokens=8)
+        alone = [asyncio.run(run(eng, r))[0] for r in (long_a, long_b)]
+        order: list[str] = []
+
+        async def timed(name: str, req: GenerationRequest) -> str:
+            text, last = await run(eng, req)
+            order.append(name)
+            assert last.completion_tokens == req.max_tokens or last.finish_reason == "stop"
+            return text
+
+        async def main() -> list[str]:
+            return await asyncio.gather(timed("a", long_a), timed("b", long_b), timed("small", small))
+
+        with Sampler(eng) as sampler:
+            text_a, text_b, _ = asyncio.run(main())
+        assert order[0] == "small", order
+        assert eng.memory_pauses >= 1
+        assert eng.prompt_cache.stats()["memory"].hits >= 1  # it resumed from its KV in the prefix cache
+        assert [text_a, text_b] == alone, "a pause for memory must not change what a row generates"
+        mem = MEM_MB * 2**20
+        for held, figure, rows in sampler.samples:
+            assert held <= figure <= mem, (held, figure, rows)
+        assert eng.admission.reserved == 0 and eng.admission.running == 0 and not eng.admission.waiting
+    finally:
+        eng.worker.stop()

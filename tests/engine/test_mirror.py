@@ -38,8 +38,9 @@ class Watch:
 @pytest.fixture(scope="module")
 def mirrored(tiny_model_dir):
     # Two prefix-cache entries at most, so evictions happen; 4 slots, so background work pauses.
+    # A 1 ms step: every prompt beside a decoding row is prefilled in the smallest chunks, on every rank.
     p = ChatParams(mem=64, max_num_seqs=4, prefill_chunk_size=32, temperature=0.0, cache_min_tokens=8,
-                    prompt_cache_entries=2)
+                    prompt_cache_entries=2, prefill_step_ms=1)
     worker = MLXWorker()
     worker.start()
     loaded = worker.submit(lambda: load_text_model(ModelSource("tiny", local_path=str(tiny_model_dir)),
@@ -99,4 +100,4 @@ def test_the_follower_keeps_in_step_and_holds_what_rank_0_holds(mirrored):
     assert (f_entries, f_bytes) == (entries, nbytes) and entries == 2
     assert held == 0, "the follower still holds caches rank 0 let go"
     ops = {op[0] for m in messages for op in m["ops"]}
-    assert {"batch", "insert", "remove", "extract", "fetch", "store", "trim_kv", "finished", "drop"} <= ops
+    assert {"batch", "insert", "remove", "extract", "fetch", "store", "trim_kv", "finished", "drop", "chunk"} <= ops

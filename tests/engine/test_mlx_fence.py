@@ -72,6 +72,8 @@ CONTRACTS: dict[str, Contract] = {
 # Members of a loaded VLM: their contracts are behaviour tests on the tiny Qwen2-VL.
 M = test_mlx_internals
 BEHAVIOUR = {
+    "mlx_lm.generate.BatchGenerator.prefill_step_size": (test_mlx_lm_internals,
+                                                         "test_contract_prefill_step_size_sets_each_steps_chunk"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),

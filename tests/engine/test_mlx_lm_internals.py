@@ -100,3 +100,21 @@ def test_contract_a_quantized_cache_rebuilt_from_its_fields_batches_like_the_ori
     a, b = SeqQuantizedKVCache.merge([c, c]), SeqQuantizedKVCache.merge([fresh, fresh])
     for u, v in zip(a.keys + a.values, b.keys + b.values):
         assert mx.array_equal(u, v)
+
+
+def test_contract_prefill_step_size_sets_each_steps_chunk(tiny_model_dir):
+    """``BatchGenerator.prefill_step_size``, set between steps, is the next step's chunk of
+    every prompt being prefilled (``pacing`` sizes it by time); prompt responses carry
+    each row's progress (tokens prefilled so far, of its total)."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model_dir))
+    bg = new_batch_generator(model, tokenizer, max_tokens=2, completion_batch_size=2, prefill_batch_size=2,
+                             prefill_step_size=64)
+    bg.insert_segments([[[5] * 150]], max_tokens=[2])
+    progress = []
+    for chunk in (64, 20, 33):
+        bg.prefill_step_size = chunk
+        prompts, _ = bg.next()
+        progress.append(prompts[0].progress)
+    assert progress == [(64, 150), (84, 150), (117, 150)]

@@ -6,26 +6,37 @@ right-aligned after left padding, and the buffer grows in steps of 256 tokens
 (``KV_STEP``), so up to 255 columns are allocated but not yet used. While prompts
 are prefilled together, a row that processes fewer tokens than its neighbours in
 a step is padded to theirs (up to one prefill chunk per prompt segment). So a
-sequence's *width* is ``sequence_width``: prompt + max_tokens, or its prompt plus
-that prefill padding when larger; and the running set's footprint is
+sequence's whole *width* is ``sequence_width``: prompt + max_tokens, or its prompt
+plus that prefill padding when larger.
 
-    rows x (widest width + KV_STEP - 1) tokens       (``Admission.footprint``)
+A row does not reserve its whole width up front: a client that asks for 32,000
+tokens and stops after 300 would hold the budget for nothing, and every row is as
+wide as the widest. It reserves what it holds now plus its next allocation step
+(``reservation``; while it prefills, its prompt with the prefill padding), within
+its width, and the engine grows that before every step (``resize``). The running
+set's footprint is
+
+    rows x (widest reservation + KV_STEP - 1) tokens       (``Admission.footprint``)
 
 rows counting running and paused sequences. The prefix cache's entries (their
 own exact-size copies) live in the same budget (``mem``): when a waiting request
-does not fit, cached prefixes are evicted first. Requests that do not fit wait in
-a bounded FIFO; a small request may pass a large one at the head (backfill)
-unless the head has waited longer than ``starvation_s``. Interactive requests are
-admitted before background ones (``rank`` 0 before 1), and background ones not at
-all while the engine says so. A paused sequence (``suspend``) keeps its
-reservation but frees its batch slot. Pure Python: the engine thread calls it,
-tests drive it directly.
+does not fit, cached prefixes are evicted first. When the rows' growth does not
+fit either, the engine pauses the lowest-priority row (``victim``): its KV goes to
+the prefix cache, its reservation is given back, and it waits at the head of the
+queue (``requeue``) to resume from that prefix when room returns; a paused row
+never times out in the queue (the rows ahead of it end within their max_tokens).
+Requests that do not fit wait in a bounded FIFO; a small request may pass a large
+one at the head (backfill) unless the head has waited longer than
+``starvation_s``. Interactive requests are admitted before background ones
+(``rank`` 0 before 1), and background ones not at all while the engine says so. A
+sequence paused for interactive work (``suspend``) keeps its reservation but frees
+its batch slot. Pure Python: the engine thread calls it, tests drive it directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -38,15 +49,25 @@ T = TypeVar("T")
 KV_STEP = 256
 
 
+def prefill_span(prompt_len: int, *, segments: int, chunk: int) -> int:
+    """Columns a prompt may span while it is prefilled: in ``segments`` pieces (two when its
+    cached prefix ends mid-prompt) of up to ``chunk`` tokens a step, whatever a row already
+    holds (a cached prefix) plus each step's widest chunk is what it spans, so at most its
+    prompt plus ``chunk - 1`` per segment (the last token is decoded, not prefilled)."""
+    return prompt_len - 1 + segments * (chunk - 1)
+
+
 def sequence_width(prompt_len: int, max_tokens: int, *, segments: int, chunk: int) -> int:
     """Columns of a batch cache one sequence may need: prompt + max_tokens, or, when larger,
-    its prompt padded during prefill. A prompt is prefilled in ``segments`` pieces (two when
-    its cached prefix ends mid-prompt) of up to ``chunk`` tokens a step, and whatever a row
-    already holds (a cached prefix) plus each step's widest chunk is what it spans, so it
-    spans at most its prompt plus ``chunk - 1`` per segment (the last token is decoded, not
-    prefilled)."""
-    return max(prompt_len + max_tokens, prompt_len - 1 + segments * (chunk - 1))
+    its prompt padded during prefill (``prefill_span``)."""
+    return max(prompt_len + max_tokens, prefill_span(prompt_len, segments=segments, chunk=chunk))
 
+
+def reservation(width: int, held: int, *, prefill: int = 0, step: int = KV_STEP) -> int:
+    """What a row reserves now: the ``held`` tokens in its KV plus the next allocation step
+    (or, while it prefills, ``prefill``: its prompt with the padding prefill may add), never
+    more than its whole ``width`` (``sequence_width``)."""
+    return min(width, max(prefill, held + step))
 
 
 @dataclass
@@ -57,6 +78,8 @@ class Waiting(Generic[T]):
     since: float = field(default_factory=time.monotonic)
     # 0: interactive, 1: background (admitted after every interactive request).
     rank: int = 0
+    # A running row paused for memory: it resumes first and never expires in the queue.
+    paused: bool = False
 
 
 class Admission(Generic[T]):
@@ -77,18 +100,18 @@ class Admission(Generic[T]):
         self.queue_timeout_s = queue_timeout_s
         self.starvation_s = starvation_s
         self.step = step
-        # Reserved rows, running and paused, by width.
-        self._widths: Counter[int] = Counter()
+        # Reserved rows, running and paused, and what each reserves now (``reservation``).
+        self._rows: dict[T, int] = {}
         self.running = 0
         self.waiting: deque[Waiting[T]] = deque()
 
     def footprint(self, *extra: int) -> int:
         """Tokens of KV the reserved rows (and ``extra`` widths, as if admitted) can make
         MLX hold: every row as wide as the widest, plus an allocation step not yet used."""
-        rows = self._widths.total() + len(extra)
+        rows = len(self._rows) + len(extra)
         if rows == 0:
             return 0
-        return rows * (max([*self._widths, *extra]) + self.step - 1)
+        return rows * (max([*self._rows.values(), *extra]) + self.step - 1)
 
     @property
     def reserved(self) -> int:
@@ -121,13 +144,35 @@ class Admission(Generic[T]):
                 retry_after=2,
             )
 
-    def release(self, tokens: int, *, running: bool = True) -> None:
+    def release(self, item: T, *, running: bool = True) -> None:
         """Free a sequence's reservation (and its batch slot, unless it was suspended)."""
-        self._widths[tokens] -= 1
-        if self._widths[tokens] <= 0:
-            del self._widths[tokens]
+        del self._rows[item]
         if running:
             self.running -= 1
+
+    def resize(self, item: T, tokens: int) -> None:
+        """What a reserved row reserves now (it grows as the row decodes)."""
+        self._rows[item] = tokens
+
+    def over(self, cache_tokens: int) -> int:
+        """Tokens the reservations and ``cache_tokens`` of prefix cache exceed the budget by."""
+        return self.footprint() + cache_tokens - self.budget_tokens
+
+    def victim(self, keys: dict[T, tuple[int, int, float]]) -> T | None:
+        """The row to pause when the reservations do not fit, of those ``keys`` names (item:
+        its rank, its whole width, when it was submitted): the lowest priority (background
+        first), then the widest (it would hold the most the longest: pausing it lets the
+        small ones finish), then the newest. None when one row or fewer is reserved (a row
+        alone always fits: ``check``)."""
+        if len(self._rows) <= 1 or not keys:
+            return None
+        return max(keys, key=lambda item: keys[item])
+
+    def requeue(self, item: T, tokens: int, since: float, rank: int, *, running: bool = True) -> None:
+        """A reserved row paused for memory: its reservation freed, it waits at the head of its
+        rank to be admitted again with ``tokens``."""
+        self.release(item, running=running)
+        self.waiting.appendleft(Waiting(item, tokens, since, rank, paused=True))
 
     def suspend(self) -> None:
         """A running sequence was paused: its slot is free, its reservation is kept."""
@@ -147,7 +192,7 @@ class Admission(Generic[T]):
     def expire(self, now: float | None = None) -> list[T]:
         """Waiting requests past the queue timeout, removed from the queue."""
         now = time.monotonic() if now is None else now
-        expired = [w for w in self.waiting if now - w.since > self.queue_timeout_s]
+        expired = [w for w in self.waiting if not w.paused and now - w.since > self.queue_timeout_s]
         for w in expired:
             self.waiting.remove(w)
         return [w.item for w in expired]
@@ -162,21 +207,23 @@ class Admission(Generic[T]):
         """
         admitted: list[T] = []
         queue = sorted(self.waiting, key=lambda w: w.rank)  # stable: FIFO within a rank
-        head_starving = bool(queue) and (time.monotonic() - queue[0].since > self.starvation_s)
+        # A paused row goes first but never stops backfill: the rows it waits for can be long.
+        fresh = [w for w in queue if not w.paused]
+        head_starving = bool(fresh) and (time.monotonic() - fresh[0].since > self.starvation_s)
         for w in queue:
             if self.running >= self.max_seqs or len(admitted) == limit:
                 break
             if w.rank and not background:
                 break
             need = self.footprint(w.tokens)
-            if need + cache_tokens > self.budget_tokens and cache_tokens > 0:
+            if need + cache_tokens > self.budget_tokens and cache_tokens > 0 and need <= self.budget_tokens:
                 cache_tokens = evict(need + cache_tokens - self.budget_tokens)
             if need + cache_tokens <= self.budget_tokens:
                 self.waiting.remove(w)
-                self._widths[w.tokens] += 1
+                self._rows[w.item] = w.tokens
                 self.running += 1
                 admitted.append(w.item)
-            elif head_starving:
+            elif head_starving and not w.paused:
                 break  # the oldest waits first: no more backfill past it
         return admitted
 

@@ -68,8 +68,8 @@ class Seq:
 
     req: GenerationRequest
     channel: TokenChannel
-    # Its width in a batch cache (admission's reservation), and its prompt's real length.
-    reserved: int
+    # Its whole width in a batch cache (the most admission may reserve for it), and its prompt's real length.
+    width: int
     prompt_len: int
     uid: int | None = None
     detok: Any = None
@@ -205,7 +205,7 @@ class BatchingEngine(Generic[S, L]):
     def _submit(self, seq: S) -> None:
         self._check_open()
         with self._lock:
-            self.admission.check(seq.reserved, arriving=len(self._inbox))
+            self.admission.check(seq.width, arriving=len(self._inbox))
             self._inbox.append(seq)
         self.worker.wake()
 
@@ -252,6 +252,10 @@ class BatchingEngine(Generic[S, L]):
     def _schedule(self) -> None:
         """Admit waiting requests and start them (or set them aside) before the batch step."""
         raise NotImplementedError
+
+    def _reservation(self, seq: S) -> int:
+        """What ``seq`` reserves now (``admission.reservation``); here its whole width, up front."""
+        return seq.width
 
     def _new_batch(self) -> Any:
         """A fresh batch generator."""
@@ -314,7 +318,8 @@ class BatchingEngine(Generic[S, L]):
         while self._inbox:
             with self._lock:
                 seq = self._inbox.popleft()
-                self.admission.waiting.append(Waiting(seq, seq.reserved, seq.enqueued, rank=int(seq.background)))
+                self.admission.waiting.append(Waiting(seq, self._reservation(seq), seq.enqueued,
+                                                      rank=int(seq.background)))
 
     def _take_cancellations(self) -> None:
         while self._cancelled:
@@ -410,7 +415,7 @@ class BatchingEngine(Generic[S, L]):
         if seq.holds:
             seq.holds = False
             with self._lock:
-                self.admission.release(seq.reserved, running=not seq.suspended)
+                self.admission.release(seq, running=not seq.suspended)
 
     def _finish_with_error(self, seq: S, exc: BaseException) -> None:
         self._end(seq, "error", exc)

@@ -14,8 +14,20 @@ What is this engine's own:
                      prefill reaches it)
     each token       logprobs straight from mlx-lm's responses; a finished
                      conversation's KV goes to the prefix cache (``prompt_cache: prefix``)
+    before each step every row's reservation grown to what it holds plus a KV step
+                     (``_fit_reservations``), and the prefill chunk sized by time
+                     while rows decode (``pacing``: the step's time budget, at the
+                     prefill rate measured on this model)
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
+
+Memory: when the rows' growth does not fit the KV budget, the prefix cache is
+evicted first, then the lowest-priority row (background first, then the widest,
+then the newest) leaves the batch: its KV goes to the prefix cache (and the disk
+tier), its reservation is given back, and it waits at the head of the queue, to
+resume from that prefix when room returns (``_pause_for_memory``). Its sampler,
+processors and detokenizer stay with it, so at temperature 0 its output is what
+it would have been.
 
 Priority: while an interactive request waits for its first token (queued, or
 in prefill), background requests (titles, tags, follow-ups) are not admitted,
@@ -35,13 +47,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
-from app.engine.batch.admission import sequence_width
+from app.engine.batch.admission import KV_STEP, prefill_span, reservation, sequence_width
 from app.engine.batch.batching import BatchingEngine, Seq
+from app.engine.batch.pacing import PrefillPacer
 from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
@@ -68,8 +82,13 @@ class _Seq(Seq):
     cache_segments: int = 0
     sampler: Any = None
     processors: list[Any] = field(default_factory=list)
-    # While paused: the KV it had (cache, the tokens in it).
+    # While paused for interactive work: the KV it had (cache, the tokens in it).
     paused: tuple[Any, list[int]] | None = None
+    # Columns its prompt may span while prefilled (``admission.prefill_span``), and whether it is prefilling.
+    prefill: int = 0
+    prefilling: bool = True
+    # Paused for memory: its KV went to the prefix cache under these tokens, and it waits to resume.
+    requeued: list[int] | None = None
 
     @property
     def suspended(self) -> bool:
@@ -80,7 +99,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     """Continuous batching for one loaded chat model."""
 
     def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
-                 ops: BatchOps = LOCAL_OPS) -> None:
+                 ops: BatchOps = LOCAL_OPS, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(worker, loaded, params)
         # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
         # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
@@ -104,7 +123,14 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.background_pauses = 0
+        # Rows paused because the KV budget could not take their growth.
+        self.memory_pauses = 0
         self._paused: deque[_Seq] = deque()
+        # Prefill chunks sized by time while rows decode (``pacing``), timed on ``clock``.
+        self.pacer = PrefillPacer(params.prefill_chunk_size, params.prefill_step_ms / 1000)
+        self._clock = clock
+        self._progress: dict[int, int] = {}
+        self._prefilled = 0
         self._last_wait_log = 0.0
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
@@ -126,15 +152,13 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     async def _open(self, req: GenerationRequest) -> _Seq:
         if isinstance(req.prompt, MultimodalPrompt):
             raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
-        return _Seq(req, self._streams.open(), self._width(req), len(req.prompt_tokens))
-
-    def _width(self, req: GenerationRequest) -> int:
-        """The sequence's width in a batch cache (``admission.sequence_width``); its prompt is
-        prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``)."""
         p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        # Its prompt is prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``).
         cached = p.prompt_cache != "off" or req.share_prefix
-        split = cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n
-        return sequence_width(n, req.max_tokens, segments=1 + split, chunk=p.prefill_chunk_size)
+        segments = 1 + (cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n)
+        chunk = p.prefill_chunk_size
+        return _Seq(req, self._streams.open(), sequence_width(n, req.max_tokens, segments=segments, chunk=chunk), n,
+                    prefill=prefill_span(n, segments=segments, chunk=chunk))
 
     def close(self) -> None:
         """Leave the MLX loop and drop the model's arrays (an unload). MLX thread only,
@@ -178,12 +202,26 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         return busy
 
     def _schedule(self) -> None:
+        self._fit_reservations()
         interactive_waits = self._interactive_waits()
         if interactive_waits:
             self._pause_background()
         else:
             self._resume_background()
         self._admit_and_insert(background=not interactive_waits)
+
+    def _batch_step(self) -> bool:
+        """One step with its prefill chunk sized by time (``pacing``) and timed for the next."""
+        decoding = any(not s.prefilling for s in self._running.values())
+        prompts = min(sum(s.prefilling for s in self._running.values()), self.params.prefill_batch_size)
+        chunk = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        if chunk != self._bg.prefill_step_size:
+            self._bg.prefill_step_size = chunk
+        self._prefilled = 0
+        start = self._clock()
+        busy = super()._batch_step()
+        self.pacer.observe(prefilled=self._prefilled, decoding=decoding, seconds=self._clock() - start)
+        return busy
 
     def _settle(self) -> None:
         """After a step: the memory tier within what the reservations leave of the budget
@@ -243,24 +281,99 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                 rest, tokens = tokens[-1:], tokens[:-1]
             self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated)
 
+    # ---- memory: reservations grow as rows decode; the lowest-priority row yields ----------
+
+    def _reservation(self, seq: _Seq) -> int:
+        """What it holds now (its prompt and what it generated) plus the next allocation step;
+        its prompt's padded span while it prefills."""
+        return reservation(seq.width, seq.prompt_len + seq.generated, prefill=seq.prefill if seq.prefilling else 0)
+
+    def _fit_reservations(self) -> None:
+        """Before a step: every reserved row's reservation grown to what it holds now plus a
+        step. When that does not fit beside the prefix cache, the cache is evicted first, then
+        the lowest-priority row paused (``admission.victim``) until it fits."""
+        rows = [*self._running.values(), *self._paused]
+        if not rows:
+            return
+        with self._lock:
+            for seq in rows:
+                self.admission.resize(seq, self._reservation(seq))
+            over = self.admission.over(self._cache_tokens())
+        if over > 0 and self.prompt_cache.nbytes:
+            self._evict(over)
+            over = self.admission.over(self._cache_tokens())
+        while over > 0:
+            keys = {s: (int(s.background), s.width, s.enqueued) for s in [*self._running.values(), *self._paused]}
+            with self._lock:
+                victim = self.admission.victim(keys)
+            if victim is None:
+                return
+            self._pause_for_memory(victim)
+            over = self.admission.over(self._cache_tokens())
+
+    def _pause_for_memory(self, seq: _Seq) -> None:
+        """Take ``seq`` out with its KV, into the prefix cache (evictable, and to the disk tier),
+        its reservation given back; it waits at the head of the queue to resume from there."""
+        running = seq.paused is None
+        if running:
+            assert seq.uid is not None
+            cache, tokens = self._bg.remove([seq.uid], return_prompt_caches=True)[seq.uid]
+            del self._running[seq.uid]
+        else:  # paused for interactive work already: its KV is aside
+            cache, tokens = seq.paused  # type: ignore[misc]
+            self._paused.remove(seq)
+        tokens = list(tokens)
+        if tokens:
+            self.prompt_cache.insert_cache(self._cache_key(seq), tokens, cache, cache_type="assistant")
+        # On resume it may prefill what the cache no longer has, beside other prompts.
+        chunk = self.params.prefill_chunk_size
+        seq.prefill = prefill_span(max(len(tokens), seq.prompt_len), segments=1, chunk=chunk)
+        seq.width = max(seq.width, seq.prefill)
+        seq.uid, seq.paused, seq.cache_segments, seq.requeued, seq.holds = None, None, 0, tokens, False
+        self.memory_pauses += 1
+        # It comes back when a step more than it holds fits: not at the first free token.
+        need = min(seq.width, max(seq.prefill, len(tokens) + 2 * KV_STEP))
+        with self._lock:
+            self.admission.requeue(seq, need, seq.enqueued, int(seq.background), running=running)
+        log.info("model %s: KV budget full; request %s paused after %d tokens (its KV to the prefix cache)",
+                 self.name, seq.req.request_id, seq.generated)
+
+    def _resume_requeued(self, seq: _Seq) -> None:
+        """A row paused for memory back into the batch, from what the prefix cache kept of its KV."""
+        held, seq.requeued = seq.requeued or [], None
+        prompt = list(seq.req.prompt_tokens)
+        target = held if len(held) >= len(prompt) else prompt  # paused in prefill: the whole prompt
+        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), target)
+        if cache is None:
+            rest = target
+            if self.loaded.kv_cache_bits is not None:
+                cache = self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+        elif not rest:  # all of it: feed the last token again for the next one's logits
+            self.ops.trim_cache(cache, 1)
+            rest = target[-1:]
+        self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated)
+
+    def _cache_tokens(self) -> int:
+        """The prefix cache's memory tier in tokens, rounded up: the figure must never be below what is held."""
+        return -(-self.prompt_cache.nbytes // self.bytes_per_token)
+
+    def _evict(self, tokens: int) -> int:
+        """Evict at least ``tokens`` of the prefix cache's memory tier; what it holds then."""
+        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * self.bytes_per_token))
+        return self._cache_tokens()
+
     def _admit_and_insert(self, *, background: bool = True) -> None:
-        bpt = self.bytes_per_token
-
-        def cache_tokens() -> int:  # rounded up: the figure must never be below what is held
-            return -(-self.prompt_cache.nbytes // bpt)
-
-        def evict(tokens: int) -> int:
-            self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * bpt))
-            return cache_tokens()
-
         # One at a time: each takes its prefix from the cache before the next may evict it.
         while True:
-            admitted = self._admit(cache_tokens(), evict, background=background, limit=1)
+            admitted = self._admit(self._cache_tokens(), self._evict, background=background, limit=1)
             if not admitted:
                 break
             seq = admitted[0]
             try:
-                self._insert(seq)
+                if seq.requeued is not None:
+                    self._resume_requeued(seq)
+                else:
+                    self._insert(seq)
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
                 log.exception("could not start request %s", seq.req.request_id)
                 self._release(seq)
@@ -316,7 +429,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
         )
-        seq.uid = uid
+        seq.uid, seq.prefilling = uid, True
         self._running[uid] = seq
 
     def cache_key(self, namespace: str = "") -> str:
@@ -334,8 +447,19 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="system")
 
     def _on_prompt_progress(self, responses: list[Any]) -> None:
+        # Prompt tokens this step prefilled: each row's progress since its last step.
+        for r in responses:
+            if r.end_of_prompt:
+                self._progress.pop(r.uid, None)
+            else:
+                self._prefilled += r.progress[0] - self._progress.get(r.uid, 0)
+                self._progress[r.uid] = r.progress[0]
+        if any(uid not in self._running for uid in self._progress):  # rows removed in prefill
+            self._progress = {uid: n for uid, n in self._progress.items() if uid in self._running}
         for r in responses:
             seq = self._running.get(r.uid)
+            if seq and r.end_of_prompt:
+                seq.prefilling = False
             if seq and seq.cache_segments and r.end_of_segment and not r.end_of_prompt:
                 seq.cache_segments -= 1
                 self._cache_prefix(seq)
@@ -358,4 +482,4 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _release(self, seq: _Seq) -> None:
         super()._release(seq)
-        seq.paused = None  # a paused sequence's KV goes with it
+        seq.paused = seq.requeued = None  # a paused sequence's KV goes with it

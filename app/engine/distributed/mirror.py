@@ -287,6 +287,16 @@ class _MirroredBatch:
     def prompt_cache_nbytes(self) -> int:
         return int(self._bg.prompt_cache_nbytes)
 
+    @property
+    def prefill_step_size(self) -> int:
+        return int(self._bg.prefill_step_size)
+
+    @prefill_step_size.setter
+    def prefill_step_size(self, chunk: int) -> None:
+        """The next steps' prefill chunk (``pacing``), on every rank: the ranks must prefill alike."""
+        self._bg.prefill_step_size = chunk
+        self._ops.record(["chunk", chunk])
+
     def _track(self, caches: dict[int, Any]) -> dict[int, Any]:
         return {uid: (self._ops.track(cache), tokens) for uid, (cache, tokens) in caches.items()}
 
@@ -357,6 +367,9 @@ class Follower:
         if self.batch is not None:
             self.batch.close()
         self.batch = new_batch_generator(self.model, self.tokenizer, **settings)
+
+    def _op_chunk(self, chunk: int) -> None:
+        self.batch.prefill_step_size = chunk
 
     def _op_fetch(self, handle: int, key: str, tokens: list[int], n_rest: int) -> None:
         cache, rest = self.prompt_cache.fetch_nearest_cache(key, tokens)
