@@ -136,7 +136,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
 
             ids = list(req.prompt.tokens)
             kwargs = vlm_input_embeddings(self.loaded.model, prompt_inputs(req.prompt))
-            processors = build_logits_processors(req.sampling)
+            processors = build_logits_processors(req.sampling) + self._budget(seq, len(ids))
             if req.constraint is not None:  # masks before the sampling processor draws
                 seq.constraint = req.constraint.processor(len(ids))
                 processors.append(seq.constraint)
