@@ -76,6 +76,37 @@ def test_the_grammar_starts_after_the_forced_closer(engine, words):
     assert last.reasoning_tokens == 6
 
 
+def test_a_paused_row_still_closes_at_its_budget(engine, words):
+    """Background rows paused mid-thought (an interactive request came) and resumed: each
+    budget processor catches up from the row's context and closes the block on time."""
+    budgets = (12, 18, 24)
+
+    async def mixed():
+        started = [asyncio.Event() for _ in budgets]
+
+        async def go(req, event):
+            parts, last = [], None
+            async for d in engine.stream(req):
+                parts.append(d.text)
+                last = d
+                event.set()
+            return "".join(parts), last
+
+        rows = [asyncio.create_task(go(request(engine, b, 40, priority="background"), e))
+                for b, e in zip(budgets, started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        pauses = engine.stats().background_pauses
+        chat = GenerationRequest(TokenPrompt(engine.tokenizer.encode("An interactive question " * 40)), max_tokens=2)
+        await run(engine, chat)
+        return engine.stats().background_pauses - pauses, await asyncio.gather(*rows)
+
+    paused, outputs = asyncio.run(mixed())
+    assert paused >= 2  # background_share keeps one of the three decoding
+    for budget, (text, last) in zip(budgets, outputs):
+        assert text == f"[THINK]{thought(words, budget)}[/THINK]{ANSWER}"
+        assert last.reasoning_tokens == budget
+
+
 # ---- the tracker alone: markers in text, however they are tokenized ------------------------------------------------
 
 
