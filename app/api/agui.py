@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from ag_ui.core import (
     PROTOCOL_VERSION,
@@ -72,6 +72,9 @@ class ForwardedProps(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     thinking: bool | None = None
+    # How much to reason: an effort level (the model's reasoning_budgets), or a budget in tokens.
+    reasoning_effort: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
+    thinking_budget: int | None = Field(default=None, ge=0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     # vLLM's, as on every format: runs with different salts never share cached prefixes.
     cache_salt: str | None = None
@@ -140,7 +143,8 @@ def to_chat_request(inp: RunAgentInput, default_model: str) -> typed.ChatRequest
     options = typed.Options(props.model or default_model, sampling, props.max_tokens,
                             max_tokens_param="forwardedProps.max_tokens", cache_salt=props.cache_salt)
     tools = tuple(_tool(t, i) for i, t in enumerate(inp.tools or ()))
-    return typed.ChatRequest(options, messages, tools=tools, thinking=props.thinking)
+    return typed.ChatRequest(options, messages, tools=tools, thinking=props.thinking,
+                             reasoning_effort=props.reasoning_effort, reasoning_budget=props.thinking_budget)
 
 
 class AguiRenderer:

@@ -198,6 +198,18 @@ class VisionProxyConfig(_Strict):
     max_tokens: int = Field(default=256, ge=1, le=4096, description="Caption length limit in tokens.")
 
 
+class ReasoningBudgets(_Strict):
+    """Thinking budgets per effort level: how many tokens a request that names a level may
+    reason before its block is closed (docs/guides/reasoning.md maps each client's effort
+    onto these). Each is clamped to the model's context."""
+
+    minimal: int = Field(default=256, ge=0, description="Tokens of reasoning at effort \"minimal\".")
+    low: int = Field(default=1024, ge=0, description="Tokens of reasoning at effort \"low\".")
+    medium: int = Field(default=4096, ge=0, description="Tokens of reasoning at effort \"medium\".")
+    high: int = Field(default=16384, ge=0, description="Tokens of reasoning at effort \"high\" (and \"xhigh\", "
+                      "Anthropic's \"max\").")
+
+
 class ModelCapabilities(_Strict):
     """A chat entry's ``capabilities``: images, tool calls, reasoning, system prompt."""
 
@@ -216,6 +228,10 @@ class ModelCapabilities(_Strict):
         default=None, description="When the client sends a system prompt and the chat template has a default one "
         "(which it then drops): \"append\" keeps the default first, then the client's; \"replace\" sends the "
         "client's alone. None: \"append\" when the template has a default system prompt.")
+    reasoning_budgets: ReasoningBudgets = Field(
+        default_factory=ReasoningBudgets, description="Tokens a request may reason at each effort level "
+        "(reasoning_effort, reasoning.effort, output_config.effort); an explicit budget (thinking.budget_tokens) "
+        "wins. At the budget the engine writes the model's own closing marker and the answer follows.")
 
     @model_validator(mode="after")
     def _proxy_needs_model(self) -> ModelCapabilities:

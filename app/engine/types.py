@@ -60,6 +60,23 @@ class LogitsConstraint(Protocol):
 
 
 @dataclass(frozen=True)
+class ReasoningBlock:
+    """The reasoning block a generation may write, as the engine tracks it
+    (``app.engine.batch.reasoning``): counted token by token, and closed by force
+    when ``budget`` runs out."""
+
+    opener: str
+    closer: str
+    # The closer as token ids, emitted in turn when the budget is spent ([/THINK] is one
+    # special token in Mistral tokenizers; </think> one in Qwen3's).
+    close_ids: tuple[int, ...]
+    # The prompt opened the block (Qwen3's generation prompt ends in "<think>\n"): output starts inside it.
+    started: bool = False
+    # Reasoning tokens allowed before the block is closed; None: no limit but max_tokens.
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: a prompt in (``app.engine.prompt``), text out."""
 
@@ -82,6 +99,9 @@ class GenerationRequest:
     share_prefix: bool = False
     # Constrained decoding (``app.engine.constrain.grammar``); None adds no processor and costs nothing.
     constraint: LogitsConstraint | None = None
+    # The reasoning block the model may write: its tokens counted (``TokenDelta.reasoning_tokens``)
+    # and, with a budget, ended by force. None: the output is not read for reasoning.
+    reasoning: ReasoningBlock | None = None
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -111,6 +131,8 @@ class TokenDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Of completion_tokens, those written inside the reasoning block (its markers aside).
+    reasoning_tokens: int = 0
     # The stop string that ended the generation (finish_reason "stop"), if one did.
     stop_sequence: str | None = None
     error: BaseException | None = None

@@ -29,7 +29,7 @@ from app.engine.constrain.grammar import Grammar
 from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
-from app.engine.types import Engine, GenerationRecord, GenerationRequest, SamplingParams
+from app.engine.types import Engine, GenerationRecord, GenerationRequest, ReasoningBlock, SamplingParams
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
@@ -264,7 +264,8 @@ class Pipeline:
                 if delta.finish_reason is not None:
                     if parser is not None:
                         events += parser.finish()
-                    usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens)
+                    usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens,
+                                  delta.reasoning_tokens)
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
@@ -418,6 +419,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         priority=_priority(req),
         logprobs=req.options.logprobs,
         constraint=_constraint(profile, req, tools, text, wanted),
+        reasoning=reasoning_block(profile, req, text, wanted),
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -436,6 +438,34 @@ def _reads_reasoning(profile: ModelProfile, wanted: bool) -> bool:
     the same prompt either way and the model may reason anyway: its reasoning is still read,
     so markers never reach the content."""
     return profile.reasoning and (wanted or not profile.thinking_switch)
+
+
+# Effort levels past the table's top, as clients name them (OpenAI's xhigh, Anthropic's max).
+EFFORT_ALIASES = {"xhigh": "high", "max": "high"}
+
+
+def thinking_budget(profile: ModelProfile, req: ChatRequest) -> int | None:
+    """The request's reasoning budget in tokens: its explicit budget, else its effort level's
+    (``capabilities.reasoning_budgets``), within the context; None for no limit (no effort
+    named, or one the table does not know, "none" included: that one switches thinking off,
+    and a model that reasons anyway is not cut short, whose answer would then be its thoughts)."""
+    if req.reasoning_budget is not None:
+        return min(req.reasoning_budget, profile.max_model_len)
+    if req.reasoning_effort is None:
+        return None
+    level = EFFORT_ALIASES.get(req.reasoning_effort, req.reasoning_effort)
+    return dict(profile.reasoning_budgets).get(level)
+
+
+def reasoning_block(profile: ModelProfile, req: ChatRequest, text: str, wanted: bool) -> ReasoningBlock | None:
+    """The reasoning block the engine tracks (its tokens reported in usage) and, with a
+    budget, ends by writing the model's own closer; None when reasoning is not read."""
+    if not _reads_reasoning(profile, wanted):
+        return None
+    opener, closer = profile.reasoning_markers
+    close_ids = tuple(profile.tokenizer.encode(closer, add_special_tokens=False))
+    return ReasoningBlock(opener, closer, close_ids, started=template_opens_reasoning(text),
+                          budget=thinking_budget(profile, req))
 
 
 def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...], text: str,

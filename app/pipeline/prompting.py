@@ -55,6 +55,8 @@ class ModelProfile:
     # Whether the opener is one token: a model trained to reason chooses it deliberately,
     # where a multi-token opener is reached by drifting through "<" (see constraining).
     reasoning_opener_is_token: bool = False
+    # Thinking budget per effort level (capabilities.reasoning_budgets), each within the context.
+    reasoning_budgets: tuple[tuple[str, int], ...] = ()
     # Renders every request of this model into a Prompt (app.engine.prompt): its chat template
     # and its tokens, or a native VLM's processor too. None: the tokenizer's (TextPrompts).
     prompts: PromptBuilder = None  # type: ignore[assignment]
@@ -96,6 +98,8 @@ def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: i
         call_syntax=family.call_syntax(template, takes_tools),
         reasoning_markers=markers,
         reasoning_opener_is_token=_is_one_token(tokenizer, markers[0]),
+        reasoning_budgets=tuple((level, min(tokens, max_model_len))
+                                for level, tokens in caps.reasoning_budgets.model_dump().items()),
         prompts=prompts or TextPrompts(tokenizer),
     )
 

@@ -127,6 +127,11 @@ class ChatRequest:
     output: OutputFormat = OutputFormat()
     # True / False switch the model's reasoning; None takes the model's default.
     thinking: bool | None = None
+    # How much to reason: an effort level (minimal, low, medium, high; xhigh and max read as
+    # high) looked up in the model's reasoning_budgets, or a budget in tokens, which wins.
+    # Neither: the model reasons as long as it does, within max_tokens.
+    reasoning_effort: str | None = None
+    reasoning_budget: int | None = None
     # Where the messages sit in the client's request ("messages", "input"), for errors.
     messages_param: str = "messages"
 

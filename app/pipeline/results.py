@@ -41,6 +41,8 @@ class Usage:
     completion_tokens: int
     # Prompt tokens whose KV came from the prefix cache.
     cached_tokens: int = 0
+    # Of completion_tokens, those the model spent inside its reasoning block (markers aside).
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -102,4 +104,5 @@ class Completion:
 
 def total_usage(usages: list[Usage]) -> Usage:
     """One request's usage over its choices: the prompt counted once, completions summed."""
-    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens)
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens,
+                 sum(u.reasoning_tokens for u in usages))

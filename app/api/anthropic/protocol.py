@@ -15,6 +15,8 @@
     thinking enabled / adaptive, between_tools / disabled    -> thinking True / None (the model's
              / absent                                           default) / False / False (Anthropic's
                                                                 default: no thinking unless asked)
+    thinking.budget_tokens (enabled), output_config.effort   -> reasoning_budget, reasoning_effort (the
+                                                                model's budget for that level)
     output_config.format, output_format (json_schema)        -> OutputFormat json_schema
     max_tokens (required), stop_sequences, temperature,      -> Options; max_tokens is clamped to the
     top_p, top_k                                                context by the pipeline, never refused
@@ -25,7 +27,7 @@ id without ``call_`` (``anthropic_tool_id``), and ids coming back lose ``toolu_`
 (``pipeline_tool_id``), so a Mistral call id reaches its template as it was made.
 
 Fields Tandem does not use are accepted and ignored: ``cache_control`` anywhere,
-``metadata``, ``context_management``, ``output_config.effort``, ``service_tier``,
+``metadata``, ``context_management``, ``service_tier``,
 tools' ``defer_loading`` (deferred tools are offered like any other) and ``$schema``.
 """
 
@@ -241,7 +243,7 @@ class ToolChoice(Lenient):
 
 class ThinkingConfig(Lenient):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    # Accepted, not enforced: the model reasons as long as it reasons, within max_tokens.
+    # The thinking budget: at it, the engine closes the model's reasoning block (with enabled).
     budget_tokens: int | None = Field(default=None, ge=0)
     # "omitted": thinking blocks carry a signature and no text.
     display: Literal["summarized", "omitted"] | None = None
@@ -294,6 +296,8 @@ class _MessagesBody(Lenient):
             options, merge_turns([*system, *turns]), tools=tools, tool_choice=choice,
             parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),
             output=output, thinking=self.thinking.switch() if self.thinking else False,
+            reasoning_effort=self.output_config.effort if self.output_config else None,
+            reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,
         )
 
 

@@ -226,7 +226,8 @@ class ChatCompletionRequest(_SamplingFields):
     # Thinking switches: Tandem's own, vLLM/Qwen's template kwargs, OpenAI's effort.
     thinking: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Also a thinking budget: the model's reasoning_budgets entry for the level (xhigh reads as high).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # Tandem extension: return captions, warnings and parser chunks.
     extensions: bool = False
     # The chosen tokens' log-probabilities, with top_logprobs alternatives each.
@@ -263,7 +264,7 @@ class ChatCompletionRequest(_SamplingFields):
             tuple(m.to_message(i) for i, m in enumerate(self.messages)),
             tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
             output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),
-            thinking=self.thinking_requested(),
+            thinking=self.thinking_requested(), reasoning_effort=self.reasoning_effort,
         )
 
 

@@ -48,10 +48,10 @@ from app.pipeline.results import (
 )
 
 
-def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:
+def usage_dict(u: Usage) -> dict[str, Any]:
     """The Responses API's usage object."""
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.total_tokens}
 
 
@@ -98,9 +98,6 @@ class ResponseWriter:
     seq: int = 0
     next_index: int = 0
     open: _Open | None = None
-    # Generated tokens up to the end of the reasoning shown (each step is one token).
-    steps: int = 0
-    reasoning_tokens: int = 0
 
     def _event(self, kind: str, **fields: Any) -> Event:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -120,11 +117,9 @@ class ResponseWriter:
 
     def step(self, step: Step) -> list[Event]:
         """The item events of one pipeline step."""
-        self.steps += 1
         out: list[Event] = []
         for ev in step.events:
             if isinstance(ev, ReasoningDelta) and ev.text:
-                self.reasoning_tokens = self.steps
                 out += self._ensure("reasoning")
                 out.append(self._delta("response.reasoning_text.delta", ev.text))
             elif isinstance(ev, ContentDelta) and ev.text:
@@ -146,7 +141,7 @@ class ResponseWriter:
         truncated = finish_reason == "length"
         out = self._close("incomplete" if truncated else "completed")
         self.response.update(status="incomplete" if truncated else "completed", output=self.output,
-                             usage=usage_dict(usage, self.reasoning_tokens), completed_at=int(time.time()),
+                             usage=usage_dict(usage), completed_at=int(time.time()),
                              incomplete_details={"reason": "max_output_tokens"} if truncated else None)
         kind = "response.incomplete" if truncated else "response.completed"
         return [*out, self._event(kind, response=self.response)]

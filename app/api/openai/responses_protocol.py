@@ -216,6 +216,8 @@ class ReasoningConfig(Lenient):
     # "none" turns thinking off; any other effort turns it on; absent takes the model's default.
     effort: str | None = None
     summary: str | None = None
+    # OpenRouter's explicit thinking budget in tokens; wins over effort's.
+    max_tokens: int | None = Field(default=None, ge=0)
 
 
 # OpenAI's bounds on a response's metadata: it is echoed, and kept as long as the response is.
@@ -339,6 +341,8 @@ class ResponsesRequest(Lenient):
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
                                  parallel_tool_calls=self.parallel_tool_calls is not False,
                                  output=self.output_format(), thinking=self.thinking_requested(),
+                                 reasoning_effort=self.reasoning.effort if self.reasoning else None,
+                                 reasoning_budget=self.reasoning.max_tokens if self.reasoning else None,
                                  messages_param="input")
 
 

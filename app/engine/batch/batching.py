@@ -41,6 +41,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error
 from app.engine.batch.channel import OpenStreams, TokenChannel
+from app.engine.batch.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
 from app.engine.batch.sampling import reset_random_state, token_logprob
 from app.engine.batch.stops import StopMatcher
 from app.engine.models.loader import KVGeometry
@@ -85,6 +86,8 @@ class Seq:
     gaps: list[float] = field(default_factory=list)
     # Its output constraint's processor (``GenerationRequest.constraint``), if any.
     constraint: ConstraintProcessor | None = None
+    # Its reasoning block, as emitted (``GenerationRequest.reasoning``): what it spent there.
+    reasoning: ReasoningTracker | None = None
 
     @property
     def background(self) -> bool:
@@ -146,6 +149,8 @@ class BatchingEngine(Generic[S, L]):
         self._running: dict[int, S] = {}
         self._accepting = True
         self._bg: Any = None
+        # Token id -> text, for reasoning markers (``app.engine.batch.reasoning``).
+        self._piece = piece_reader(self.tokenizer)
 
     # ---- called from the event loop -------------------------------------------------
 
@@ -178,6 +183,8 @@ class BatchingEngine(Generic[S, L]):
     async def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Deltas for one request, ending with the one that carries finish_reason."""
         seq = await self._open(req)
+        if req.reasoning is not None:
+            seq.reasoning = ReasoningTracker(req.reasoning, self._piece)
         self._submit(seq)
         try:
             while True:
@@ -284,6 +291,14 @@ class BatchingEngine(Generic[S, L]):
     def _on_finished(self, seq: S, r: Any) -> None:
         """The batch ended ``seq`` (EOS or max_tokens); ``r`` is its last response."""
 
+    def _budget(self, seq: S, prompt_len: int) -> list[Any]:
+        """The row's budget processor (none without a budget): it goes after the sampling
+        processors, so penalties cannot unforce the closer, and before the constraint."""
+        block = seq.req.reasoning
+        if block is None or block.budget is None or not block.close_ids:
+            return []
+        return [BudgetProcessor(block, self._piece, prompt_len)]
+
     def _distribution(self, seq: S, r: Any) -> Any:
         """The log-probabilities ``r``'s token was drawn from (requests with logprobs only)."""
         raise NotImplementedError
@@ -366,6 +381,8 @@ class BatchingEngine(Generic[S, L]):
                 return
             if finish != "stop":  # an EOS token is not text
                 seq.detok.add_token(r.token)
+                if seq.reasoning is not None:
+                    seq.reasoning.feed(r.token)
             if finish is not None:
                 seq.detok.finalize()
             seq.generated += 1
@@ -404,6 +421,7 @@ class BatchingEngine(Generic[S, L]):
             delta.prompt_tokens = seq.prompt_len
             delta.cached_tokens = seq.cached_tokens
             delta.completion_tokens = seq.generated
+            delta.reasoning_tokens = seq.reasoning.spent if seq.reasoning is not None else 0
             self._release(seq)
             self._end(seq, finish)
         seq.channel.put(delta)

@@ -411,7 +411,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             seq.cache_segments = 1
         seq.cached_tokens = cached
         seq.sampler = build_sampler(req.sampling)
-        seq.processors = build_logits_processors(req.sampling)
+        seq.processors = build_logits_processors(req.sampling) + self._budget(seq, len(prompt))
         if req.constraint is not None:  # last, so it masks the penalised logits; kept across a pause
             seq.constraint = req.constraint.processor(len(prompt))
             seq.processors.append(seq.constraint)

@@ -186,7 +186,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             images = req.prompt.images if isinstance(req.prompt, MultimodalPrompt) else ()
             kwargs = input_embeddings(self.loaded.model, prompt_inputs(req.prompt), images, self.features,
                                       req.cache_namespace, self.loaded.max_pixels, self.loaded.min_pixels)
-            processors = build_logits_processors(req.sampling)
+            processors = build_logits_processors(req.sampling) + self._budget(seq, len(ids))
             if req.constraint is not None:  # masks before the sampling processor draws
                 seq.constraint = req.constraint.processor(len(ids))
                 processors.append(seq.constraint)
