@@ -10,7 +10,9 @@ here (``engine_params(ChatParams(mem=64))``).
 
 from __future__ import annotations
 
-from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionEntry, VisionParams
+from dataclasses import replace
+
+from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionParams
 from app.engine.params import (
     EncoderLimits,
     EncoderSpec,
@@ -68,20 +70,28 @@ def encoder_limits(p: EncoderParams) -> EncoderLimits:
 
 
 def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:
-    """A served entry (chat, vision, embedding or rerank) as the registry takes it."""
-    idle = entry.idle_unload_secs if entry.idle_unload_secs is not None else file_idle_unload_secs
+    """A served entry, of any role, as the registry takes it. What the engine gets follows the
+    entry's params model, not its role, so a new role that reuses a params model maps here
+    unchanged."""
     p = entry.params
-    chat = entry if isinstance(entry, ChatEntry) else None
-    vision = entry if isinstance(entry, VisionEntry) else None
-    vlm = vision is not None or (chat is not None and chat.capabilities.vision_mode == "native")
-    return ModelSpec(
-        name=entry.name, role=entry.role, source=model_source(entry), aliases=(entry.hf_id,) if entry.hf_id else (),
-        preload=entry.preload, pin=entry.pin, idle_unload_s=float(idle) if idle else None,
-        max_queue=p.max_queue, queue_timeout_s=p.queue_timeout_s,
-        load=load_params(p) if isinstance(p, ChatParams | VisionParams) else None,
-        engine=engine_params(p) if isinstance(p, ChatParams) else vision_engine_params(p) if isinstance(p, VisionParams)
-        else None,
-        vision=VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request, p.vision_feature_cache_mb * 2**20)
-        if vlm and isinstance(p, ChatParams | VisionParams) else None,
-        encoder=EncoderSpec(p.dtype, encoder_limits(p)) if isinstance(p, EncoderParams) else None,
-    )
+    if not isinstance(p, ChatParams | VisionParams | EncoderParams):
+        raise TypeError(f"model {entry.name!r}: no engine spec for {type(p).__name__}")
+    idle = entry.idle_unload_secs if entry.idle_unload_secs is not None else file_idle_unload_secs
+    spec = ModelSpec(name=entry.name, role=entry.role, source=model_source(entry),
+                     aliases=(entry.hf_id,) if entry.hf_id else (), preload=entry.preload, pin=entry.pin,
+                     idle_unload_s=float(idle) if idle else None, max_queue=p.max_queue,
+                     queue_timeout_s=p.queue_timeout_s)
+    match p:
+        case ChatParams():  # served by mlx-lm, or by mlx-vlm as a native VLM
+            native = isinstance(entry, ChatEntry) and entry.capabilities.vision_mode == "native"
+            return replace(spec, load=load_params(p), engine=engine_params(p),
+                           vision=vision_spec(p) if native else None)
+        case VisionParams():  # a VLM that captions
+            return replace(spec, load=load_params(p), engine=vision_engine_params(p), vision=vision_spec(p))
+        case EncoderParams():
+            return replace(spec, encoder=EncoderSpec(p.dtype, encoder_limits(p)))
+
+
+def vision_spec(p: ChatParams | VisionParams) -> VisionSpec:
+    """A VLM's image bounds."""
+    return VisionSpec(p.max_pixels, p.min_pixels, p.max_images_per_request, p.vision_feature_cache_mb * 2**20)

@@ -62,11 +62,14 @@ def rate(encoder: Any, batch: list[str], seconds: float, truncate: bool = False)
     Rates per wall-clock second, and per CPU-second of this process: on a
     shared machine the second is the steadier number.
     """
-    encoder.embed(batch[:1], truncate=truncate)  # warm-up
+    from app.engine.models.encoder_inputs import EncoderInputs
+
+    encoder.embed(EncoderInputs(tuple(batch[:1])), truncate=truncate)  # warm-up
+    inputs = EncoderInputs(tuple(batch))
     done = tokens = 0
     start, cpu_start = time.perf_counter(), time.process_time()
     while (elapsed := time.perf_counter() - start) < seconds or done == 0:
-        tokens += encoder.embed(batch, truncate=truncate).prompt_tokens
+        tokens += encoder.embed(inputs, truncate=truncate).prompt_tokens
         done += len(batch)
     cpu = time.process_time() - cpu_start
     return {"embeddings_per_s": round(done / elapsed, 1), "tokens_per_s": round(tokens / elapsed),

@@ -39,7 +39,7 @@ class RerankRequest(BaseModel):
 async def rerank(data: JSONBody[RerankRequest], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     texts = data.texts()
-    req = TypedRerank(data.model, data.query, tuple(texts), truncate=data.truncate)
+    req = TypedRerank.of(data.model, data.query, texts, truncate=data.truncate)
     ranking = await unless_disconnected(request, state.pipeline.rerank(req))
     results = []
     for index, score in ranking.top(data.top_n):

@@ -3,10 +3,10 @@
 Everything engine-related for a model lives in its entry: where the weights
 come from, how they are loaded, how much KV-cache memory it may use, how many
 sequences run at once, default sampling and capabilities. An entry is one of a
-union keyed on ``role`` (``ROLE_ENTRIES``): each role has its own ``params`` model,
-so a key that belongs to another role (``temperature`` on an embedding model)
-stops start-up instead of being ignored. Command-line flags override the served
-chat model's ``params``; ``mapping`` resolves both into the engine's frozen
+union keyed on ``role`` (``ROLE_ENTRIES``, one row per role): each role has its own
+``params`` model, so a key that belongs to another role (``temperature`` on an
+embedding model) stops start-up instead of being ignored. Command-line flags override
+the served chat model's ``params``; ``app/specs.py`` resolves both into the engine's frozen
 ``LoadParams`` / ``EngineParams`` / ``EncoderLimits`` (``app/engine/params.py``),
 which carry no defaults of their own: each default is written here, once, with its
 description; the CLI's flags and the docs' reference tables are generated from
@@ -18,15 +18,14 @@ message naming the file, the key and the allowed values (see ``loader``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, SecretStr, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, SecretStr, Tag, create_model, model_validator
 
 from app.kinds import Distributed, Dtype, KVBits, PromptCacheMode, Quantization
 
 VisionMode = Literal["disabled", "proxy", "native"]
 BUILTIN_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")
-Role = Literal["chat", "vision", "embedding", "rerank"]
 
 
 class _Strict(BaseModel):
@@ -245,7 +244,7 @@ class ModelCapabilities(_Strict):
 
 class ModelEntryBase(_Strict):
     """What every models.yaml entry has, whatever its role: a name, where its weights come
-    from, and when it is loaded."""
+    from, when it is loaded, and its role's ``params``."""
 
     name: str = Field(min_length=1, description="The name clients send as \"model\".")
     hf_id: str | None = Field(
@@ -257,15 +256,16 @@ class ModelEntryBase(_Strict):
     builtin: Literal["smollm2-135m-instruct", "all-minilm-l6-v2"] | None = Field(
         default=None, description="A model shipped inside an installed package, prepared offline into the cache: "
         "\"smollm2-135m-instruct\" (chat) or \"all-minilm-l6-v2\" (embeddings).")
-    role: Role = Field(
-        default="chat", description="What this entry is for: chat, a VLM that captions for others (vision), "
-        "embeddings (/v1/embeddings and /v1/rerank by cosine), or a cross-encoder reranker (rerank). It decides "
-        "which params (and capabilities) the entry takes.")
+    # Each role's entry narrows ``role`` and ``params`` (``ROLE_ENTRIES``).
+    role: str = Field(
+        default="chat", description="What this entry is for (a key of ``ROLE_ENTRIES``); it decides which params "
+        "(and capabilities) the entry takes.")
     preload: bool = Field(default=False, description="Load at start-up instead of on the first request.")
     pin: bool = Field(default=False, description="Never unload (idle or for room).")
     idle_unload_secs: int | None = Field(
         default=None, ge=0, description="Unload after this many seconds unused; overrides the file's "
         "idle_unload_secs (0: never).")
+    params: _Params = Field(default=_Params(), description="How the model is loaded and run (its role's params).")
 
     @model_validator(mode="after")
     def _has_source(self) -> ModelEntryBase:
@@ -284,30 +284,27 @@ class ChatEntry(ModelEntryBase):
         default=ModelCapabilities(), description="Images, tool calls, reasoning (ModelCapabilities).")
 
 
-class VisionEntry(ModelEntryBase):
-    """``role: vision``: a VLM that captions images for ``vision_mode: proxy`` chat models."""
-
-    role: Literal["vision"] = Field(description="vision.")
-    params: VisionParams = Field(default=VisionParams(), description="Image bounds (VisionParams).")
-
-
-class EmbeddingEntry(ModelEntryBase):
-    """``role: embedding``: an embedding model for /v1/embeddings (and /v1/rerank by cosine)."""
-
-    role: Literal["embedding"] = Field(description="embedding.")
-    params: EncoderParams = Field(default=EncoderParams(), description="Loading and batching (EncoderParams).")
-
-
-class RerankEntry(ModelEntryBase):
-    """``role: rerank``: a cross-encoder for /v1/rerank."""
-
-    role: Literal["rerank"] = Field(description="rerank.")
-    params: EncoderParams = Field(default=EncoderParams(), description="Loading and batching (EncoderParams).")
+def role_entry(role: str, params: type[_Params], what: str) -> type[ModelEntryBase]:
+    """The entry type of a role whose entries hold nothing but ``params`` besides the common
+    keys: ``VisionEntry`` for ``role_entry("vision", VisionParams, ...)``."""
+    doc = f"``role: {role}``: {what}."
+    fields: dict[str, Any] = {
+        "role": (Literal[role], Field(description=f"{role}.")),
+        "params": (params, Field(default=params(), description=f"How the model is loaded and run "
+                                 f"({params.__name__}).")),
+    }
+    return create_model(f"{role.capitalize()}Entry", __base__=ModelEntryBase, __module__=__name__, __doc__=doc,
+                        **fields)
 
 
-# The table of roles: each role's entry type (and through it, its params type).
+# The table of roles: each role's entry type, and through it, its params. A role whose entries
+# take only params is one row here (and one in ``app/engine/roles.py``'s ``ROLES``).
 ROLE_ENTRIES: dict[str, type[ModelEntryBase]] = {
-    "chat": ChatEntry, "vision": VisionEntry, "embedding": EmbeddingEntry, "rerank": RerankEntry,
+    "chat": ChatEntry,
+    "vision": role_entry("vision", VisionParams, "a VLM that captions images for ``vision_mode: proxy`` chat models"),
+    "embedding": role_entry("embedding", EncoderParams,
+                            "an embedding model for /v1/embeddings (and /v1/rerank by cosine)"),
+    "rerank": role_entry("rerank", EncoderParams, "a cross-encoder for /v1/rerank"),
 }
 
 
@@ -318,13 +315,13 @@ def _role_of(entry: Any) -> Any:
     return getattr(entry, "role", None)
 
 
-ModelEntry = Annotated[
-    Annotated[ChatEntry, Tag("chat")]
-    | Annotated[VisionEntry, Tag("vision")]
-    | Annotated[EmbeddingEntry, Tag("embedding")]
-    | Annotated[RerankEntry, Tag("rerank")],
-    Discriminator(_role_of),
-]
+if TYPE_CHECKING:
+    # To the type checker an entry is a ChatEntry or another role's (narrow with isinstance).
+    ModelEntry = ModelEntryBase
+else:
+    # One of ``ROLE_ENTRIES``, picked by ``role`` (``Union[...]``: a union of the table's rows).
+    ModelEntry = Annotated[Union[tuple(Annotated[e, Tag(r)] for r, e in ROLE_ENTRIES.items())],  # noqa: UP007
+                           Discriminator(_role_of)]
 
 
 def role_params(role: str) -> type[BaseModel]:
@@ -423,7 +420,7 @@ class ModelsFile(_Strict):
         "first chat entry. Every entry is served under its name whatever this says.")
     server: ServerSettings = Field(default=ServerSettings(), description="Limits and security (ServerSettings).")
     models: list[ModelEntry] = Field(
-        min_length=1, description="The models, each a ChatEntry, VisionEntry, EmbeddingEntry or RerankEntry by role.")
+        min_length=1, description="The models, each of its role's entry type (ROLE_ENTRIES).")
 
     @model_validator(mode="after")
     def _names_unique_and_linked(self) -> ModelsFile:

@@ -12,11 +12,13 @@ its row's loader (a generator run on the MLX thread in slices), budgets it with
 the row's memory rule, and hands out leases by what the row serves
 (``Registry.acquire_chat`` / ``acquire_captioner`` / ``acquire_encoder``), each
 typed by its handle. The config side's twin is ``app/config/schema.py``'s
-``ROLE_ENTRIES`` (role -> entry -> params); a test checks the two name the same
-roles. A new role (a draft model, speech-to-text) is its engine module, a row
-here, its entry and row in ``schema.py`` and its params' mapping in
-``app/specs.py``; the registry is not edited (``Registry.acquire(name,
-api, HandleClass)``).
+``ROLE_ENTRIES`` (role -> entry type -> params); a test checks the two name the
+same roles. Config and the engine never import each other, so a role is a row on
+each side: a new role (a draft model, speech-to-text) that reuses a params model
+is its engine module (its handle and loader), a row here and one
+``role_entry(...)`` row there. ``app/specs.py`` maps an entry by its params model,
+not its role, and the registry is not edited (``Registry.acquire(name, api,
+HandleClass)``); tests/engine/test_roles.py registers such a role to keep it so.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _load_encoder(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Lo
 
     _require(spec, spec.encoder is not None)
     assert spec.encoder is not None
-    path = model_source(spec.source, spec.role)
+    path = model_source(spec.source, "embedding")  # the files mlx-embeddings loads, whatever the role
     yield
     encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
     if spec.role == "embedding" and encoder.kind != "embedding":

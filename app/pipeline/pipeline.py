@@ -27,6 +27,7 @@ import anyio
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
 from app.engine.constrain.grammar import Grammar
 from app.engine.models.encoder import Embeddings, Ranking
+from app.engine.models.encoder_inputs import EncoderInputs
 from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
 from app.engine.types import Engine, GenerationRecord, GenerationRequest, ReasoningBlock, SamplingParams
@@ -343,10 +344,9 @@ class Pipeline:
         try:
             engine = lease.handle
             encoder = engine.encoder
-            documents = list(req.documents)
-            encoder.check_size(documents, param="documents")
+            encoder.check_size(EncoderInputs(req.documents, "documents"))
             tokens, result = await engine.encode(
-                lambda: encoder.prepare_rerank(req.query, documents, truncate=req.truncate))
+                lambda: encoder.prepare_rerank(req.query, req.documents, truncate=req.truncate))
             return encoder.ranking(tokens, result)
         finally:
             lease.release()

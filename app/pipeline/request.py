@@ -8,7 +8,10 @@ pipeline, the vision proxy and the prompt renderer only ever see these.
 The conversation's own types (``Message``, its parts, ``ToolCall``) live in
 ``app.messages``, below the pipeline and vision both, and are re-exported here.
 ``param`` fields name where a thing sits in the client's own request
-(``messages[1].content[0]``), so errors can point at it.
+(``messages[1].content[0]``), so errors can point at it. Embeddings and rerank
+requests are typed too: ``EmbedRequest.of`` / ``RerankRequest.of`` read the
+client's JSON into texts and token ids (``EncoderInputs``), refusing a bad shape
+with a 400 naming the item, so the engine never sees raw JSON.
 """
 
 from __future__ import annotations
@@ -17,16 +20,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.engine.models.encoder_inputs import EncoderInput, EncoderInputs, TokenIds
 from app.errors import InvalidRequestError
 from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall
 
-__all__ = ["ChatRequest", "EmbedRequest", "ImagePart", "JsonValue", "Message", "Options", "OutputFormat", "Part",
+__all__ = ["ChatRequest", "EmbedRequest", "EncoderInputs", "ImagePart", "Message", "Options", "OutputFormat", "Part",
            "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
 
 Priority = Literal["interactive", "background"]
-# A JSON value as the client sent it: encoder inputs are checked item by item by the
-# encoder (``app/engine/models/encoder_inputs.py``), so a 400 names the item that is wrong.
-JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
 # A salt is a tenant's name or a random token, not a document.
 CACHE_SALT_MAX_CHARS = 256
 
@@ -165,12 +166,18 @@ class EmbedRequest:
     """Vectors of ``input`` from an embedding model (/v1/embeddings)."""
 
     model: str
-    # A string, strings, token ids, or lists of token ids (OpenAI's ``input``).
-    input: JsonValue
+    # Texts and token ids, in order (OpenAI's ``input``; ``EmbedRequest.of`` reads it).
+    input: EncoderInputs
     # Cut inputs longer than the model takes instead of refusing them (TEI's ``truncate``).
     truncate: bool = False
     # The vector size asked for; only the model's own is served.
     dimensions: int | None = None
+
+    @classmethod
+    def of(cls, model: str, raw: object, *, truncate: bool = False, dimensions: int | None = None) -> EmbedRequest:
+        """The request for OpenAI's ``input`` as the client sent it (a string, strings, token ids,
+        or lists of token ids; see ``encoder_inputs``); a bad shape is a 400 naming the item."""
+        return cls(model, encoder_inputs(raw), truncate=truncate, dimensions=dimensions)
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,89 @@ class RerankRequest:
     """Relevance of each document to ``query`` (/v1/rerank)."""
 
     model: str
-    query: JsonValue
-    documents: tuple[JsonValue, ...]
+    query: str
+    documents: tuple[str, ...]
     truncate: bool = False
+
+    @classmethod
+    def of(cls, model: str, query: object, documents: object, *, truncate: bool = False) -> RerankRequest:
+        """The request for a query and documents as the client sent them: a non-empty string,
+        and a non-empty list of them; a bad one is a 400 naming it."""
+        return cls(model, _text(query, "query"), _texts(documents, "documents"), truncate=truncate)
+
+
+# ---- encoder inputs: the client's JSON -> typed, shape errors named by item -----------------------
+
+
+def encoder_inputs(raw: object, param: str = "input") -> EncoderInputs:
+    """OpenAI's embeddings ``input`` as typed inputs: ``"text"``, ``["a", "b"]``, one input as
+    token ids ``[101, 2023, 102]``, or several ``[[101, 102], [101, 7592]]`` (strings and id
+    lists may mix). Whether ids are in the vocabulary, and how many inputs fit, is the
+    model's to check (``app/engine/models/encoder_inputs.py``)."""
+    # A string, or a flat list of ints (token ids), is one input.
+    bare = isinstance(raw, str) or (isinstance(raw, (list, tuple)) and bool(raw) and all(map(_is_token, raw)))
+    if bare:
+        items: list[object] = [list(raw) if isinstance(raw, (list, tuple)) else raw]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        raise InvalidRequestError(
+            f"{param} must be a string, a list of strings, or a list of token-id lists", param=param
+        )
+    if not items:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    out: list[EncoderInput] = []
+    for i, item in enumerate(items):
+        where = param if bare else f"{param}[{i}]"
+        if isinstance(item, str):
+            out.append(_text(item, where))
+        elif isinstance(item, (list, tuple)):
+            out.append(_token_ids(item, where))
+        elif item is None:
+            raise InvalidRequestError(f"{where} is null", param=param)
+        else:
+            raise InvalidRequestError(f"{where} must be a string or a list of token ids", param=param)
+    return EncoderInputs(tuple(out), param, bare=bare)
+
+
+def _texts(raw: object, param: str) -> tuple[str, ...]:
+    """``raw`` as a non-empty list of non-empty strings (rerank ``documents``)."""
+    if not isinstance(raw, (list, tuple)):
+        raise InvalidRequestError(f"{param} must be a list of strings", param=param)
+    if not raw:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    for i, item in enumerate(raw):
+        if not isinstance(item, str):
+            what = "null" if item is None else "not a string"
+            raise InvalidRequestError(f"{param}[{i}] is {what}", param=param)
+        _text(item, f"{param}[{i}]")
+    return tuple(raw)
+
+
+def _text(value: object, where: str) -> str:
+    """``value`` if it is a non-empty string."""
+    param = where.split("[", 1)[0]
+    if value is None:
+        raise InvalidRequestError(f"{where} is null", param=param)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where} must be a string", param=param)
+    if not value:
+        raise InvalidRequestError(f"{where} is an empty string", param=param)
+    return value
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(item: list[object] | tuple[object, ...], where: str) -> TokenIds:
+    """``item`` as token ids: a non-empty list of integers (the model checks its vocabulary)."""
+    param = where.split("[", 1)[0]
+    if not item:
+        raise InvalidRequestError(f"{where} is an empty list of token ids", param=param)
+    ids: list[int] = []
+    for j, token in enumerate(item):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise InvalidRequestError(f"{where}[{j}] = {token!r} is not a token id (a whole number)", param=param)
+        ids.append(token)
+    return tuple(ids)

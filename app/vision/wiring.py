@@ -66,13 +66,15 @@ def build_proxy(config: ResolvedConfig, registry: Registry, *, load: bool = True
 
     With ``load=False`` (``--no-vision``) the proxy has no captioner: images are
     still checked, then replaced by placeholders with a warning."""
-    from app.config.schema import ChatEntry, VisionEntry
+    from app.config.schema import ChatEntry, ChatParams, VisionParams
 
     chat = chat or config.primary
     proxy_config = chat.capabilities.vision_proxy
     found = config.models_file.find(proxy_config.model) if proxy_config else None
-    entry = found if isinstance(found, (ChatEntry, VisionEntry)) else None  # an encoder cannot caption
-    params = (entry or chat).params
+    # An entry whose params bound images (chat or vision); an encoder cannot caption.
+    vlm_params = found.params if found is not None and isinstance(found.params, ChatParams | VisionParams) else None
+    entry = found if vlm_params is not None else None
+    params = vlm_params or chat.params
     cache = CaptionCache(config.server.caption_cache_entries)
     policy = image_policy(config.server, params)
 
@@ -85,7 +87,8 @@ def build_proxy(config: ResolvedConfig, registry: Registry, *, load: bool = True
         return unavailable("no vision model is configured")
     if not load:
         return unavailable("vision loading skipped (--no-vision)")
-    if not (entry.role == "vision" or (entry.role == "chat" and entry.capabilities.vision_mode == "native")):
+    native = isinstance(entry, ChatEntry) and entry.capabilities.vision_mode == "native"
+    if not (entry.role == "vision" or native):
         return unavailable(f"vision model {entry.name!r} is neither a vision entry nor a native VLM chat model")
     try:
         captioner = VlmCaptioner(registry, entry.name, max_tokens=proxy_config.max_tokens,

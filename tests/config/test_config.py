@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.config import schema
 from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
-from app.config.schema import ChatEntry, ChatParams, EmbeddingEntry, EncoderParams, ModelsFile, VisionParams
+from app.config.schema import ROLE_ENTRIES, ChatEntry, ChatParams, EncoderParams, ModelsFile, VisionParams
 from app.engine.params import EncoderLimits, EngineParams, LoadParams, VisionSpec
 from app.engine.types import SamplingParams
 from app.errors import ConfigError
@@ -178,24 +178,27 @@ def test_each_role_gets_its_own_entry_and_params_type(tmp_path):
     mf = load_models_file(write(tmp_path, EMBEDDING + "    params: {max_inputs: 64, dtype: float16}\n"))
     chat, minilm = mf.models
     assert isinstance(chat, ChatEntry) and chat.role == "chat"  # no role: chat
-    assert isinstance(minilm, EmbeddingEntry) and isinstance(minilm.params, EncoderParams)
+    assert isinstance(minilm, ROLE_ENTRIES["embedding"]) and isinstance(minilm.params, EncoderParams)
     spec = model_spec(minilm, None)
     assert spec.encoder is not None and spec.encoder.dtype == "float16" and spec.encoder.limits.max_inputs == 64
     assert spec.engine is None and spec.load is None and spec.kv_budget_bytes == 0
     assert (spec.max_queue, spec.queue_timeout_s) == (64, 120.0)
     assert model_spec(chat, None).encoder is None
-    # One table of roles: the Literal, the entry types and the union agree.
-    assert set(schema.ROLE_ENTRIES) == set(get_args(schema.Role))
+    # One table of roles: the union models.yaml is validated with is its rows, each keyed on its role.
+    union = get_args(schema.ModelsFile.model_fields["models"].annotation)[0]
+    assert [get_args(m)[0] for m in get_args(get_args(union)[0])] == list(schema.ROLE_ENTRIES.values())
     for role, entry_type in schema.ROLE_ENTRIES.items():
         assert get_args(entry_type.model_fields["role"].annotation) == (role,)
+        assert entry_type.__name__ == f"{role.capitalize()}Entry" and entry_type.__doc__
 
 
 # ---- each default once; descriptions for the generated docs and CLI --------------------------------
 
 
 def _schema_models() -> list[type[BaseModel]]:
-    return [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, BaseModel)
-            and v.__module__ == schema.__name__]
+    named = [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, BaseModel)
+             and v.__module__ == schema.__name__]
+    return named + [e for e in schema.ROLE_ENTRIES.values() if e not in named]  # the generated entries
 
 
 def test_every_config_field_has_a_description():

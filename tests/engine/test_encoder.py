@@ -21,6 +21,8 @@ from app.engine.models.builtin_models import (
 from app.engine.models.encoder import Ranking, load_encoder, plan_batches
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, ContextLengthError, InvalidRequestError
+from app.pipeline.request import RerankRequest
+from app.pipeline.request import encoder_inputs as typed
 from app.specs import encoder_limits
 from tests.fixtures.tiny_reranker import build_tiny_reranker
 
@@ -59,44 +61,45 @@ def cos(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_matches_sentence_transformers_reference(minilm):
     # The similarity matrix printed in sentence-transformers' quickstart for this model.
-    vectors = minilm.embed(["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]).vectors
+    sentences = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
+    vectors = minilm.embed(typed(sentences)).vectors
     expected = np.array([[1.0, 0.6660, 0.1046], [0.6660, 1.0, 0.1411], [0.1046, 0.1411, 1.0]])
     np.testing.assert_allclose(vectors @ vectors.T, expected, atol=1e-3)
 
 
 def test_batched_equals_single(minilm):
-    batched = minilm.embed(SENTENCES)
+    batched = minilm.embed(typed(SENTENCES))
     assert batched.vectors.shape == (len(SENTENCES), 384) and batched.vectors.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(batched.vectors, axis=1), 1.0, atol=1e-5)
     for i, sentence in enumerate(SENTENCES):
-        alone = minilm.embed(sentence)
+        alone = minilm.embed(typed(sentence))
         assert alone.token_counts == [batched.token_counts[i]]
         np.testing.assert_allclose(batched.vectors[i], alone.vectors[0], atol=1e-5)
     assert len(set(batched.token_counts)) > 3  # the batches really were padded
 
 
 def test_similar_sentences_are_closer_than_unrelated(minilm):
-    cat, dog, bank, _, kitten, *_ = minilm.embed(SENTENCES).vectors
+    cat, dog, bank, _, kitten, *_ = minilm.embed(typed(SENTENCES)).vectors
     assert cos(cat, kitten) > cos(cat, bank) + 0.2
     assert cos(cat, dog) > cos(cat, bank)
 
 
 def test_token_ids_equal_the_string(minilm, wordpiece):
     ids = [wordpiece.encode(s).ids for s in SENTENCES[:3]]
-    from_ids = minilm.embed(ids)
-    from_text = minilm.embed(SENTENCES[:3])
+    from_ids = minilm.embed(typed(ids))
+    from_text = minilm.embed(typed(SENTENCES[:3]))
     assert from_ids.token_counts == from_text.token_counts == [len(i) for i in ids]
     np.testing.assert_allclose(from_ids.vectors, from_text.vectors, atol=1e-6)
     # One flat list of ids is one input; strings and id lists may mix.
-    np.testing.assert_allclose(minilm.embed(ids[0]).vectors[0], from_text.vectors[0], atol=1e-6)
-    mixed = minilm.embed([SENTENCES[0], ids[1]])
+    np.testing.assert_allclose(minilm.embed(typed(ids[0])).vectors[0], from_text.vectors[0], atol=1e-6)
+    mixed = minilm.embed(typed([SENTENCES[0], ids[1]]))
     np.testing.assert_allclose(mixed.vectors, from_text.vectors[:2], atol=1e-6)
 
 
 def test_over_length_is_refused(minilm):
     assert minilm.max_length == 256  # sentence-transformers' max_seq_length for this model
     with pytest.raises(ContextLengthError) as err:
-        minilm.embed(["short", "word " * 300])
+        minilm.embed(typed(["short", "word " * 300]))
     assert err.value.status_code == 400 and err.value.param == "input"
     assert err.value.code == "context_length_exceeded"
     assert "input[1]" in err.value.message and "302 tokens" in err.value.message and "256" in err.value.message
@@ -105,14 +108,14 @@ def test_over_length_is_refused(minilm):
 def test_truncate_keeps_the_first_tokens(minilm, wordpiece):
     long_text = " ".join(f"w{i % 50}" for i in range(400))
     ids = wordpiece.encode(long_text).ids
-    cut = minilm.embed(long_text, truncate=True)
+    cut = minilm.embed(typed(long_text), truncate=True)
     assert cut.token_counts == [256]
     # A truncated string keeps its closing [SEP]; token ids are cut as given.
-    expected = minilm.embed(ids[:255] + [ids[-1]])
+    expected = minilm.embed(typed(ids[:255] + [ids[-1]]))
     np.testing.assert_allclose(cut.vectors, expected.vectors, atol=1e-5)
-    cut_ids = minilm.embed([ids], truncate=True)
+    cut_ids = minilm.embed(typed([ids]), truncate=True)
     assert cut_ids.token_counts == [256]
-    np.testing.assert_allclose(cut_ids.vectors, minilm.embed(ids[:256]).vectors, atol=1e-6)
+    np.testing.assert_allclose(cut_ids.vectors, minilm.embed(typed(ids[:256])).vectors, atol=1e-6)
 
 
 def test_a_megabyte_input_is_tokenized_by_its_head(minilm, wordpiece):
@@ -125,16 +128,16 @@ def test_a_megabyte_input_is_tokenized_by_its_head(minilm, wordpiece):
     full = wordpiece.encode(huge).ids
     whole_s = time.perf_counter() - started
     started = time.perf_counter()
-    (ids,) = minilm.tokenize(huge, truncate=True)
+    (ids,) = minilm.tokenize(typed(huge), truncate=True)
     head_s = time.perf_counter() - started
     assert ids == full[:255] + full[-1:]
     assert head_s < whole_s / 10, (head_s, whole_s)
     with pytest.raises(ContextLengthError) as err:
-        minilm.tokenize(huge)
+        minilm.tokenize(typed(huge))
     assert "has at least" in err.value.message and "256" in err.value.message
     # Mostly whitespace: the head holds too few tokens, so all of it is read.
     sparse = "cat" + " " * 50_000 + "dog"
-    assert minilm.tokenize(sparse, truncate=True) == [wordpiece.encode(sparse).ids]
+    assert minilm.tokenize(typed(sparse), truncate=True) == [wordpiece.encode(sparse).ids]
 
 
 def test_tokenize_from_many_threads_at_once(minilm):
@@ -142,9 +145,9 @@ def test_tokenize_from_many_threads_at_once(minilm):
     from concurrent.futures import ThreadPoolExecutor
 
     batches = [[f"{s} {i} " * 8 for s in SENTENCES] * 2 for i in range(16)]
-    alone = [minilm.tokenize(b) for b in batches]
+    alone = [minilm.tokenize(typed(b)) for b in batches]
     with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(minilm.tokenize, batches)) == alone
+        assert list(pool.map(minilm.tokenize, map(typed, batches))) == alone
 
 
 @pytest.mark.parametrize(
@@ -167,8 +170,10 @@ def test_tokenize_from_many_threads_at_once(minilm):
     ],
 )
 def test_bad_inputs_are_400s(minilm, inputs, fragment):
+    """Shape errors come from building the request (``typed``), vocabulary and count ones from
+    the encoder: the client sees one 400 either way."""
     with pytest.raises(InvalidRequestError) as err:
-        minilm.embed(inputs)
+        minilm.embed(typed(inputs))
     assert err.value.status_code == 400 and err.value.param == "input"
     assert fragment in err.value.message
 
@@ -187,9 +192,9 @@ def test_rerank_puts_the_cat_document_first(minilm):
     assert [s for _, s in best] == sorted(ranking.scores, reverse=True)
     assert ranking.top(2) == best[:2]
     # Cosine scores are the embeddings' own cosines.
-    q, *d = minilm.embed(["What food do cats like?", *docs]).vectors
+    q, *d = minilm.embed(typed(["What food do cats like?", *docs])).vectors
     np.testing.assert_allclose(ranking.scores, [cos(q, v) for v in d], atol=1e-5)
-    assert ranking.prompt_tokens == sum(minilm.embed(["What food do cats like?", *docs]).token_counts)
+    assert ranking.prompt_tokens == sum(minilm.embed(typed(["What food do cats like?", *docs])).token_counts)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +212,8 @@ def test_rerank_puts_the_cat_document_first(minilm):
 )
 def test_bad_rerank_requests_are_400s(minilm, query, documents, param, fragment):
     with pytest.raises(InvalidRequestError) as err:
-        minilm.rerank(query, documents)
+        req = RerankRequest.of("minilm", query, documents)
+        minilm.rerank(req.query, req.documents)
     assert err.value.param == param and fragment in err.value.message
 
 
@@ -218,7 +224,7 @@ def test_steps_run_on_the_worker_one_batch_at_a_time(minilm):
         steps = []
 
         def counted():
-            gen = minilm.embed_steps(SENTENCES)
+            gen = minilm.embed_steps(typed(SENTENCES))
             result = yield from _count(gen, steps)
             return result
 
@@ -226,7 +232,7 @@ def test_steps_run_on_the_worker_one_batch_at_a_time(minilm):
     finally:
         worker.stop()
     assert len(steps) == len(plan_batches(result.token_counts, minilm.limits)) == 3
-    np.testing.assert_allclose(result.vectors, minilm.embed(SENTENCES).vectors, atol=1e-6)
+    np.testing.assert_allclose(result.vectors, minilm.embed(typed(SENTENCES)).vectors, atol=1e-6)
 
 
 def _count(gen, steps):
@@ -266,7 +272,7 @@ def test_cross_encoder_scores_pairs_batched_as_alone(reranker):
     alone = [reranker.rerank("where do cats sleep?", [d]).scores[0] for d in docs]
     np.testing.assert_allclose(ranking.scores, alone, atol=1e-5)
     with pytest.raises(InvalidRequestError, match="is a reranker"):
-        reranker.embed("cats")
+        reranker.embed(typed("cats"))
 
 
 def test_the_engine_runs_rerank_jobs_in_turns(reranker):

@@ -1,7 +1,8 @@
 """The role table (``app/engine/roles.py``) and the typed handles it promises.
 
 A role is one row on each side: ``ROLE_ENTRIES`` (config: its entry and params
-model) and ``ROLES`` (engine: its handle, loader, memory rule, what it serves).
+model) and ``ROLES`` (engine: its handle, loader, memory rule, what it serves);
+a test registers a new role with nothing else.
 The source checks keep model handles, leases and prompts typed: no ``Any`` in
 their annotations anywhere in ``app/``, and no ``hasattr`` asking a handle what
 it is.
@@ -14,12 +15,15 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from app.config.schema import ROLE_ENTRIES, role_params
+from app.config.schema import ROLE_ENTRIES, ChatParams, role_entry, role_params
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.params import ModelSource, ModelSpec
-from app.engine.roles import ENCODER_ACTIVATION_FACTOR, ROLES
+from app.engine.roles import ENCODER_ACTIVATION_FACTOR, ROLES, RoleSpec
+from app.engine.worker import MLXWorker
+from app.specs import model_spec
 
 APP = Path(__file__).resolve().parents[2] / "app"
 # Names whose annotation must say what the thing is.
@@ -47,6 +51,33 @@ def test_memory_rule_comes_from_the_row() -> None:
                      preload=False, pin=False, idle_unload_s=None, max_queue=1, queue_timeout_s=1.0)
     assert ROLES["embedding"].budget_bytes(100, spec) == int(100 * (1 + ENCODER_ACTIVATION_FACTOR))
     assert ROLES["chat"].budget_bytes(100, spec) == 100 + spec.kv_budget_bytes
+
+
+def test_a_new_role_is_a_row_on_each_side(monkeypatch):
+    """A draft model (it proposes tokens for a chat model) reuses the chat params and loader: one
+    ``role_entry`` row in config, one ``RoleSpec`` row in the engine, and it validates, refuses
+    another role's keys, maps to a spec and loads as a private slot, with no other edit."""
+    from app.engine.registry import Registry
+
+    draft_entry = role_entry("draft", ChatParams, "a small chat model that proposes tokens for a bigger one")
+    monkeypatch.setitem(ROLES, "draft", RoleSpec(BatchingEngine, ROLES["chat"].load, frozenset(),
+                                                 "a draft model (it proposes tokens for a chat model)"))
+    with pytest.raises(ValidationError, match="capabilities"):
+        draft_entry.model_validate({"name": "d", "role": "draft", "builtin": "smollm2-135m-instruct",
+                                    "capabilities": {"tool_parser": "qwen"}})
+    entry = draft_entry.model_validate({"name": "d", "role": "draft", "builtin": "smollm2-135m-instruct",
+                                        "params": {"mem": 32, "max_num_seqs": 2}})
+    spec = model_spec(entry, None)
+    assert spec.role == "draft" and spec.engine is not None and spec.engine.kv_mem_mb == 32
+    worker = MLXWorker()
+    worker.start()
+    try:
+        registry = Registry(worker, [spec])
+        registry.load_now("d")
+        assert isinstance(registry.loaded("d"), BatchingEngine)
+        assert registry.public_specs == [] and not registry.serves("d", "chat")
+    finally:
+        worker.stop()
 
 
 def _annotations(tree: ast.AST) -> list[tuple[str, ast.expr, int]]:

@@ -15,7 +15,8 @@ from app.pipeline.request import EmbedRequest
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI's request; ``input`` is checked item by item by the encoder (400s name the item)."""
+    """OpenAI's request; ``input`` is read item by item into the typed request (``EmbedRequest.of``:
+    400s name the item)."""
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
@@ -30,7 +31,7 @@ class EmbeddingRequest(BaseModel):
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")
 async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
-    req = EmbedRequest(data.model, data.input, truncate=data.truncate, dimensions=data.dimensions)
+    req = EmbedRequest.of(data.model, data.input, truncate=data.truncate, dimensions=data.dimensions)
     work = state.pipeline.embed(req)
     result, _ = await unless_disconnected(request, work)
     if data.encoding_format == "base64":  # little-endian float32, as OpenAI's SDK decodes it

@@ -13,8 +13,9 @@ A model directory loads as one of two kinds (``Encoder.kind``):
                    XLM-R, so their cross-encoders (ms-marco-MiniLM, bge-reranker)
                    are refused at load with a ConfigError.
 
-Inputs are strings (tokenized with the model's special tokens) or lists of
-token ids (used exactly as given). A request is sorted by length and cut into
+Inputs are ``EncoderInputs`` (``encoder_inputs.py``): strings (tokenized with the
+model's special tokens) or token ids (used exactly as given), shape-checked where
+the request was built. A request is sorted by length and cut into
 batches of at most ``max_batch`` inputs and ``max_batch_tokens`` padded tokens;
 each batch is right-padded under an attention mask, so an input's vector does
 not depend on its neighbours beyond float32 rounding.
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -48,13 +49,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from app.engine.mlx_internals import load_embedding_model
-from app.engine.models.encoder_inputs import (
-    check_count,
-    check_text,
-    check_text_list,
-    input_list,
-    over_length,
-)
+from app.engine.models.encoder_inputs import EncoderInputs, check_count, check_token_ids, over_length
 from app.engine.params import EncoderLimits
 from app.errors import ConfigError, EngineError, InvalidRequestError
 
@@ -134,15 +129,19 @@ class Encoder:
         leaves = cast("list[tuple[str, mx.array]]", tree_flatten(self._model.parameters()))
         return sum(int(v.nbytes) for _, v in leaves)
 
-    def tokenize(self, inputs: object, *, truncate: bool = False, param: str = "input") -> list[list[int]]:
-        """Token ids for each input (see ``input_list`` for the shapes taken). Any thread.
+    def tokenize(self, inputs: EncoderInputs, *, truncate: bool = False) -> list[list[int]]:
+        """Token ids for each input. Any thread.
 
-        Raises ``InvalidRequestError`` for a bad input and ``ContextLengthError``
-        for one longer than ``max_length`` unless ``truncate``, which keeps its
-        first ``max_length`` tokens (a string keeps its closing special token).
+        Raises ``InvalidRequestError`` for too many inputs or a token id outside the
+        vocabulary, and ``ContextLengthError`` for an input longer than ``max_length``
+        unless ``truncate``, which keeps its first ``max_length`` tokens (a string
+        keeps its closing special token).
         """
-        items = input_list(inputs, param=param, max_inputs=self.limits.max_inputs, vocab_size=self.vocab_size)
-        out: list[list[int]] = [s if isinstance(s, list) else [] for s in items]
+        check_count(inputs, max_inputs=self.limits.max_inputs)
+        items, param = inputs.items, inputs.param
+        # Token ids are used as given, if the vocabulary has them; texts are tokenized below.
+        out: list[list[int]] = [[] if isinstance(s, str) else check_token_ids(s, inputs.where(i), self.vocab_size)
+                                for i, s in enumerate(items)]
         # Index -> (the text tokenized, whether it is a cut prefix of the input).
         texts = {i: self._head(s) for i, s in enumerate(items) if isinstance(s, str)}
         encoded = self._tokenizer.encode_batch([t for t, _ in texts.values()])
@@ -172,26 +171,26 @@ class Encoder:
             return text, False
         return head[:space], True
 
-    def check_size(self, inputs: object, param: str = "input") -> None:
+    def check_size(self, inputs: EncoderInputs) -> None:
         """Refuse a request with more inputs than ``max_inputs`` at once, before it waits or
         is tokenized (the rest of the checks come with ``tokenize``)."""
-        check_count(inputs, param=param, max_inputs=self.limits.max_inputs)
+        check_count(inputs, max_inputs=self.limits.max_inputs)
 
-    def prepare_embed(self, inputs: object, *, truncate: bool = False) -> list[list[int]]:
+    def prepare_embed(self, inputs: EncoderInputs, *, truncate: bool = False) -> list[list[int]]:
         """The token ids to embed for ``inputs`` (any thread)."""
         if self.kind != "embedding":
             raise InvalidRequestError(f"model {self.name!r} is a reranker; it gives no embeddings", param="model")
         return self.tokenize(inputs, truncate=truncate)
 
-    def prepare_rerank(self, query: object, documents: object, *, truncate: bool = False) -> list[list[int]]:
+    def prepare_rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> list[list[int]]:
         """The token ids ``forward`` scores for a rerank (any thread): for a cross-encoder one
         (query, document) pair per document; for an embedding model the query, then each document."""
-        query = check_text(query, "query")
-        docs = check_text_list(documents, param="documents", max_inputs=self.limits.max_inputs)
+        docs = EncoderInputs(tuple(documents), "documents")
+        check_count(docs, max_inputs=self.limits.max_inputs)
         if self.kind == "cross-encoder":
-            return self._pair_tokens(query, docs, truncate)
-        return self.tokenize([query], truncate=truncate, param="query") + self.tokenize(
-            docs, truncate=truncate, param="documents")
+            return self._pair_tokens(query, list(documents), truncate)
+        return self.tokenize(EncoderInputs((query,), "query", bare=True), truncate=truncate) + self.tokenize(
+            docs, truncate=truncate)
 
     def ranking(self, tokens: list[list[int]], result: np.ndarray) -> Ranking:
         """The ``Ranking`` of what ``forward`` gave for ``prepare_rerank``'s tokens."""
@@ -209,22 +208,22 @@ class Encoder:
         """The shape of one input's result from ``forward``."""
         return () if self.kind == "cross-encoder" else (self.dim,)
 
-    def embed(self, inputs: object, *, truncate: bool = False) -> Embeddings:
+    def embed(self, inputs: EncoderInputs, *, truncate: bool = False) -> Embeddings:
         """``embed_steps`` run to its end in one go."""
         return _drain(self.embed_steps(inputs, truncate=truncate))
 
-    def embed_steps(self, inputs: object, *, truncate: bool = False) -> Generator[None, None, Embeddings]:
+    def embed_steps(self, inputs: EncoderInputs, *, truncate: bool = False) -> Generator[None, None, Embeddings]:
         """Embed ``inputs``, one batch per step; returns their ``Embeddings``."""
         tokens = self.prepare_embed(inputs, truncate=truncate)
         vectors = yield from self._steps(tokens)
         return Embeddings(vectors, [len(t) for t in tokens])
 
-    def rerank(self, query: object, documents: object, *, truncate: bool = False) -> Ranking:
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> Ranking:
         """``rerank_steps`` run to its end in one go."""
         return _drain(self.rerank_steps(query, documents, truncate=truncate))
 
     def rerank_steps(
-        self, query: object, documents: object, *, truncate: bool = False
+        self, query: str, documents: Sequence[str], *, truncate: bool = False
     ) -> Generator[None, None, Ranking]:
         """Score each document against ``query``, one batch per step.
 

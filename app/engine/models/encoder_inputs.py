@@ -1,70 +1,68 @@
-"""Checks on what an embeddings or rerank request hands an encoder.
+"""What an embeddings or rerank request hands an encoder, typed, and the checks that need the model.
 
-Every bad input becomes an ``InvalidRequestError`` naming the field (``param``)
-and the item, so the client gets a 400 that says what to fix. The shapes taken
-are OpenAI's embeddings ``input``:
+An encoder gets ``EncoderInputs``: texts and token-id tuples, in order. They are
+built, and their shape checked, where the request is built
+(``app/pipeline/request.py``: ``EmbedRequest.of``, ``RerankRequest.of``), from
+OpenAI's embeddings ``input``:
 
     "text"                    one string
     ["a", "b"]                strings
     [101, 2023, 102]          one input as token ids
     [[101, 102], [101, 7592]] inputs as token ids (strings and id lists may mix)
+
+so no raw JSON reaches the engine. What only the model can judge is checked
+here: how many inputs it takes at once (``max_inputs``), whether each token id
+is in its vocabulary, and how long each input is (``over_length``). Every bad
+input becomes an ``InvalidRequestError`` (or ``ContextLengthError``) naming the
+field (``param``) and the item, so the client gets a 400 that says what to fix.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.errors import ContextLengthError, InvalidRequestError
 
+# Token ids a client tokenized itself (each an int; whether it is in the vocabulary is the model's to say).
+TokenIds = tuple[int, ...]
+# One input to encode: a text, or token ids.
+EncoderInput = str | TokenIds
 
-def input_list(raw: object, *, param: str, max_inputs: int, vocab_size: int) -> list[str | list[int]]:
-    """``raw`` as a list of inputs, each a non-empty string or a list of valid token ids."""
-    # A string, or a flat list of ints (token ids), is one input.
-    single = isinstance(raw, str) or (isinstance(raw, (list, tuple)) and bool(raw) and all(map(_is_token, raw)))
-    if single:
-        items: list[object] = [list(raw) if isinstance(raw, (list, tuple)) else raw]
-    elif isinstance(raw, (list, tuple)):
-        items = list(raw)
-    else:
+
+@dataclass(frozen=True)
+class EncoderInputs:
+    """One request's inputs, in order; ``param`` names them in errors (``input``,
+    ``documents``, ``query``)."""
+
+    items: tuple[EncoderInput, ...]
+    param: str = "input"
+    # The client sent one input alone (a string, or one flat list of ids): an error names
+    # ``input`` rather than ``input[0]``.
+    bare: bool = False
+
+    def where(self, i: int) -> str:
+        """How the client's request names input ``i``."""
+        return self.param if self.bare else f"{self.param}[{i}]"
+
+
+def check_count(inputs: EncoderInputs, *, max_inputs: int) -> None:
+    """Refuse more than ``max_inputs`` inputs at once, before they wait or are tokenized."""
+    if len(inputs.items) > max_inputs:
         raise InvalidRequestError(
-            f"{param} must be a string, a list of strings, or a list of token-id lists", param=param
+            f"{inputs.param} has {len(inputs.items)} items; at most {max_inputs} are allowed per request",
+            param=inputs.param,
         )
-    _check_count(items, param, max_inputs)
-    out: list[str | list[int]] = []
-    for i, item in enumerate(items):
-        where = param if single else f"{param}[{i}]"
-        if isinstance(item, str):
-            out.append(check_text(item, where))
-        elif isinstance(item, (list, tuple)):
-            out.append(_check_tokens(item, where, vocab_size))
-        elif item is None:
-            raise InvalidRequestError(f"{where} is null", param=param)
-        else:
-            raise InvalidRequestError(f"{where} must be a string or a list of token ids", param=param)
-    return out
 
 
-def check_text_list(raw: object, *, param: str, max_inputs: int) -> list[str]:
-    """``raw`` as a non-empty list of non-empty strings (rerank ``documents``)."""
-    if not isinstance(raw, (list, tuple)):
-        raise InvalidRequestError(f"{param} must be a list of strings", param=param)
-    _check_count(raw, param, max_inputs)
-    for i, item in enumerate(raw):
-        if not isinstance(item, str):
-            what = "null" if item is None else "not a string"
-            raise InvalidRequestError(f"{param}[{i}] is {what}", param=param)
-        check_text(item, f"{param}[{i}]")
-    return list(raw)
-
-
-def check_text(value: object, where: str) -> str:
-    """``value`` if it is a non-empty string."""
+def check_token_ids(ids: TokenIds, where: str, vocab_size: int) -> list[int]:
+    """``ids`` if every one is a token id of this model's vocabulary."""
     param = where.split("[", 1)[0]
-    if value is None:
-        raise InvalidRequestError(f"{where} is null", param=param)
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{where} must be a string", param=param)
-    if not value:
-        raise InvalidRequestError(f"{where} is an empty string", param=param)
-    return value
+    for j, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})", param=param
+            )
+    return list(ids)
 
 
 def over_length(model: str, where: str, tokens: int, limit: int, *, pair: bool = False,
@@ -78,34 +76,3 @@ def over_length(model: str, where: str, tokens: int, limit: int, *, pair: bool =
         'Shorten it, or send "truncate": true to cut it to the limit.',
         param=where.split("[", 1)[0],
     )
-
-
-def check_count(raw: object, *, param: str, max_inputs: int) -> None:
-    """Refuse more than ``max_inputs`` items at once, whatever else is wrong with them."""
-    if isinstance(raw, (list, tuple)) and len(raw) > max_inputs and not all(map(_is_token, raw)):
-        _check_count(raw, param, max_inputs)
-
-
-def _check_count(items: list[object] | tuple[object, ...], param: str, max_inputs: int) -> None:
-    if not items:
-        raise InvalidRequestError(f"{param} must not be empty", param=param)
-    if len(items) > max_inputs:
-        raise InvalidRequestError(
-            f"{param} has {len(items)} items; at most {max_inputs} are allowed per request", param=param
-        )
-
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_tokens(item: list[object] | tuple[object, ...], where: str, vocab_size: int) -> list[int]:
-    param = where.split("[", 1)[0]
-    if not item:
-        raise InvalidRequestError(f"{where} is an empty list of token ids", param=param)
-    for j, token in enumerate(item):
-        if not _is_token(token) or not 0 <= token < vocab_size:  # type: ignore[operator]
-            raise InvalidRequestError(
-                f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})", param=param
-            )
-    return [int(t) for t in item]  # type: ignore[call-overload]
