@@ -227,6 +227,11 @@ class Registry:
         slot = self._slots.get(name)
         return slot.as_(EncoderEngine) if slot is not None and slot.state == "loaded" else None
 
+    @property
+    def closing(self) -> bool:
+        """Whether shutdown has begun (``stop_accepting``)."""
+        return self._closing
+
     def stop_accepting(self) -> list[ModelHandle]:
         """Shutdown: no more loads, and every loaded model (chat, vision or encoder) refuses new
         requests; returns them, to drain."""

@@ -158,6 +158,12 @@ class Runtime:
         return self.worker.alive
 
     @property
+    def closing(self) -> bool:
+        """Whether shutdown has begun: long-lived streams that are not generations (the
+        dashboard's) end, so the HTTP server's drain does not wait on them."""
+        return self.registry.closing
+
+    @property
     def engine(self) -> Engine:
         """The default model's engine (loaded at start-up; it loads again on its next
         request if it was unloaded since)."""

@@ -5,6 +5,8 @@ the tiny chat model and the embedded embedding model."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +86,24 @@ def test_dashboard_off_is_404(tmp_path: Path, tiny_model_dir: Path, minilm_dir: 
         for path in ("/", "/ui", "/ui/static/app.js", "/ui/events"):
             assert_openai_error(s.get(path), 404)
         assert s.get("/health").status_code == 200
+
+
+def test_an_open_dashboard_does_not_hold_shutdown(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
+    got: list[str] = []
+    with serving(tmp_path, models_yaml(tiny_model_dir, minilm_dir)) as s:
+        def read() -> None:
+            with httpx.stream("GET", s.base_url + "/ui/events", timeout=30) as r:
+                got.extend(r.iter_lines())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while not got:
+            time.sleep(0.05)
+        stopping = time.monotonic()
+    # The stream ends with the drain (within a sample), not at uvicorn's graceful timeout (grace + 5 s).
+    assert time.monotonic() - stopping < 4
+    reader.join(timeout=5)
+    assert not reader.is_alive()
 
 
 def test_events_stream_history_then_ticks_with_models_and_requests(served: Served) -> None:

@@ -78,7 +78,7 @@ async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
         yield Event(to_json({"samples": list(activity.samples), "overview": overview_json(state.overview()),
                              "requests": activity.requests()}), "history")
         seen = activity.version
-        while True:
+        while not state.closing:
             sample = await activity.next_sample()
             tick: dict[str, Any] = {"sample": sample, "overview": overview_json(state.overview())}
             if activity.version != seen:
