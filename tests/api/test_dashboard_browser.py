@@ -92,3 +92,21 @@ def test_dashboard_in_chromium(browser, served: Served) -> None:  # type: ignore
     assert not [p for p in problems if "Content Security Policy" in p or "Refused" in p], problems
     assert not problems, problems
     page.close()
+
+
+def test_dashboard_asks_for_the_key_when_one_is_set(browser, tmp_path: Path, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    from playwright.sync_api import expect
+
+    models = {"server": {"shutdown_grace_s": 1, "api_key": "page-key"}, "models": [
+        {"name": "tiny", "local_path": str(tiny_model_dir), "params": {"mem": 16, "max_tokens": 2}}]}
+    with serving(tmp_path, yaml.safe_dump(models)) as s:
+        page = browser.new_page()
+        page.goto(s.base_url + "/ui")
+        expect(page.locator("#status")).to_have_text("API key needed")
+        expect(page.locator('tr[data-model="tiny"]')).to_have_count(0)
+        page.locator("#key").fill("page-key")
+        page.locator("#keyform button").click()
+        expect(page.locator('tr[data-model="tiny"] .state')).to_have_text("loaded", timeout=10_000)
+        expect(page.locator("#status")).to_have_text("live")
+        assert page.evaluate("sessionStorage.getItem('tandem-api-key')") == "page-key"
+        page.close()
