@@ -181,6 +181,11 @@ def test_with_a_key_the_page_loads_but_its_data_and_buttons_need_it(keyed: Serve
     r = keyed.post("/v1/admin/models/load", {"model": "minilm"}, headers=auth)
     assert r.status_code == 200 and r.json()["state"] == "loaded"
     assert keyed.post("/v1/admin/models/unload", {"model": "minilm"}, headers=auth).json()["state"] == "unloaded"
+    # The request log names the key a request used as its client; refused requests by their address.
+    (_, history), = events(keyed, 1, auth)
+    rows = {x["id"]: x for x in history["requests"]}
+    assert rows[r.headers["x-request-id"]]["client"] == "default"
+    assert any(x["status"] == 401 and x["client"] == "127.0.0.1" for x in rows.values())
 
 
 def test_foreign_host_gets_no_page(served: Served) -> None:
