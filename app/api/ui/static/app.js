@@ -141,7 +141,7 @@ function modelRow(m) {
   const bar = el('span', { class: 'bar' }, el('span'));
   bar.firstChild.style.width = (kvShare * 100).toFixed(0) + '%';
   const tiers = Object.entries(m.cache_tiers || {}).map(([tier, t]) =>
-    `${tier} ${mb(t.bytes / 1048576)} · ${t.entries} · ${t.hits} hits`).join('; ');
+    `${tier} ${mb(t.bytes / 1048576)}, ${t.entries} entries, ${t.hits} hits`).join(' · ');
   const actions = el('td', { class: 'actions' });
   if (m.public) {
     const busy = m.state === 'loading' || m.state === 'unloading';
@@ -158,7 +158,7 @@ function modelRow(m) {
     el('td', { class: 'state state-' + m.state, title: m.error || '' }, state, m.error ? ' ⚠' : ''),
     el('td', { class: 'num' }, m.weights_mb ? mb(m.weights_mb) : '–'),
     el('td', { class: 'num' }, m.kv_budget_mb ? `${mb(m.kv_used_mb)} / ${mb(m.kv_budget_mb)}` : '–', m.kv_budget_mb ? bar : null),
-    el('td', {}, tiers || '–'),
+    el('td', { class: 'tiers' }, tiers || '–'),
     el('td', { class: 'num running' }, m.running),
     el('td', { class: 'num' }, m.waiting),
     el('td', { class: 'num' }, m.idle_s === null ? '–' : fmt(m.idle_s, 0) + ' s'),
@@ -240,8 +240,15 @@ function renderCharts() {
   drawChart($('#chart-ttft'), series(perModel('ttft_s')), {});
   drawChart($('#chart-queue'), series((s) => ({ running: s.running, queued: s.queued }))
     .map((l) => ({ ...l, color: l.name === 'running' ? PALETTE[2] : PALETTE[4] })), {});
-  drawChart($('#chart-memory'), series((s) => ({ 'budget used': s.used_mb, 'MLX active': s.mlx_active_mb, limit: s.limit_mb }))
-    .map((l) => ({ ...l, color: { 'budget used': PALETTE[0], 'MLX active': PALETTE[3], limit: PALETTE[1] }[l.name] })), {});
+  // The budget is drawn when it is near what is used; far above it (75% of the machine by
+  // default), it would flatten the lines to nothing, and the caption gives it instead.
+  const memory = series((s) => ({ 'budget used': s.used_mb, 'MLX active': s.mlx_active_mb }));
+  const peak = Math.max(0, ...memory.flatMap((l) => l.points.map((p) => p[1])));
+  const limit = state.samples.length ? state.samples[state.samples.length - 1].limit_mb : 0;
+  if (limit && limit <= 3 * peak) memory.push(...series((s) => ({ limit: s.limit_mb })));
+  $('#memory-budget').textContent = limit ? `budget ${mb(limit)}${limit > 3 * peak ? ', off the scale' : ''}` : '';
+  drawChart($('#chart-memory'), memory.map((l) =>
+    ({ ...l, color: { 'budget used': PALETTE[0], 'MLX active': PALETTE[3], limit: PALETTE[1] }[l.name] })), {});
   drawChart($('#chart-hits'), series((s) => ({ 'hit rate': s.hit_rate })).map((l) => ({ ...l, color: PALETTE[5] })), { max: 1 });
   const names = Object.keys(state.colors);
   $('#legend').replaceChildren(...names.map((n) => {
