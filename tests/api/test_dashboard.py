@@ -193,3 +193,13 @@ def test_foreign_host_gets_no_page(served: Served) -> None:
     assert_openai_error(served.get("/", headers={"Host": "evil.example"}), 403)
     assert_openai_error(served.get("/ui/events", headers={"Host": "evil.example"}), 403)
 
+
+
+def test_unload_never_cuts_off_a_running_request(served: Served) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # it is generating
+        assert_openai_error(served.post("/v1/admin/models/unload", {"model": "tiny"}), 409, "model_busy")
+        assert next(line for line in lines if line.startswith("data:"))  # and still is
+    assert served.state.registry.loaded("tiny") is not None
