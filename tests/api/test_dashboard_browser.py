@@ -21,9 +21,16 @@ from tests.conftest import REPO
 ARTIFACTS = REPO / "test-artifacts"
 
 
+# Where a Mac keeps Chromium or Chrome (no apt there).
+MAC_BROWSERS = ("/Applications/Chromium.app/Contents/MacOS/Chromium",
+                "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome")
+
+
 def chromium() -> str | None:
-    """The system's Chromium: $TANDEM_CHROMIUM, else ``chromium`` / ``chromium-browser`` on PATH."""
-    found = os.environ.get("TANDEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    """The system's Chromium: $TANDEM_CHROMIUM, else ``chromium`` / ``chromium-browser`` on PATH,
+    else a Mac's Chromium or Chrome."""
+    found = (os.environ.get("TANDEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+             or next((p for p in MAC_BROWSERS if Path(p).exists()), None))
     return found if found and Path(found).exists() else None
 
 
