@@ -18,6 +18,7 @@ they enter our code (``raise ... from exc``), never left to become a 500.
     ├── NotFoundError                404 not_found_error
     │   └── ModelNotFoundError       404 code=model_not_found
     ├── MethodNotAllowedError        405 invalid_request_error
+    ├── ConflictError                409 invalid_request_error (a model busy, pinned or loading)
     ├── PayloadTooLargeError         413 invalid_request_error
     ├── UnsupportedMediaTypeError    415 invalid_request_error
     ├── RateLimitError               429 rate_limit_error (Retry-After)
@@ -101,6 +102,14 @@ class MethodNotAllowedError(AppError):
     status_code = 405
     openai_type = "invalid_request_error"
     default_code = "method_not_allowed"
+
+
+class ConflictError(AppError):
+    """An admin action the model's state forbids now (unloading one that is busy or pinned)."""
+
+    status_code = 409
+    openai_type = "invalid_request_error"
+    default_code = "conflict"
 
 
 class UnsupportedMediaTypeError(AppError):

@@ -29,6 +29,8 @@ from app.api.openai.embeddings import embeddings
 from app.api.openai.responses import create_response, delete_response, get_response
 from app.api.rerank import rerank
 from app.api.state import AppState
+from app.api.ui.activity import Activity
+from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
 from app.config.loader import ResolvedConfig
 from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed.distributed import Distributed
@@ -155,11 +157,19 @@ def create_app(state: AppState) -> Litestar:
     server = state.config.server
     guards = [api_key_guard(server)] if api_keys(server) else []
     cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
+    # The dashboard's request log and 15-minute samples (app/api/ui/activity.py).
+    activity = Activity(lambda: state.overview())
+    sampler: list[asyncio.Task[None]] = []
 
     async def on_startup(app: Litestar) -> None:
         app.state.tandem.registry.start()
+        if server.dashboard:
+            app.state.tandem.registry.add_listener(activity.on_generation)
+            sampler.append(asyncio.get_running_loop().create_task(activity.run()))
 
     async def on_shutdown(app: Litestar) -> None:
+        for task in sampler:
+            task.cancel()
         await app.state.tandem.registry.stop()
         await drain(app.state.tandem)
         app.state.tandem.worker.stop()
@@ -168,14 +178,16 @@ def create_app(state: AppState) -> Litestar:
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
             Router("/", route_handlers=[chat_completions, completions, create_response, get_response,
-                                        delete_response, embeddings, rerank, agui, list_models, get_model, metrics],
+                                        delete_response, embeddings, rerank, agui, list_models, get_model, metrics,
+                                        *ADMIN, *([dashboard_events] if server.dashboard else [])],
                    guards=guards),
+            *(PAGE if server.dashboard else []),  # a static page, no data: open, as /health is
             anthropic_router(guards),  # Anthropic's error shape on its routes
             health,
             health_head,
         ],
         exception_handlers=exception_handlers(),
-        middleware=[request_guard(server)],
+        middleware=[request_guard(server), *([activity.middleware] if server.dashboard else [])],
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         request_class=BoundedRequest,  # a body's JSON values are counted before it is decoded
@@ -189,4 +201,5 @@ def create_app(state: AppState) -> Litestar:
         debug=False,
     )
     app.state.tandem = state
+    app.state.activity = activity
     return app

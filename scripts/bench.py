@@ -30,17 +30,20 @@ It measures, in this order (one server at a time, so they never compete):
  11. embedding_jobs: the time to first token of a chat right after a client sent a
       512-input embeddings request (all-MiniLM-L6-v2) and hung up, against the same
       chat alone: an abandoned job must stop, not hold the engine thread.
+ 12. bodies: RSS after 100 requests whose body carries 0.9 MB of `{}` in a field
+     the server ignores, each on its own connection, against RSS after 10: what
+     a request leaves behind once answered (a plateau, not a climb).
  13. vision_cache: a native VLM (the tiny random Qwen2-VL, its processor opened to 448x448
      px = 256 image tokens) in process: turn 2's TTFT over turn 1's for a conversation
      that repeats turn 1's image, the vision tower's time for the same image in a new
      conversation over its first encode, and decode tok/s with the vision-feature cache
      on over off.
- 12. bodies: RSS after 100 requests whose body carries 0.9 MB of `{}` in a field
-     the server ignores, each on its own connection, against RSS after 10: what
-     a request leaves behind once answered (a plateau, not a climb).
- 13. pacing: the longest and the median gap between the tokens of a decoding stream
+ 14. pacing: the longest and the median gap between the tokens of a decoding stream
      while a long prompt is prefilled beside it, with prefill chunks sized by time
      (`prefill_step_ms` 250) against fixed `prefill_chunk_size` chunks (0).
+ 15. dashboard: the page's first paint on loopback (HTML, script and stylesheet fetched
+     one after another, and Chromium's first contentful paint when a browser is found),
+     and single-stream decode tokens/s with a /ui/events client attached against none.
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -620,9 +623,87 @@ def bench_bodies(base: str, model: str, pid: int, total: int = 100, early: int =
     return after[early], after[total]
 
 
+def page_fetch_ms(base: str, runs: int = 20) -> float:
+    """The dashboard's three files fetched one after another on one connection (median ms)."""
+    times = []
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for path in ("/", "/ui/static/app.js", "/ui/static/app.css"):
+                client.get(path).raise_for_status()
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def browser_paint_ms(base: str, runs: int = 5) -> float | None:
+    """Chromium's first contentful paint of the page (median ms), or None without a browser."""
+    chromium = os.environ.get("TANDEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if chromium is None:
+        return None
+    paints = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        for _ in range(runs):
+            page = browser.new_page()
+            page.goto(base + "/", wait_until="load")
+            page.wait_for_function("performance.getEntriesByName('first-contentful-paint').length > 0")
+            paints.append(page.evaluate("performance.getEntriesByName('first-contentful-paint')[0].startTime"))
+            page.close()
+        browser.close()
+    return statistics.median(paints)
+
+
+async def decode_with_dashboard(base: str, model: str, tokens: int) -> float:
+    """Single-stream decode tok/s while a /ui/events client reads every tick."""
+    ticks = 0
+
+    async def watch() -> None:
+        nonlocal ticks
+        async with httpx.AsyncClient(timeout=None) as client, client.stream("GET", base + "/ui/events") as r:
+            async for line in r.aiter_lines():
+                ticks += line.startswith("event:")
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(1.5)  # the history and a tick or two are in
+    try:
+        return (await concurrent(base, model, 1, tokens))["decode_tok_s"]
+    finally:
+        watcher.cancel()
+        assert ticks >= 2, "the event stream sent nothing"
+
+
+def bench_dashboard(serve, model: str, prof: dict) -> list[str]:
+    ours, base = serve()
+    try:
+        fetch = page_fetch_ms(base)
+        paint = browser_paint_ms(base)
+        tokens = 2 * prof["decode_tokens"]
+        asyncio.run(concurrent(base, model, 1, 4))  # warm up
+        # Alternated, three times, medians: a busy machine drifts between runs.
+        alone, watched = [], []
+        for _ in range(3):
+            alone.append(asyncio.run(concurrent(base, model, 1, tokens))["decode_tok_s"])
+            watched.append(asyncio.run(decode_with_dashboard(base, model, tokens)))
+    finally:
+        stop(ours)
+    a, w = statistics.median(alone), statistics.median(watched)
+    shown = f"{paint:.0f} ms" if paint is not None else "n/a (no browser)"
+    print(f"dashboard: files fetched in {fetch:.1f} ms, first contentful paint {shown}; decode {a:.2f} tok/s alone, "
+          f"{w:.2f} with /ui/events attached")
+    out = [f"dashboard page, HTML + JS + CSS fetched on loopback: {fetch:.1f} ms   (target: first paint < 300 ms)"]
+    if paint is not None:
+        out.append(f"dashboard first contentful paint in Chromium: {paint:.0f} ms   (target < 300 ms)")
+    out.append(f"decode tok/s with a /ui/events client / without: {w:.2f} / {a:.2f} = {w / a:.3f}"
+               "   (target >= 0.99)")
+    return out
+
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard")
 
 
 def main() -> None:
@@ -837,6 +918,9 @@ def main() -> None:
                       f"time-sized chunks / fixed: {on['max_gap']:.2f}s / {off['max_gap']:.2f}s = "
                       f"{on['max_gap'] / off['max_gap']:.3f}   (median gap {on['p50_gap']:.2f}s / "
                       f"{off['p50_gap']:.2f}s; the prefill {on['prefill_s']:.0f}s / {off['prefill_s']:.0f}s)")
+
+    if "dashboard" in run:
+        ratios += bench_dashboard(serve, name, prof)
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

@@ -350,6 +350,9 @@ class ServerSettings(_Strict):
     allowed_hosts: list[str] = Field(
         default=[], description="Host names served besides loopback ones (DNS-rebinding guard; see Security).")
     cors_origins: list[str] = Field(default=[], description="Browser origins allowed by CORS; empty means CORS is off.")
+    dashboard: bool = Field(
+        default=True, description="Serve the dashboard at `/` and `/ui` (models, memory, live charts, requests, a "
+        "playground) and its event stream `/ui/events`; false: those paths are 404.")
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest request body in bytes (413 beyond).")
     max_json_values: int = Field(

@@ -20,6 +20,9 @@ needed and what is free. After each load or unload, MLX's buffer cache is
 bounded to what the budget leaves free, and on Metal the loaded models' memory
 is kept wired (as mlx-lm's ``wired_limit`` does for mlx_lm.server).
 
+The dashboard's buttons are ``load``, ``unload_idle`` and ``pin``: the same
+transitions, asked for by name (an unload never cuts off a request: 409 when busy).
+
 Bookkeeping (states, leases, timestamps) happens on the event loop; every MLX
 call (loading, unloading) on the MLX thread.
 """
@@ -32,7 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -47,6 +50,7 @@ from app.engine.types import GenerationRecord, ModelHandle
 from app.engine.worker import MLXWorker
 from app.errors import (
     AppError,
+    ConflictError,
     EngineBusyError,
     EngineDeadError,
     InsufficientMemoryError,
@@ -223,6 +227,11 @@ class Registry:
         slot = self._slots.get(name)
         return slot.as_(EncoderEngine) if slot is not None and slot.state == "loaded" else None
 
+    @property
+    def closing(self) -> bool:
+        """Whether shutdown has begun (``stop_accepting``)."""
+        return self._closing
+
     def stop_accepting(self) -> list[ModelHandle]:
         """Shutdown: no more loads, and every loaded model (chat, vision or encoder) refuses new
         requests; returns them, to drain."""
@@ -365,6 +374,43 @@ class Registry:
             raise TypeError(f"model {slot.spec.name}: role {slot.spec.role} loaded a {type(handle).__name__}")
         return handle, weights
 
+    # ---- admin actions (the dashboard's buttons) -----------------------------------------------
+
+    async def load(self, name: str, param: str = "model") -> str:
+        """Load a model clients may name, as its first request would (making room the same way),
+        without serving anything; returns its served name."""
+        slot = self._slot(name, None, param)
+        slot.leases += 1  # no idle sweep or room-making unloads it while it loads
+        slot.last_used = time.monotonic()
+        try:
+            await self._ensure_loaded(slot)
+        finally:
+            slot.leases -= 1
+        return slot.spec.name
+
+    async def unload_idle(self, name: str, param: str = "model") -> str:
+        """Unload a model on request: 409 if it is pinned, busy or loading (nothing is cut off);
+        a model already unloaded stays so. Returns its served name."""
+        slot = self._slot(name, None, param)
+        what = slot.spec.name
+        if slot.spec.pin:
+            raise ConflictError(f"model {what!r} is pinned; unpin it first", param=param, code="model_pinned")
+        if slot.state in ("loading", "unloading"):
+            raise ConflictError(f"model {what!r} is {slot.state}; retry when it is done", param=param,
+                                code="model_busy")
+        if slot.state == "loaded" and slot.busy:
+            raise ConflictError(f"model {what!r} is serving requests; retry when they are done", param=param,
+                                code="model_busy")
+        await self.unload(what, reason="asked to")
+        return what
+
+    def pin(self, name: str, pinned: bool, param: str = "model") -> str:
+        """Pin a model (never unloaded when idle or to make room) or unpin it, until the server
+        restarts (models.yaml's ``pin`` is the lasting setting). Returns its served name."""
+        slot = self._slot(name, None, param)
+        slot.spec = replace(slot.spec, pin=pinned)
+        return slot.spec.name
+
     # ---- memory -----------------------------------------------------------------------------
 
     @property
@@ -458,6 +504,20 @@ class Registry:
                         log.warning("model %s: not unloaded: %s", slot.spec.name, exc.message)
 
     # ---- reporting ----------------------------------------------------------------------------
+
+    def on_disk(self, name: str) -> bool | None:
+        """Whether a model's files are on disk (a hub model: in the hub's cache); None: unknown."""
+        source = self._slots[name].spec.source
+        path = local_dir(source)
+        if path is not None:
+            return path.exists()
+        if source.hf_id:
+            try:
+                from huggingface_hub import try_to_load_from_cache
+            except ImportError:
+                return None
+            return isinstance(try_to_load_from_cache(source.hf_id, "config.json"), str)
+        return None
 
     def snapshot(self) -> dict[str, Any]:
         """Every model's state and memory, and the budget, for /health and /metrics."""

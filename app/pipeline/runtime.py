@@ -10,6 +10,8 @@ those questions in typed reports, so no route holds an engine or reads the regis
     Runtime.models() / model(name)   ModelReport per served model (what /v1/models shows)
     Runtime.health()                 Health: the engine thread, memory, models, vision
     Runtime.figures()                Figures: every loaded engine's stats, for /metrics
+    Runtime.overview()               Overview: every entry's state and memory, for the dashboard
+    Runtime.load / unload / pin      the dashboard's buttons (through the registry)
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from app.engine.batch.encoder_engine import EncoderStats
 from app.engine.distributed.distributed import Distributed
 from app.engine.params import ModelSpec
 from app.engine.registry import Registry
-from app.engine.types import Engine, EngineStats, GenerationRecord
+from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationRecord
 from app.engine.worker import MLXWorker
 from app.pipeline.pipeline import Pipeline, VisionState
 from app.pipeline.prompting import ModelProfile
 
 # What the API layer names of the layers below, through this module.
-__all__ = ["EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport", "Runtime",
-           "ServerSettings", "VisionReport"]
+__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport",
+           "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,44 @@ class Figures:
     captions: dict[str, int] | None
 
 
+@dataclass(frozen=True)
+class ModelState:
+    """One models.yaml entry as the dashboard shows it: its state, memory and load."""
+
+    name: str
+    role: str
+    # unloaded | loading | loaded | unloading | failed
+    state: str
+    default: bool
+    pinned: bool
+    # Whether its files are on disk (unloaded hub models may not be); None: unknown.
+    on_disk: bool | None
+    # Clients may name it (a vision entry only captions: no buttons).
+    public: bool
+    idle_s: float | None
+    weights_mb: float
+    kv_budget_mb: float
+    kv_used_mb: float
+    running: int
+    waiting: int
+    error: str | None
+    # A loaded chat model's prefix-cache tiers ("memory", and "disk" when on).
+    cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Overview:
+    """The whole server at a glance: the budget, MLX's memory, every entry."""
+
+    alive: bool
+    default_model: str
+    limit_mb: float
+    used_mb: float
+    mlx: dict[str, float]
+    models: list[ModelState]
+    distributed: dict[str, Any] | None
+
+
 @dataclass
 class Runtime:
     config: ResolvedConfig
@@ -120,6 +160,12 @@ class Runtime:
     def alive(self) -> bool:
         """Whether the MLX thread runs."""
         return self.worker.alive
+
+    @property
+    def closing(self) -> bool:
+        """Whether shutdown has begun: long-lived streams that are not generations (the
+        dashboard's) end, so the HTTP server's drain does not wait on them."""
+        return self.registry.closing
 
     @property
     def engine(self) -> Engine:
@@ -180,3 +226,37 @@ class Runtime:
         proxy = self.vision.proxy
         return Figures(self.worker.alive, chat, encoders, registry.snapshot(),
                        proxy.cache.stats() if proxy is not None else None)
+
+    def overview(self) -> Overview:
+        registry = self.registry
+        snapshot = registry.snapshot()
+        public = {spec.name for spec in registry.public_specs}
+        models = []
+        for spec in registry.specs:
+            row = snapshot["models"][spec.name]
+            mem, requests = row["memory_mb"], row["requests"]
+            engine = registry.loaded_chat(spec.name)
+            tiers = engine.stats().prompt_cache_tiers if engine is not None else {}
+            on_disk = True if row["state"] == "loaded" else registry.on_disk(spec.name)
+            models.append(ModelState(spec.name, spec.role, row["state"], spec.name == self.default_model,
+                                     row["pinned"], on_disk, spec.name in public, row["idle_s"], mem["weights"],
+                                     mem["kv_budget"], mem["kv_used"], requests["running"], requests["waiting"],
+                                     row["error"], dict(tiers)))
+        return Overview(self.worker.alive, self.default_model, snapshot["limit_mb"], snapshot["used_mb"],
+                        snapshot["mlx"], models,
+                        self.distributed.health() if self.distributed is not None else None)
+
+    def _state(self, name: str) -> ModelState:
+        return next(m for m in self.overview().models if m.name == name)
+
+    async def load(self, name: str) -> ModelState:
+        """Load a served model now (404 for an unknown name; 503 when it cannot fit or load)."""
+        return self._state(await self.registry.load(name))
+
+    async def unload(self, name: str) -> ModelState:
+        """Unload a model now (409 while it is pinned, busy or loading)."""
+        return self._state(await self.registry.unload_idle(name))
+
+    def pin(self, name: str, pinned: bool) -> ModelState:
+        """Pin or unpin a model until the server restarts."""
+        return self._state(self.registry.pin(name, pinned))

@@ -1,0 +1,1 @@
+"""The dashboard: a static page served by Tandem itself, its event stream, its buttons."""

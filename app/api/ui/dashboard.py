@@ -1,0 +1,121 @@
+"""GET / and /ui: the dashboard page; GET /ui/events: its live data; POST /v1/admin/models/*: its buttons.
+
+The page is three static files in ``static/`` (HTML, one script, one stylesheet; no
+build step, no CDN), read once and served with a strict ``Content-Security-Policy``:
+scripts and styles from this server only, no inline script or style, no frames, no
+form posts, fetches to this origin only. The page itself holds no data, so it needs
+no key; everything it shows comes from ``/ui/events`` and the public API, which
+need the key when one is set (the page asks for it and keeps it in the tab's
+``sessionStorage``, sending it as ``Authorization: Bearer``; the event stream is read
+with ``fetch`` rather than ``EventSource`` so the header can go with it).
+
+The admin endpoints are POSTs with a JSON body (the request guard refuses any other
+Content-Type with a 415, so a cross-site form cannot press the buttons), under the
+API key like every /v1 route, and answer with the model's new state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.params import FromPath, JSONBody
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.state import AppState
+from app.api.streaming import Event, EventStream, to_json
+from app.api.ui.activity import Activity
+from app.errors import NotFoundError
+from app.pipeline.runtime import ModelState, Overview
+
+STATIC = Path(__file__).resolve().parent / "static"
+_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+          ".css": "text/css; charset=utf-8"}
+# Nothing from anywhere else, nothing inline; images as data: URLs (the playground's attachments).
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+           "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+
+
+def _asset(name: str) -> Response[bytes]:
+    path = STATIC / name
+    if "/" in name or path.suffix not in _TYPES or not path.is_file():
+        raise NotFoundError(f"no dashboard file {name[:64]!r}")
+    return Response(path.read_bytes(), media_type=_TYPES[path.suffix], headers=HEADERS)
+
+
+@get(["/", "/ui"], summary="The dashboard page (server.dashboard)", include_in_schema=False)
+async def dashboard_page() -> Response[bytes]:
+    return _asset("index.html")
+
+
+@get("/ui/static/{name:str}", summary="The dashboard's script and stylesheet", include_in_schema=False)
+async def dashboard_asset(name: FromPath[str]) -> Response[bytes]:
+    return _asset(name)
+
+
+def model_row(m: ModelState) -> dict[str, Any]:
+    return asdict(m)
+
+
+def overview_json(view: Overview) -> dict[str, Any]:
+    return {"alive": view.alive, "default_model": view.default_model, "limit_mb": view.limit_mb,
+            "used_mb": view.used_mb, "mlx": view.mlx, "models": [model_row(m) for m in view.models],
+            "distributed": view.distributed}
+
+
+@get("/ui/events", summary="The dashboard's live data (SSE): models, memory, speed, requests")
+async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
+    state: AppState = request.app.state.tandem
+    activity: Activity = request.app.state.activity
+
+    async def events() -> AsyncIterator[Event]:
+        # First the last 15 minutes, so the charts start full; then one tick per sample.
+        yield Event(to_json({"samples": list(activity.samples), "overview": overview_json(state.overview()),
+                             "requests": activity.requests()}), "history")
+        seen = activity.version
+        while not state.closing:
+            sample = await activity.next_sample()
+            tick: dict[str, Any] = {"sample": sample, "overview": overview_json(state.overview())}
+            if activity.version != seen:
+                seen = activity.version
+                tick["requests"] = activity.requests()
+            yield Event(to_json(tick), "tick")
+
+    return EventStream(events())
+
+
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=256)
+
+
+class PinAction(ModelAction):
+    pinned: bool = True
+
+
+@post("/v1/admin/models/load", status_code=200, summary="Load a model now (the dashboard's Load button)")
+async def admin_load(data: JSONBody[ModelAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    state: AppState = request.app.state.tandem
+    return model_row(await state.load(data.model))
+
+
+@post("/v1/admin/models/unload", status_code=200,
+      summary="Unload a model now; 409 while it is pinned, busy or loading")
+async def admin_unload(data: JSONBody[ModelAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    state: AppState = request.app.state.tandem
+    return model_row(await state.unload(data.model))
+
+
+@post("/v1/admin/models/pin", status_code=200, summary="Pin or unpin a model until the server restarts")
+async def admin_pin(data: JSONBody[PinAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    state: AppState = request.app.state.tandem
+    return model_row(state.pin(data.model, data.pinned))
+
+
+ADMIN = [admin_load, admin_unload, admin_pin]
+PAGE = [dashboard_page, dashboard_asset]

@@ -1,0 +1,205 @@
+"""The dashboard over plain HTTP: the page and its CSP, server.dashboard: false, the event
+stream, the request log, and the admin endpoints (load, unload, pin) on a real server with
+the tiny chat model and the embedded embedding model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.api.serving import Served, assert_openai_error, serving
+
+KEY = "dash-key"
+
+
+def models_yaml(tiny: Path, minilm: Path, server: dict | None = None) -> str:
+    return yaml.safe_dump({"server": {"shutdown_grace_s": 1, **(server or {})}, "models": [
+        {"name": "tiny", "local_path": str(tiny), "params": {"mem": 16, "max_tokens": 2, "temperature": 0.0}},
+        {"name": "minilm", "role": "embedding", "local_path": str(minilm)},
+    ]})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, minilm_dir: Path) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    with serving(tmp, models_yaml(tiny_model_dir, minilm_dir)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, minilm_dir: Path) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("dashboard-key")
+    with serving(tmp, models_yaml(tiny_model_dir, minilm_dir, {"api_key": KEY})) as s:
+        yield s
+
+
+def events(s: Served, count: int, headers: dict | None = None) -> list[tuple[str, dict]]:
+    """The first ``count`` events of /ui/events."""
+    out: list[tuple[str, dict]] = []
+    with httpx.stream("GET", s.base_url + "/ui/events", headers=headers, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                out.append((name, json.loads(line[5:])))
+                if len(out) == count:
+                    break
+    return out
+
+
+@pytest.mark.parametrize("path", ["/", "/ui"])
+def test_page_is_served_with_a_strict_csp(served: Served, path: str) -> None:
+    r = served.get(path)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "style-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp and "frame-ancestors 'none'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
+    # Nothing inline for the CSP to refuse, nothing fetched from elsewhere.
+    html = r.text
+    assert "<script>" not in html and "<style" not in html and " style=" not in html and "http" not in html
+    for asset, kind in (("/ui/static/app.js", "text/javascript"), ("/ui/static/app.css", "text/css")):
+        assert asset in html
+        a = served.get(asset)
+        assert a.status_code == 200 and a.headers["content-type"].startswith(kind)
+        assert a.headers["content-security-policy"] == csp
+        assert "http://" not in a.text and "https://" not in a.text
+
+
+def test_unknown_assets_are_404s_in_openai_shape(served: Served) -> None:
+    for name in ("nope.js", "..%2Fdashboard.py", "index.py"):
+        assert_openai_error(served.get("/ui/static/" + name), 404)
+
+
+def test_dashboard_off_is_404(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
+    with serving(tmp_path, models_yaml(tiny_model_dir, minilm_dir, {"dashboard": False})) as s:
+        for path in ("/", "/ui", "/ui/static/app.js", "/ui/events"):
+            assert_openai_error(s.get(path), 404)
+        assert s.get("/health").status_code == 200
+
+
+def test_an_open_dashboard_does_not_hold_shutdown(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
+    got: list[str] = []
+    with serving(tmp_path, models_yaml(tiny_model_dir, minilm_dir)) as s:
+        def read() -> None:
+            with httpx.stream("GET", s.base_url + "/ui/events", timeout=30) as r:
+                got.extend(r.iter_lines())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while not got:
+            time.sleep(0.05)
+        stopping = time.monotonic()
+    # The stream ends with the drain (within a sample), not at uvicorn's graceful timeout (grace + 5 s).
+    assert time.monotonic() - stopping < 4
+    reader.join(timeout=5)
+    assert not reader.is_alive()
+
+
+def test_events_stream_history_then_ticks_with_models_and_requests(served: Served) -> None:
+    r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    (first, history), (second, tick) = events(served, 2)
+    assert first == "history" and second == "tick"
+    models = {m["name"]: m for m in history["overview"]["models"]}
+    assert models["tiny"]["state"] == "loaded" and models["tiny"]["default"] and models["tiny"]["weights_mb"] > 0
+    assert models["tiny"]["kv_budget_mb"] == 16 and "memory" in models["tiny"]["cache_tiers"]
+    assert models["minilm"]["role"] == "embedding" and models["minilm"]["on_disk"] is True
+    # The request log joined the HTTP side and the generation's record.
+    row = next(x for x in history["requests"] + tick.get("requests", []) if x["id"] == rid)
+    assert row["route"] == "/v1/chat/completions" and row["method"] == "POST" and row["status"] == 200
+    assert row["model"] == "tiny" and row["prompt_tokens"] > 0 and row["completion_tokens"] == 2
+    assert row["ttft_s"] is not None and row["duration_s"] is not None and row["client"] == "127.0.0.1"
+    # The generation shows in a sample: its decode speed and time to first token.
+    samples = history["samples"] + [tick["sample"]]
+    assert all(s["limit_mb"] > 0 for s in samples)
+    assert any("tiny" in s["models"] and s["models"]["tiny"].get("ttft_s") for s in samples)
+
+
+def test_admin_load_pin_unload_the_embedding_model(served: Served) -> None:
+    r = served.post("/v1/admin/models/load", {"model": "minilm"})
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "loaded" and r.json()["weights_mb"] > 0
+    assert served.post("/v1/embeddings", {"model": "minilm", "input": "x"}).status_code == 200
+    pinned = served.post("/v1/admin/models/pin", {"model": "minilm", "pinned": True})
+    assert pinned.status_code == 200 and pinned.json()["pinned"] is True
+    assert_openai_error(served.post("/v1/admin/models/unload", {"model": "minilm"}), 409, "model_pinned")
+    assert served.post("/v1/admin/models/pin", {"model": "minilm", "pinned": False}).json()["pinned"] is False
+    r = served.post("/v1/admin/models/unload", {"model": "minilm"})
+    assert r.status_code == 200 and r.json()["state"] == "unloaded" and r.json()["weights_mb"] == 0
+    assert served.state.registry.loaded("minilm") is None
+    # Unloading again is no error; the default model still serves.
+    assert served.post("/v1/admin/models/unload", {"model": "minilm"}).json()["state"] == "unloaded"
+    assert served.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+                       ).status_code == 200
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ({"model": "no-such-model"}, 404),
+    ({}, 400),
+    ({"model": ""}, 400),
+    ({"model": 3}, 400),
+    ({"model": "minilm", "extra": 1}, 400),
+])
+def test_admin_bad_bodies_are_4xx(served: Served, body: dict, status: int) -> None:
+    assert_openai_error(served.post("/v1/admin/models/load", body), status)
+    assert served.get("/health").status_code == 200
+
+
+def test_admin_endpoints_take_json_only(served: Served) -> None:
+    # A cross-site form or text/plain POST needs no preflight: it must not press a button.
+    for kind in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x"):
+        r = httpx.post(served.base_url + "/v1/admin/models/load", content=b'{"model": "minilm"}',
+                       headers={"Content-Type": kind}, timeout=30)
+        assert_openai_error(r, 415)
+    assert served.state.registry.loaded("minilm") is None
+    assert_openai_error(served.get("/v1/admin/models/load"), 405)
+
+
+def test_with_a_key_the_page_loads_but_its_data_and_buttons_need_it(keyed: Served) -> None:
+    assert keyed.get("/").status_code == 200  # static, no data
+    assert keyed.get("/ui/static/app.js").status_code == 200
+    assert_openai_error(keyed.get("/ui/events"), 401)
+    assert_openai_error(keyed.get("/ui/events", headers={"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(keyed.post("/v1/admin/models/load", {"model": "minilm"}), 401)
+    assert_openai_error(keyed.post("/v1/admin/models/pin", {"model": "tiny"}), 401)
+    assert keyed.state.registry.loaded("minilm") is None
+    auth = {"Authorization": f"Bearer {KEY}"}
+    (name, history), = events(keyed, 1, auth)
+    assert name == "history" and history["overview"]["models"]
+    r = keyed.post("/v1/admin/models/load", {"model": "minilm"}, headers=auth)
+    assert r.status_code == 200 and r.json()["state"] == "loaded"
+    assert keyed.post("/v1/admin/models/unload", {"model": "minilm"}, headers=auth).json()["state"] == "unloaded"
+    # The request log names the key a request used as its client; refused requests by their address.
+    (_, history), = events(keyed, 1, auth)
+    rows = {x["id"]: x for x in history["requests"]}
+    assert rows[r.headers["x-request-id"]]["client"] == "default"
+    assert any(x["status"] == 401 and x["client"] == "127.0.0.1" for x in rows.values())
+
+
+def test_foreign_host_gets_no_page(served: Served) -> None:
+    # DNS rebinding: a page served as evil.example pointing at 127.0.0.1 reads nothing.
+    assert_openai_error(served.get("/", headers={"Host": "evil.example"}), 403)
+    assert_openai_error(served.get("/ui/events", headers={"Host": "evil.example"}), 403)
+
+
+
+def test_unload_never_cuts_off_a_running_request(served: Served) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # it is generating
+        assert_openai_error(served.post("/v1/admin/models/unload", {"model": "tiny"}), 409, "model_busy")
+        assert next(line for line in lines if line.startswith("data:"))  # and still is
+    assert served.state.registry.loaded("tiny") is not None
