@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from litestar import Request, delete, get, post
-from litestar.params import FromPath, JSONBody, Parameter
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from app.api.errors import as_app_error
 from app.api.openai.chat import logprob_entry
@@ -310,9 +310,10 @@ async def get_response(response_id: FromPath[str], request: Request) -> dict[str
 
 
 @get("/v1/responses/{response_id:str}/input_items", summary="List a stored response's input items")
-async def list_input_items(response_id: FromPath[str], request: Request, after: str | None = None,
-                           before: str | None = None, limit: Annotated[int, Parameter(ge=1, le=100)] = 20,
-                           order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+async def list_input_items(response_id: FromPath[str], request: Request, after: FromQuery[str | None] = None,
+                           before: FromQuery[str | None] = None,
+                           limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
+                           order: FromQuery[Literal["asc", "desc"]] = "desc") -> dict[str, Any]:
     items = request.app.state.tandem.responses.get(response_id).input_items
     return input_items_page(items, after, before, limit, order)
 
