@@ -127,7 +127,7 @@ def test_held_back_logprobs_wait_for_the_opening_chunk():
     """Tokens the parser holds back (a call's marker) before a choice's role has gone out:
     their logprobs ride on the opening chunk, which still carries ``content: null``."""
     from app.api.openai.chat import ChunkWriter
-    from app.parsers import ToolCallArgsDelta, ToolCallStart
+    from app.pipeline.results import ToolCallArgsDelta, ToolCallStart
     from app.pipeline.logprobs import LogprobInfo, TokenInfo
     from app.pipeline.results import Step
 
