@@ -26,7 +26,7 @@ from app.api.metrics import metrics
 from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
 from app.api.openai.embeddings import embeddings
-from app.api.openai.responses import create_response, delete_response, get_response
+from app.api.openai.responses import create_response, delete_response, get_response, list_input_items
 from app.api.rerank import rerank
 from app.api.state import AppState
 from app.api.ui.activity import Activity
@@ -178,8 +178,8 @@ def create_app(state: AppState) -> Litestar:
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
             Router("/", route_handlers=[chat_completions, completions, create_response, get_response,
-                                        delete_response, embeddings, rerank, agui, list_models, get_model, metrics,
-                                        *ADMIN, *([dashboard_events] if server.dashboard else [])],
+                                        list_input_items, delete_response, embeddings, rerank, agui, list_models,
+                                        get_model, metrics, *ADMIN, *([dashboard_events] if server.dashboard else [])],
                    guards=guards),
             *(PAGE if server.dashboard else []),  # a static page, no data: open, as /health is
             anthropic_router(guards),  # Anthropic's error shape on its routes

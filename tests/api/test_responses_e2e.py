@@ -244,13 +244,15 @@ def test_store_false_keeps_nothing(client, demo_state):
 
 def test_input_image_takes_the_vision_path(client):
     # The demo server's vision model is missing: the image becomes a placeholder, with a warning.
-    r = client.responses.create(model="demo", max_output_tokens=2, temperature=0, extra_body={"extensions": True},
-                                input=[{"role": "user", "content": [
-                                    {"type": "input_text", "text": "What is this?"},
-                                    {"type": "input_image", "image_url": data_url(image_bytes()), "detail": "auto"}]}])
+    kw = dict(model="demo", max_output_tokens=2, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": data_url(image_bytes()), "detail": "auto"}]}])
+    r = client.responses.create(**kw, extra_body={"extensions": True})
     ext = r.model_extra["extensions"]
     assert "[Image 1: not available, no vision model loaded]" in ext["prompt"]
     assert ext["warnings"] and "missing-vlm" in ext["warnings"][0]
+    # Tandem's own object only when asked for: OpenAI's shape otherwise.
+    assert "extensions" not in client.responses.create(**kw).model_extra
 
 
 NAMESPACED_CALL = '<tool_call>{"name": "mcp__files__read", "arguments": {"path": "a.txt"}}</tool_call>'
@@ -385,3 +387,73 @@ def test_bad_requests_get_openai_errors(demo_server, name, body, param):
         assert err["param"] is not None and re.sub(r"\[(\d+)\]", r".\1", err["param"]).startswith(
             re.sub(r"\[(\d+)\]", r".\1", param)), err
     assert httpx.get(demo_server.base_url + "/health").json()["status"] == "ok"
+
+
+def test_input_items_list_as_openai_pages_them(client, demo_server):
+    first = client.responses.create(model="demo", input=THINK_SHOT, max_output_tokens=30, temperature=0)
+    second = client.responses.create(model="demo", previous_response_id=first.id, input="And Germany?",
+                                     max_output_tokens=2, temperature=0)
+    page = client.responses.input_items.list(second.id)  # OpenAI's default: the latest first, 20 a page
+    items = page.data
+    # What the model was given: the chain (the first's input and output), then its own input.
+    assert len(items) == len(THINK_SHOT) + len(first.output) + 1 and page.has_more is False
+    assert items[0].type == "message" and items[0].role == "user" and items[0].content[0].text == "And Germany?"
+    assert [i.id for i in items[1:1 + len(first.output)]] == [o.id for o in reversed(first.output)]
+    assert items[-1].content[0].text == THINK_SHOT[0]["content"]
+    ids = [i.id for i in items]
+    assert len(set(ids)) == len(ids) and all(ids)
+    assert (page.first_id, page.last_id) == (ids[0], ids[-1])
+
+    # Pages of 3, oldest first, followed by the SDK's own cursor (after = the page's last id).
+    asc = client.responses.input_items.list(second.id, order="asc", limit=3)
+    assert len(asc.data) == 3 and asc.has_more is True
+    assert [i.id for i in asc] == ids[::-1]  # iterating fetches every page
+    # ``before`` (not in SDK 3.x's signature: a query parameter), within ``after``.
+    r = demo_server_get(demo_server, f"/v1/responses/{second.id}/input_items",
+                        params={"order": "asc", "after": ids[-1], "before": ids[-5], "limit": 2})
+    assert [i["id"] for i in r["data"]] == ids[-2:-4:-1] and r["has_more"] is True
+    # The first response lists only its own input, with the ids the chain kept.
+    firsts = client.responses.input_items.list(first.id, order="asc")
+    assert [i.id for i in firsts] == ids[::-1][:len(THINK_SHOT)]
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.input_items.list(second.id, after="msg_nope")
+    assert err.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
+def demo_server_get(server, path: str, **kw) -> dict:
+    r = httpx.get(server.base_url + path, timeout=60, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_logprobs_come_with_include_and_top_logprobs(client):
+    kw = dict(model="demo", input="Name a colour.", max_output_tokens=4, temperature=0)
+    asked = {**kw, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(**asked)
+    assert r.top_logprobs == 2
+    (part,) = r.output[-1].content
+    assert len(part.logprobs) == r.usage.output_tokens == 4
+    assert b"".join(bytes(t.bytes) for t in part.logprobs).decode() == part.text
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in part.logprobs)
+    # The same tokens, and numbers, as chat completions give for the same conversation.
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Name a colour."}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert [t.model_dump() for t in part.logprobs] == [t.model_dump() for t in chat.choices[0].logprobs.content]
+
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    check_events(events)
+    streamed = [lp for ev in events if ev.type == "response.output_text.delta" for lp in ev.logprobs]
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in streamed] == \
+        [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in part.logprobs]
+    (done,) = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert [t.token for t in done.logprobs] == [t.token for t in part.logprobs]
+
+    # Without the include, the content part's logprobs stay empty, top_logprobs or not (as OpenAI's).
+    for plain in (client.responses.create(**kw), client.responses.create(**kw, top_logprobs=2)):
+        assert plain.output[-1].content[0].logprobs == []

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from app.api.openai.response_store import ResponseStore
 from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
-from app.errors import NotFoundError
+from app.errors import InvalidRequestError, NotFoundError
 from app.pipeline import request as typed
 from app.request_context import CLIENT
 
@@ -183,9 +183,32 @@ def test_store_keeps_each_api_key_apart():
     assert err.value.code == "previous_response_not_found" and err.value.param == "previous_response_id"
     token = CLIENT.set("alice")
     try:
-        assert store.get("r").items == [{"role": "user"}]
+        (item,) = store.get("r").items
+        assert item["role"] == "user" and item["id"].startswith("item_")  # every stored item gets an id
     finally:
         CLIENT.reset(token)
+
+
+def test_input_items_page_as_openai_lists_do():
+    from app.api.openai.responses import input_items_page
+
+    items = [{"id": f"i{n}"} for n in range(6)]
+
+    def ids(**kw):
+        page = input_items_page(items, **{"after": None, "before": None, "limit": 20, "order": "desc", **kw})
+        return [i["id"] for i in page["data"]], page["has_more"], page["first_id"], page["last_id"]
+
+    assert ids() == (["i5", "i4", "i3", "i2", "i1", "i0"], False, "i5", "i0")  # the latest first
+    assert ids(order="asc", limit=2) == (["i0", "i1"], True, "i0", "i1")
+    assert ids(order="asc", after="i1", limit=2) == (["i2", "i3"], True, "i2", "i3")
+    assert ids(order="asc", after="i3", limit=2) == (["i4", "i5"], False, "i4", "i5")
+    assert ids(after="i4", before="i1") == (["i3", "i2"], False, "i3", "i2")  # in the order asked for
+    assert ids(after="i4", before="i1", limit=1) == (["i3"], True, "i3", "i3")
+    assert ids(after="i1", before="i4") == ([], False, None, None)  # before comes first: nothing between
+    assert ids(after="i0") == ([], False, None, None)
+    with pytest.raises(InvalidRequestError) as err:
+        ids(before="nope")
+    assert err.value.param == "before"
 
 
 def test_a_recorded_codex_request_maps():

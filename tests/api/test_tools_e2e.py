@@ -36,7 +36,9 @@ def test_tool_call_non_stream_and_stream_agree(client):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert not any(m in (choice.message.content or "") for m in MARKERS)
-    assert r.model_extra["extensions"]["tool_call_chunks"][0]["type"] == "start"
+    assert "extensions" not in r.model_extra  # Tandem's own object only when asked for
+    asked = client.chat.completions.create(**kw, extra_body={"extensions": True})
+    assert asked.model_extra["extensions"]["tool_call_chunks"][0]["type"] == "start"
 
     chunks = list(client.chat.completions.create(**kw, stream=True))
     starts = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
@@ -90,7 +92,8 @@ def test_reasoning_streams_as_its_own_delta(client):
     reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content", "") for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert reasoning == msg.model_extra["reasoning_content"] and content == msg.content
-    assert r.model_extra["extensions"]["reasoning_chunks"]
+    asked = client.chat.completions.create(**kw, extra_body={"extensions": True})
+    assert asked.model_extra["extensions"]["reasoning_chunks"]
 
 
 @pytest.mark.slow  # a sibling in the default suite covers the path
@@ -143,6 +146,7 @@ def test_unparseable_tool_call_ends_stream_with_error_chunk_and_keeps_text(demo_
     assert last["error"]["type"] == "tool_call_parse_error"
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert "get_weather" in content  # the unparseable text is not lost
-    full = httpx.post(demo_server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
+    full = httpx.post(demo_server.base_url + "/v1/chat/completions", json={**body, "extensions": True},
+                      timeout=120).json()
     assert full["choices"][0]["message"]["content"] == content
     assert full["extensions"]["errors"][0]["type"] == "tool_call_parse_error"

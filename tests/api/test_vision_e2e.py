@@ -52,10 +52,10 @@ def test_caption_replaces_image_in_the_prompt(vision_server):
 def test_earlier_image_hits_the_caption_cache(vision_server):
     server, _ = vision_server
     img = data_url(striped_bytes(2))
-    first = post(server.base_url, [user("Describe it.", img)]).json()["extensions"]["captions"]
+    first = post(server.base_url, [user("Describe it.", img)], extensions=True).json()["extensions"]["captions"]
     history = [user("Describe it.", img), {"role": "assistant", "content": "A picture."},
                {"role": "user", "content": "And what else?"}]
-    again = post(server.base_url, history).json()["extensions"]["captions"]
+    again = post(server.base_url, history, extensions=True).json()["extensions"]["captions"]
     assert first[0]["cached"] is False and again[0]["cached"] is True
     assert again[0]["caption"] == first[0]["caption"]
 
@@ -64,9 +64,10 @@ def test_streaming_reports_captions_in_the_first_chunk(vision_server):
     server, _ = vision_server
     client = OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     chunks = list(client.chat.completions.create(
-        model="demo", max_tokens=2, temperature=0, stream=True,
+        model="demo", max_tokens=2, temperature=0, stream=True, extra_body={"extensions": True},
         messages=[user("Hi", data_url(striped_bytes(3)))]))
     assert chunks[0].model_extra["extensions"]["captions"][0]["caption"]
+    assert all("extensions" not in c.model_extra for c in chunks[1:])
 
 
 BAD_IMAGES = [

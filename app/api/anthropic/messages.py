@@ -7,9 +7,11 @@ A stream is Anthropic's event sequence, each ``event: <type>`` with its JSON:
     message_delta                                                      stop_reason, stop_sequence, usage
     message_stop                    (or one ``error`` event, once the stream has started, and the end)
 
-``BlockWriter`` turns the parser's events into the block events; the
+``BlockWriter`` turns the parser's events into the block events, a tool call's
+input as several ``input_json_delta`` while the model writes it; the
 non-streaming answer folds the very same events into its ``content`` (``fold``),
-so the two always agree. Every error on these routes, body validation and the
+so the two agree (but for a tool call the parser gives up on halfway: left out
+of the answer, it ends the stream in an error event). Every error on these routes, body validation and the
 API key guard included, is rendered in Anthropic's shape (``anthropic_error``).
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 from litestar import Request, Router, post
 from litestar.params import JSONBody
+from pydantic_core import from_json
 
 from app.api.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_tool_id
 from app.api.errors import exception_handlers, stream_error
@@ -84,18 +87,39 @@ def stop_reason(finish: str, stop_sequence: str | None, tool_uses: int) -> str:
 
 
 @dataclass
+class _Input:
+    """A tool_use block's input being streamed: what has gone out, what is held back."""
+
+    sent: str = ""
+    held: str = ""
+
+
+@dataclass
 class BlockWriter:
     """Parser events -> content-block events, each block started, filled and stopped before
-    the next. A tool call goes out whole once the parser ends it (its input as one
-    input_json_delta): a call the parser gives up on never reaches the client as broken
-    JSON, which the SDK refuses; its raw text comes as text, as in the non-streaming answer."""
+    the next.
+
+    A tool call's input streams as it is generated (``stream_inputs``): its block starts
+    with the call, and each piece of the arguments goes out as an ``input_json_delta`` once
+    the text sent so far still reads as the start of a JSON value (pydantic's partial
+    parse, the check the SDK's accumulator makes on every delta with jiter), so the client
+    never holds text it refuses. A streamed call the parser gives up on is closed where it
+    stands and counted in ``broken``; the stream then ends in an error event rather than
+    hand a client half a call to run (``message_events``). The non-streaming answer sends
+    each call whole once the parser ends it, and leaves a broken one out: its raw text
+    comes as text, in both.
+    """
 
     show_thinking: bool = True
+    stream_inputs: bool = False
     index: int = -1
-    open: str | None = None  # "text" | "thinking"
+    open: str | None = None  # "text" | "thinking" | "tool_use"
     thinking: list[str] = field(default_factory=list)
     calls: dict[int, tuple[ToolCallStart, list[str]]] = field(default_factory=dict)
+    inputs: dict[int, _Input] = field(default_factory=dict)
     tool_uses: int = 0
+    # Why each streamed call the parser gave up on was given up.
+    broken: list[str] = field(default_factory=list)
 
     def feed(self, events: list[ParserEvent]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -110,12 +134,26 @@ class BlockWriter:
                     out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
             elif isinstance(ev, ToolCallStart):
                 self.calls[ev.index] = (ev, [])
+                if self.stream_inputs:
+                    out += [*self._close(), self._start(self._tool_block(ev))]
+                    self.open, self.inputs[ev.index] = "tool_use", _Input()
             elif isinstance(ev, ToolCallArgsDelta) and ev.index in self.calls:
                 self.calls[ev.index][1].append(ev.text)
+                if ev.index in self.inputs:
+                    out += self._input(self.inputs[ev.index], ev.text)
             elif isinstance(ev, ToolCallEnd) and ev.index in self.calls:
-                out += self._tool_use(*self.calls.pop(ev.index))
+                start, args = self.calls.pop(ev.index)
+                self.tool_uses += 1
+                if ev.index in self.inputs:  # the parser has read it whole: the rest goes out
+                    out += self._input(self.inputs.pop(ev.index), "", whole=True)
+                    out += self._close()
+                else:
+                    out += self._tool_use(start, args)
             elif isinstance(ev, ToolCallError) and ev.index is not None:
                 self.calls.pop(ev.index, None)
+                if self.inputs.pop(ev.index, None) is not None:
+                    self.broken.append(ev.message)
+                    out += self._close()
         return out
 
     def finish(self) -> list[dict[str, Any]]:
@@ -147,12 +185,34 @@ class BlockWriter:
         self.open = None
         return [*out, {"type": "content_block_stop", "index": self.index}]
 
+    def _input(self, state: _Input, text: str, whole: bool = False) -> list[dict[str, Any]]:
+        """The held-back arguments and ``text``, sent once they begin a JSON value (all of
+        them when ``whole``: the parser has checked the complete text)."""
+        state.held += text
+        if not state.held or not (whole or _json_prefix(state.sent + state.held)):
+            return []
+        piece, state.held = state.held, ""
+        state.sent += piece
+        return [self._delta({"type": "input_json_delta", "partial_json": piece})]
+
+    @staticmethod
+    def _tool_block(start: ToolCallStart) -> dict[str, Any]:
+        return {"type": "tool_use", "id": anthropic_tool_id(start.id), "name": start.name, "input": {}}
+
     def _tool_use(self, start: ToolCallStart, args: list[str]) -> list[dict[str, Any]]:
-        self.tool_uses += 1
-        block = {"type": "tool_use", "id": anthropic_tool_id(start.id), "name": start.name, "input": {}}
-        out = [*self._close(), self._start(block)]
+        """A call the parser has ended, whole: its block and its input in one delta."""
+        out = [*self._close(), self._start(self._tool_block(start))]
         out.append(self._delta({"type": "input_json_delta", "partial_json": "".join(args)}))
         return [*out, {"type": "content_block_stop", "index": self.index}]
+
+
+def _json_prefix(text: str) -> bool:
+    """Whether ``text`` reads as the start of a JSON value (what the SDKs' partial parse takes)."""
+    try:
+        from_json(text, allow_partial=True)
+    except ValueError:
+        return False
+    return True
 
 
 def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -201,13 +261,20 @@ async def message_events(view: MessageView, steps: AsyncIterator[Step]) -> Async
     start_usage = {"input_tokens": view.input_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                    "cache_read_input_tokens": 0}
     yield _event({"type": "message_start", "message": view.message([], None, None, start_usage)})
-    writer = BlockWriter(view.show_thinking)
+    writer = BlockWriter(view.show_thinking, stream_inputs=True)
     async for step in steps:
         for ev in writer.feed(step.events):
             yield _event(ev)
         if step.finish_reason is not None and step.usage is not None:
             for ev in writer.finish():
                 yield _event(ev)
+            if writer.broken and step.finish_reason != "length":
+                # Half a call has gone out: an error, not a turn a client would act on. (Cut
+                # short by max_tokens, it is Anthropic's own max_tokens stop.)
+                err = AppError(f"the model wrote a tool call that cannot be read ({writer.broken[0]}); "
+                               "retry the request", code="tool_call_parse_error")
+                yield _event(anthropic_error(err))
+                return
             delta = {"stop_reason": stop_reason(step.finish_reason, step.stop_sequence, writer.tool_uses),
                      "stop_sequence": step.stop_sequence}
             yield _event({"type": "message_delta", "delta": delta, "usage": usage_dict(step.usage)})

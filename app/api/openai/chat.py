@@ -77,6 +77,10 @@ class ChunkWriter:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_calls: dict[int, int] = field(default_factory=dict)
     parse_errors: dict[int, str] = field(default_factory=dict)
+    # Choices whose role has gone out (on their first delta).
+    opened: set[int] = field(default_factory=set)
+    # Logprobs of a choice's tokens held back before its role went out.
+    held_logprobs: dict[int, list[LogprobInfo]] = field(default_factory=dict)
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, index: int = 0,
               logprobs: list[LogprobInfo] | None = None, **extra: Any) -> dict[str, Any]:
@@ -88,18 +92,37 @@ class ChunkWriter:
             **extra,
         }
 
-    def first(self, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"role": "assistant", "content": ""}, index=index)
+    def first(self, index: int = 0, content: str | None = "") -> dict[str, Any]:
+        """A choice's opening chunk, the role alone: OpenAI's ``content: ""`` before text."""
+        self.opened.add(index)
+        return self.chunk({"role": "assistant", "content": content}, index=index)
+
+    def _opening(self, index: int, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``deltas`` with the choice's role in front, if it has not gone out yet. As OpenAI's
+        streams: an answer that begins with a tool call carries the role on that call's delta
+        with ``content: null`` (llama.cpp's tests and some clients refuse an empty content
+        delta there); any other answer opens with the role and ``content: ""`` on its own."""
+        if index in self.opened or not deltas:
+            return deltas
+        if "tool_calls" in deltas[0]:
+            self.opened.add(index)
+            return [{"role": "assistant", "content": None, **deltas[0]}, *deltas[1:]]
+        return [self.first(index)["choices"][0]["delta"], *deltas]
 
     def step(self, step: Step) -> list[dict[str, Any]]:
         """Chunks for one step's parser events; its logprobs ride on the first (on a chunk of
-        their own when the step's text is still held back). Empty deltas are never sent."""
-        chunks = [self.chunk(delta, index=step.index) for ev in step.events if (delta := self._delta(ev, step.index))]
-        if step.logprobs and self.with_logprobs:
-            if chunks:
-                chunks[0]["choices"][0]["logprobs"] = logprobs_object(step.logprobs)
-            else:
-                chunks.append(self.chunk({}, index=step.index, logprobs=step.logprobs))
+        their own when the step's text is still held back, or, before the choice's role has
+        gone out, on its opening chunk). Empty deltas are never sent."""
+        i = step.index
+        deltas = self._opening(i, [d for ev in step.events if (d := self._delta(ev, i))])
+        chunks = [self.chunk(delta, index=i) for delta in deltas]
+        logprobs = [*self.held_logprobs.pop(i, []), *step.logprobs] if self.with_logprobs else []
+        if logprobs and chunks:
+            chunks[0]["choices"][0]["logprobs"] = logprobs_object(logprobs)
+        elif logprobs and i in self.opened:
+            chunks.append(self.chunk({}, index=i, logprobs=logprobs))
+        elif logprobs:
+            self.held_logprobs[i] = logprobs
         return chunks
 
     def _delta(self, ev: Event, index: int) -> dict[str, Any] | None:
@@ -116,7 +139,16 @@ class ChunkWriter:
             self.parse_errors[index] = ev.message
         return None  # ToolCallEnd has no OpenAI delta of its own
 
-    def last(self, finish: str, index: int = 0) -> dict[str, Any]:
+    def last(self, finish: str, index: int = 0) -> list[dict[str, Any]]:
+        """A choice's finish chunk (after its role, for a choice that wrote nothing)."""
+        if index in self.opened:
+            return [self._finish(finish, index)]
+        opening = self.first(index)
+        if index in self.held_logprobs:
+            opening["choices"][0]["logprobs"] = logprobs_object(self.held_logprobs.pop(index))
+        return [opening, self._finish(finish, index)]
+
+    def _finish(self, finish: str, index: int) -> dict[str, Any]:
         if index in self.parse_errors:
             return self.chunk({}, "error", index, error={"message": self.parse_errors[index],
                                                          "type": "tool_call_parse_error"})
@@ -143,39 +175,42 @@ def _choice(done: Completion, reasoning_fields: tuple[str, ...], with_logprobs: 
 
 
 def chat_response(model: str, choices: list[Completion], reasoning_fields: tuple[str, ...],
-                  extensions: dict[str, Any], with_logprobs: bool = False) -> dict[str, Any]:
-    """The non-streaming chat completion, every choice of it."""
-    parsed = choices[0].parsed
-    extensions = {**extensions, "reasoning_chunks": parsed.reasoning_chunks,
-                  "tool_call_chunks": parsed.tool_call_chunks}
-    errors = [e for c in choices for e in c.parsed.errors]
-    if errors:
-        extensions["errors"] = [{"message": e, "type": "tool_call_parse_error"} for e in errors]
-    return {
+                  extensions: dict[str, Any] | None, with_logprobs: bool = False) -> dict[str, Any]:
+    """The non-streaming chat completion, every choice of it; ``extensions`` (None: not
+    asked for) with the first choice's reasoning and tool-call chunks and any parse errors."""
+    body = {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": "tandem",
         "choices": [_choice(c, reasoning_fields, with_logprobs) for c in choices],
         "usage": usage_dict(total_usage([c.usage for c in choices])),
-        "extensions": extensions,
     }
+    if extensions is not None:
+        parsed = choices[0].parsed
+        extensions = {**extensions, "reasoning_chunks": parsed.reasoning_chunks,
+                      "tool_call_chunks": parsed.tool_call_chunks}
+        errors = [e for c in choices for e in c.parsed.errors]
+        if errors:
+            extensions["errors"] = [{"message": e, "type": "tool_call_parse_error"} for e in errors]
+        body["extensions"] = extensions
+    return body
 
 
-async def chat_stream(writer: ChunkWriter, n: int, steps: AsyncIterator[Step], extras: dict[str, Any],
+async def chat_stream(writer: ChunkWriter, steps: AsyncIterator[Step], extras: dict[str, Any] | None,
                       include_usage: bool) -> AsyncIterator[str]:
-    """The chunks of a streamed chat completion, then ``[DONE]``."""
-    for index in range(n):
-        first = writer.first(index)
-        if extras and index == 0:
-            first["extensions"] = extras
-        yield to_json(first)
+    """The chunks of a streamed chat completion, then ``[DONE]``. Each choice's role goes
+    out with its first delta (``ChunkWriter._opening``); ``extras`` ride on the first chunk."""
     usages: list[Usage] = []
+    pending = extras
     async for step in steps:
-        for chunk in writer.step(step):
-            yield to_json(chunk)
+        chunks = writer.step(step)
         if step.finish_reason is not None:
-            yield to_json(writer.last(step.finish_reason, step.index))
+            chunks += writer.last(step.finish_reason, step.index)
             if step.usage is not None:
                 usages.append(step.usage)
+        for chunk in chunks:
+            if pending:
+                chunk["extensions"], pending = pending, {}
+            yield to_json(chunk)
     if include_usage and usages:
         yield to_json(writer.usage_chunk(total_usage(usages)))
     yield "[DONE]"
@@ -186,19 +221,16 @@ def openai_stream_error(exc: Exception) -> list[str]:
     return [to_json(stream_error(exc))]
 
 
-def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
-    """What goes out as ``extensions``: captions and warnings when the request had images,
-    everything (the prompt too) when it asked for them."""
-    return extras if asked else {k: extras[k] for k in ("captions", "warnings") if k in extras}
-
-
 def _rendering(data: ChatCompletionRequest, state: AppState, prepared: Prepared) -> Rendering:
-    extras = _extras(prepared.extras, data.extensions)
+    # Tandem's non-standard ``extensions`` object (captions, warnings, the prompt, the parser's
+    # chunks) only for a request that asks (``extensions: true``): clients that compare
+    # OpenAI's shapes byte for byte see none. Warnings also travel as a response header.
+    extras = prepared.extras if data.extensions else None
     with_logprobs = bool(data.logprobs)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs)
     return Rendering(
-        events=lambda steps: chat_stream(writer, data.n, steps, extras, include_usage),
+        events=lambda steps: chat_stream(writer, steps, extras, include_usage),
         error=openai_stream_error,
         whole=lambda steps: chat_response(data.model, Completion.fold_choices(steps), state.reasoning_fields,
                                           extras, with_logprobs))

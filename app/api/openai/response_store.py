@@ -3,7 +3,9 @@
 What is kept, per response created with ``store`` (OpenAI's default, true):
 the response object as ``GET /v1/responses/{id}`` returns it, and the
 conversation as input items (the chain it continued, its own input, its output),
-which a request naming it as ``previous_response_id`` continues from.
+which a request naming it as ``previous_response_id`` continues from. Every item
+has an ``id`` (one is given to input items that came without); the items before
+the output are what ``GET /v1/responses/{id}/input_items`` lists.
 ``instructions`` are not kept in the conversation: as at OpenAI, each request
 gives its own.
 
@@ -26,8 +28,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from app.api.wire import new_id
 from app.errors import NotFoundError
 from app.request_context import CLIENT
+
+# OpenAI's id prefix of each input item type, for items a client sent without an id.
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class StoredResponse:
     response_json: bytes
     # The whole conversation as input items: the chain it continued, its input, its output.
     items_json: bytes
+    # How many of the items came before its output: what the model was given.
+    inputs: int
 
     @property
     def response(self) -> dict[str, Any]:
@@ -47,6 +55,11 @@ class StoredResponse:
     @property
     def items(self) -> list[dict[str, Any]]:
         return list(json.loads(self.items_json))
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """The items the model was given for it: the chain it continued and its own input."""
+        return self.items[:self.inputs]
 
     @property
     def nbytes(self) -> int:
@@ -70,12 +83,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> bool:
-        """Keep ``response`` (evicting the least recently used to make room); False when it
-        alone is larger than the byte bound, or the store holds nothing."""
+    def put(self, response: dict[str, Any], items: list[dict[str, Any]], inputs: int | None = None) -> bool:
+        """Keep ``response`` with its conversation ``items``, the first ``inputs`` of them
+        (all, when None) what it was given (evicting the least recently used to make room);
+        False when it alone is larger than the byte bound, or the store holds nothing."""
         if self.max_entries == 0:
             return False
-        entry = StoredResponse(_json(response), _json(items))
+        items = [item if "id" in item else {"id": new_id(_ID_PREFIX.get(str(item.get("type")), "item"), "_"), **item}
+                 for item in items]
+        entry = StoredResponse(_json(response), _json(items), len(items) if inputs is None else inputs)
         nbytes = entry.nbytes
         if nbytes > self.max_bytes:
             return False

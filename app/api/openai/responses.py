@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the typed pipeline.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items:
+OpenAI's Responses API over the typed pipeline.
 
 The parser's events become output items, one open at a time, each streamed as
 
@@ -15,7 +16,10 @@ with ``sequence_number`` counting from 0. Non-streaming runs the very same
 ``ResponseWriter`` over the same steps and returns its final response, so the
 two cannot disagree. A tool call the parser cannot read is closed ``incomplete``
 and left out of the output (its raw text follows as message text).
-``response_store`` keeps stored responses for ``previous_response_id`` and GET.
+With ``include: ["message.output_text.logprobs"]`` a message's text carries its
+tokens' logprobs (chat's, in OpenAI's output_text shape), on each delta and on the
+part. ``response_store`` keeps stored responses for ``previous_response_id``, GET
+and the input items list (OpenAI's cursor page: ``input_items_page``).
 """
 
 from __future__ import annotations
@@ -23,18 +27,20 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from litestar import Request, delete, get, post
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from app.api.errors import as_app_error
+from app.api.openai.chat import logprob_entry
 from app.api.openai.response_store import ResponseStore
 from app.api.openai.responses_protocol import ResponsesRequest, encode_reasoning
 from app.api.state import AppState
 from app.api.streaming import Event, Rendering, answer, to_json
 from app.api.wire import new_id
-from app.errors import AppError
+from app.errors import AppError, InvalidRequestError
+from app.pipeline.logprobs import LogprobInfo
 from app.pipeline.pipeline import Prepared
 from app.pipeline.results import (
     ContentDelta,
@@ -55,8 +61,9 @@ def usage_dict(u: Usage) -> dict[str, Any]:
             "total_tokens": u.total_tokens}
 
 
-def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[str, Any]:
-    """The response object before any output: what the request asked for, echoed."""
+def response_skeleton(data: ResponsesRequest, extras: dict[str, Any] | None) -> dict[str, Any]:
+    """The response object before any output: what the request asked for, echoed, and
+    Tandem's ``extensions`` (captions, warnings, the prompt) when the request asks for them."""
     body: dict[str, Any] = {
         "id": new_id("resp", "_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": data.instructions,
@@ -65,15 +72,22 @@ def response_skeleton(data: ResponsesRequest, extras: dict[str, Any]) -> dict[st
         "previous_response_id": data.previous_response_id,
         "reasoning": data.reasoning.model_dump(exclude_none=True) if data.reasoning else None,
         "store": data.stores, "temperature": data.temperature, "top_p": data.top_p,
+        "top_logprobs": data.top_logprobs,
         "text": data.text.model_dump(by_alias=True, exclude_none=True) if data.text and data.text.format
         else {"format": {"type": "text"}},
         "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
         "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in data.tools],
         "truncation": "disabled", "usage": None, "metadata": data.metadata or {},
     }
-    if extras:
+    if extras is not None:
         body["extensions"] = extras
     return body
+
+
+def delta_logprob(info: LogprobInfo) -> dict[str, Any]:
+    """A token's logprob as the text events carry it (the output_text part's, less the bytes)."""
+    return {"token": info.chosen.token, "logprob": info.chosen.logprob,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in info.top]}
 
 
 @dataclass
@@ -84,6 +98,8 @@ class _Open:
     index: int
     item: dict[str, Any]
     text: list[str] = field(default_factory=list)
+    # A message's output tokens, when the request included their logprobs.
+    logprobs: list[LogprobInfo] = field(default_factory=list)
 
 
 @dataclass
@@ -94,10 +110,13 @@ class ResponseWriter:
     # The model's name of each namespaced function -> (namespace, name).
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     encrypt_reasoning: bool = False
+    with_logprobs: bool = False
     output: list[dict[str, Any]] = field(default_factory=list)
     seq: int = 0
     next_index: int = 0
     open: _Open | None = None
+    # Logprobs of tokens whose text the parser still holds back.
+    held_logprobs: list[LogprobInfo] = field(default_factory=list)
 
     def _event(self, kind: str, **fields: Any) -> Event:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -118,13 +137,18 @@ class ResponseWriter:
     def step(self, step: Step) -> list[Event]:
         """The item events of one pipeline step."""
         out: list[Event] = []
+        logprobs = self._text_logprobs(step)
         for ev in step.events:
             if isinstance(ev, ReasoningDelta) and ev.text:
                 out += self._ensure("reasoning")
                 out.append(self._delta("response.reasoning_text.delta", ev.text))
             elif isinstance(ev, ContentDelta) and ev.text:
                 out += self._ensure("message")
-                out.append(self._delta("response.output_text.delta", ev.text, logprobs=[]))
+                assert self.open is not None
+                self.open.logprobs += logprobs
+                out.append(self._delta("response.output_text.delta", ev.text,
+                                       logprobs=[delta_logprob(i) for i in logprobs]))
+                logprobs = []
             elif isinstance(ev, ToolCallStart):
                 out += self._close("completed")
                 out += self._open_call(ev)
@@ -149,6 +173,18 @@ class ResponseWriter:
     def error(self, err: AppError) -> Event:
         """The one event that ends a stream that failed after it started."""
         return self._event("error", code=err.code or err.openai_type, message=err.message, param=err.param)
+
+    def _text_logprobs(self, step: Step) -> list[LogprobInfo]:
+        """The logprobs that go with this step's output text: its tokens' and those of the
+        tokens held back before it. A step that writes reasoning or a tool call takes its
+        held tokens with it (markers, arguments: not the message's text)."""
+        if not self.with_logprobs:
+            return []
+        self.held_logprobs += step.logprobs
+        if not step.events:
+            return []
+        mine, self.held_logprobs = self.held_logprobs, []
+        return mine if any(isinstance(ev, ContentDelta) and ev.text for ev in step.events) else []
 
     # ---- items ----------------------------------------------------------------------
 
@@ -175,7 +211,7 @@ class ResponseWriter:
         if kind == "message":
             item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}
-            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
@@ -208,8 +244,10 @@ class ResponseWriter:
                                        arguments=text))
         else:
             if o.kind == "message":
-                part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-                out.append(self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
+                part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": [logprob_entry(i) for i in o.logprobs]}
+                out.append(self._event("response.output_text.done", **where, content_index=0, text=text,
+                                       logprobs=[delta_logprob(i) for i in o.logprobs]))
             else:
                 part = {"type": "reasoning_text", "text": text}
                 out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=text))
@@ -237,21 +275,16 @@ async def response_events(writer: ResponseWriter, steps: AsyncIterator[Step],
     on_done(writer)
 
 
-def _extras(extras: dict[str, Any], asked: bool) -> dict[str, Any]:
-    """Captions and warnings when the request had images; everything (the prompt too) when asked."""
-    return extras if asked else {k: extras[k] for k in ("captions", "warnings") if k in extras}
-
-
 def _rendering(request: Request, data: ResponsesRequest, history: list[dict[str, Any]],
                prepared: Prepared) -> Rendering:
     store: ResponseStore = request.app.state.tandem.responses
-    writer = ResponseWriter(response_skeleton(data, _extras(prepared.extras, data.extensions)),
-                            data.namespaces(), data.encrypted_reasoning)
+    writer = ResponseWriter(response_skeleton(data, prepared.extras if data.extensions else None),
+                            data.namespaces(), data.encrypted_reasoning, data.with_logprobs)
     conversation = [*history, *(i.model_dump(by_alias=True, exclude_none=True) for i in data.input)]
 
     def keep(w: ResponseWriter) -> None:
         if data.stores:
-            store.put(w.response, [*conversation, *w.output])
+            store.put(w.response, [*conversation, *w.output], inputs=len(conversation))
 
     def whole(steps: list[Step]) -> dict[str, Any]:
         for step in steps:
@@ -277,6 +310,36 @@ async def create_response(data: JSONBody[ResponsesRequest], request: Request) ->
 @get("/v1/responses/{response_id:str}", summary="Retrieve a stored response")
 async def get_response(response_id: FromPath[str], request: Request) -> dict[str, Any]:
     return request.app.state.tandem.responses.get(response_id).response
+
+
+@get("/v1/responses/{response_id:str}/input_items", summary="List a stored response's input items")
+async def list_input_items(response_id: FromPath[str], request: Request, after: FromQuery[str | None] = None,
+                           before: FromQuery[str | None] = None,
+                           limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
+                           order: FromQuery[Literal["asc", "desc"]] = "desc") -> dict[str, Any]:
+    items = request.app.state.tandem.responses.get(response_id).input_items
+    return input_items_page(items, after, before, limit, order)
+
+
+def input_items_page(items: list[dict[str, Any]], after: str | None, before: str | None, limit: int,
+                     order: str) -> dict[str, Any]:
+    """OpenAI's cursor page of ``items``: in ``order`` (``desc``: the latest first), those
+    after the item ``after`` and before the item ``before``, ``limit`` of them."""
+    ordered = items[::-1] if order == "desc" else items
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise InvalidRequestError(f"{name}: no input item {cursor!r} in this response", param=name)
+        if name == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    page = ordered[start:max(start, end)][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200, summary="Delete a stored response")

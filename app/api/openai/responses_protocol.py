@@ -258,6 +258,9 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     include: list[str] | None = None
+    # The most likely alternatives to each output token; logprobs themselves come with
+    # include: ["message.output_text.logprobs"] (without it, OpenAI's ``logprobs`` stay empty).
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     background: bool | None = None
     conversation: Any = None
@@ -291,6 +294,11 @@ class ResponsesRequest(Lenient):
     @property
     def stores(self) -> bool:
         return self.store is not False
+
+    @property
+    def with_logprobs(self) -> bool:
+        """Output text carries the log-probability of each token (and ``top_logprobs`` alternatives)."""
+        return "message.output_text.logprobs" in (self.include or ())
 
     @property
     def encrypted_reasoning(self) -> bool:
@@ -337,7 +345,8 @@ class ResponsesRequest(Lenient):
         choice, tools = tool_choice(self.tool_choice, self.served_tools())
         sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p)
         options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
-                                priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt)
+                                priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt,
+                                logprobs=(self.top_logprobs or 0) if self.with_logprobs else None)
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
                                  parallel_tool_calls=self.parallel_tool_calls is not False,
                                  output=self.output_format(), thinking=self.thinking_requested(),
