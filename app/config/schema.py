@@ -331,7 +331,10 @@ class ServerSettings(_Strict):
         default=1_000_000, ge=1000, description="JSON values a request body may hold (every array item, object member "
         "and container; 413 beyond), counted before decoding: ~70 bytes each once decoded, so 1M is ~70 MB of Python "
         "objects, where 32 MB of `[{},{},...]` would be GBs. Room for a context's worth of token ids.")
-    max_messages: int = Field(default=512, ge=1, description="Messages one chat request may carry.")
+    max_messages: int = Field(
+        default=10_000, ge=1, description="Messages one chat request may carry: a bound only an attack reaches. Long "
+        "agent sessions (Claude Code, Codex: every tool call and result is a message) pass 512; a request is bounded "
+        "first by its bytes, JSON values and tokens (the context).")
     max_connections: int = Field(
         default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
         "kept alive, no byte of a request received) are closed to make room; when all are busy a request gets 503, "
