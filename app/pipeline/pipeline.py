@@ -44,7 +44,17 @@ from app.pipeline.prompting import (
     template_message,
     tool_note,
 )
-from app.pipeline.request import ChatRequest, EmbedRequest, Message, Options, Priority, RerankRequest, TextRequest, Tool
+from app.pipeline.request import (
+    ChatRequest,
+    EmbedRequest,
+    Message,
+    Options,
+    Priority,
+    RerankRequest,
+    TextRequest,
+    Tool,
+    merge_turns,
+)
 from app.pipeline.results import Completion, Step, Usage
 from app.pipeline.tokenizing import check_within
 from app.request_context import CLIENT, REQUEST_ID
@@ -374,10 +384,13 @@ def check_prompt_chars(profile: ModelProfile, chars: int, param: str) -> None:
 
 def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...]
                ) -> tuple[list[Message], tuple[Tool, ...], list[dict[str, Any]] | None]:
-    """One system message first, and the offered tools: for the template when it renders
-    tools, else as a compact note in that system message. Returns the messages, the tools
-    offered, and what to pass the template as ``tools``."""
+    """One system message first (consecutive turns of one role merged, where the template
+    demands alternation), and the offered tools: for the template when it renders tools, else
+    as a compact note in that system message. Returns the messages, the tools offered, and
+    what to pass the template as ``tools``."""
     msgs = gather_system(profile, messages)
+    if profile.alternating:
+        msgs = merge_turns(msgs)
     tools = offered_tools(req.tools, req.tool_choice)
     if not tools:
         return msgs, tools, None

@@ -3,8 +3,9 @@
 Plain CPU work on the tokenizer (no MLX), run off the event loop. The chat
 template comes from the tokenizer (mlx-lm's TokenizerWrapper); what it can do
 is probed once per model (``make_profile``): whether it renders tools, whether
-``enable_thinking`` changes anything, and the default system prompt it inserts
-when the client sends none.
+``enable_thinking`` changes anything, the default system prompt it inserts
+when the client sends none, and whether it refuses two user turns in a row
+(Mistral's templates do: their turns are then merged, ``app.messages.merge_turns``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ModelProfile:
     template_takes_tools: bool
     # Whether enable_thinking changes the rendered prompt (Qwen3 yes; Ministral, SmolLM2 no).
     thinking_switch: bool = False
+    # Whether the template refuses consecutive user (or assistant) turns: they are merged first.
+    alternating: bool = False
     # The system prompt the template inserts when the request has none ("" if none).
     default_system_prompt: str = ""
     # What a client's system prompt does to the default: "append" or "replace".
@@ -90,6 +93,7 @@ def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: i
     return ModelProfile(
         name, tokenizer, params, max_model_len, parser, reasoning, takes_tools,
         thinking_switch=_has_thinking_switch(tokenizer),
+        alternating=_requires_alternation(tokenizer),
         default_system_prompt=default_system,
         system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
         vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
@@ -148,6 +152,19 @@ def _has_thinking_switch(tokenizer: Any) -> bool:
     on = _render_probe(tokenizer, messages, enable_thinking=True)
     off = _render_probe(tokenizer, messages, enable_thinking=False)
     return on is not None and off is not None and on != off
+
+
+def _requires_alternation(tokenizer: Any) -> bool:
+    """Whether the template refuses two user turns, or two assistant turns, in a row, where it
+    renders them alternating. Asked of the template itself rather than of the model's family:
+    the template is what raises (Mistral's "conversation roles must alternate", Gemma's and
+    Llama 2's likewise, whatever family their parser is), and a fine-tune that dropped the
+    check keeps its turns as the client sent them."""
+    user, assistant = {"role": "user", "content": _PROBE}, {"role": "assistant", "content": _PROBE}
+    if _render_probe(tokenizer, [user, assistant, user]) is None:
+        return False  # a template that refuses even this: nothing to learn from it
+    return _render_probe(tokenizer, [user, user]) is None or _render_probe(tokenizer, [user, assistant, assistant,
+                                                                                       user]) is None
 
 
 def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[Message]:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.errors import InvalidRequestError
-from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall
+from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
 
 __all__ = ["ChatRequest", "EmbedRequest", "ImagePart", "JsonValue", "Message", "Options", "OutputFormat", "Part",
-           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
+           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice",
+           "merge_turns"]
 
 Priority = Literal["interactive", "background"]
 # A JSON value as the client sent it: encoder inputs are checked item by item by the
