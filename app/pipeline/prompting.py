@@ -167,8 +167,21 @@ def _requires_alternation(tokenizer: Any) -> bool:
                                                                                        user]) is None
 
 
+# Claude Code's first system block: billing metadata for Anthropic's servers, not an instruction.
+# Its hash changes with the prompt (cc_version=2.1.197.6e2, then ...73f), and at the very start
+# of the prompt it would make every new session miss the whole prefix cache.
+_BILLING_LINE = re.compile(r"\A\s*x-anthropic-billing-header:[^\n]*(?:\n|\Z)")
+
+
+def without_billing_line(text: str) -> str:
+    """A system text without Claude Code's leading ``x-anthropic-billing-header: cc_version=…;
+    cc_entrypoint=…;`` line (on /v1/messages, or forwarded by a proxy to another format)."""
+    return _BILLING_LINE.sub("", text, count=1)
+
+
 def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[Message]:
-    """One system message first, holding every system message's text in order.
+    """One system message first, holding every system message's text in order, without
+    Claude Code's billing line (``without_billing_line``).
 
     Many templates accept a system message only at the start (Ministral raises
     otherwise) and clients send them elsewhere too (Claude Code after the user's
@@ -176,7 +189,7 @@ def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[
     first, so a client's own system prompt does not silently remove the model's
     instructions (Ministral's [THINK] format).
     """
-    systems = [m.text() for m in messages if m.role == "system"]
+    systems = [text for m in messages if m.role == "system" if (text := without_billing_line(m.text()))]
     rest = [m for m in messages if m.role != "system"]
     if not systems:
         return rest

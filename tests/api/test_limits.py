@@ -85,7 +85,8 @@ def test_a_long_agent_session_is_not_refused_by_its_message_count(tmp_path, demo
     pass the default message bound (512 refused them); tokens and bytes bound the request."""
     from tests.fixtures.tiny_llama import TINY_LLAMA, build_tiny_llama
 
-    model_dir = build_tiny_llama(tmp_path / "tiny-long", demo_model_dir, {**TINY_LLAMA, "max_position_embeddings": 8192})
+    config = {**TINY_LLAMA, "max_position_embeddings": 8192}
+    model_dir = build_tiny_llama(tmp_path / "tiny-long", demo_model_dir, config)
     turns = [{"role": ("user", "assistant")[i % 2], "content": "ok"} for i in range(599)]
     with serving(tmp_path, tiny_yaml(model_dir, params={"mem": 64})) as served:
         r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [*turns, *HI], "max_tokens": 1})

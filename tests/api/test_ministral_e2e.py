@@ -283,7 +283,8 @@ def test_codexs_consecutive_user_messages_reach_a_template_that_demands_alternat
     assert_one_user_turn(r.json()["extensions"]["prompt"], body)
     (call,) = [item for item in r.json()["output"] if item["type"] == "function_call"]
     assert (call["name"], json.loads(call["arguments"])) == ("exec_command", {"cmd": "ls"})
-    body["input"] = [*body["input"], call, {"type": "function_call_output", "call_id": call["call_id"], "output": "a.txt"}]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "a.txt"}
+    body["input"] = [*body["input"], call, result]
     r = codexer.post("/v1/responses", body)
     assert r.status_code == 200, r.text
     assert r.json()["output"][-1]["content"][0]["text"] == CODEX_DONE
