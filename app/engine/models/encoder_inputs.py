@@ -105,7 +105,17 @@ def _check_tokens(item: list[object] | tuple[object, ...], where: str, vocab_siz
         raise InvalidRequestError(f"{where} is an empty list of token ids", param=param)
     for j, token in enumerate(item):
         if not _is_token(token) or not 0 <= token < vocab_size:  # type: ignore[operator]
-            raise InvalidRequestError(
-                f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})", param=param
-            )
+            bad = f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})"
+            if _is_token(token) and token >= vocab_size:  # type: ignore[operator]
+                bad += _OTHER_TOKENIZER
+            raise InvalidRequestError(bad, param=param)
     return [int(t) for t in item]  # type: ignore[call-overload]
+
+
+# Past the vocabulary is what another tokenizer's ids look like: LangChain's OpenAIEmbeddings
+# tokenizes every input with tiktoken's cl100k_base (ids up to 100k) before sending it.
+_OTHER_TOKENIZER = (
+    ": the client sent another tokenizer's ids (LangChain's OpenAIEmbeddings sends tiktoken cl100k_base ids "
+    "by default). Send the text instead: OpenAIEmbeddings(..., check_embedding_ctx_length=False) in LangChain; "
+    "input as strings for any client."
+)
