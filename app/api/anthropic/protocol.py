@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from app.api.wire import Lenient
+from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -118,9 +118,13 @@ class RedactedThinkingBlock(Lenient):
     data: str = ""
 
 
+# Any other block (document, search_result, a video) is an UnsupportedPart: a 400 that names it.
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[UnsupportedPart, Tag(UNSUPPORTED)],
+    Discriminator(part_tag({tag: tag for tag in ("text", "image", "tool_use", "tool_result", "thinking",
+                                                 "redacted_thinking")})),
 ]
 
 
@@ -140,6 +144,8 @@ class InputMessage(Lenient):
         reasoning: list[str] = []
         for j, block in enumerate(self.content):
             at = f"{where}.content[{j}]"
+            if isinstance(block, UnsupportedPart):
+                raise block.refused(at, "text, image, tool_use, tool_result and thinking blocks")
             _check_role(self.role, block, at)
             if isinstance(block, TextBlock):
                 parts.append(typed.TextPart(block.text))
