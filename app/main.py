@@ -29,6 +29,7 @@ from app.api.openai.embeddings import embeddings
 from app.api.openai.responses import create_response, delete_response, get_response
 from app.api.rerank import rerank
 from app.api.state import AppState
+from app.api.streaming import WARNING_HEADER
 from app.config.loader import ResolvedConfig
 from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed.distributed import Distributed
@@ -154,7 +155,8 @@ async def drain(state: AppState) -> None:
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
     guards = [api_key_guard(server)] if api_keys(server) else []
-    cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
+    cors = (CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"], expose_headers=[WARNING_HEADER])
+            if server.cors_origins else None)
 
     async def on_startup(app: Litestar) -> None:
         app.state.tandem.registry.start()

@@ -194,6 +194,11 @@ class ModelCapabilities(_Strict):
         "(proxy), or sent straight in to a VLM served with mlx-vlm (native; its processor places the images).")
     vision_proxy: VisionProxyConfig | None = Field(
         default=None, description="The captioning VLM; needed with vision_mode proxy.")
+    vision_unavailable: Literal["placeholder", "refuse"] = Field(
+        default="placeholder", description="When a proxy-mode model gets images and its vision model is not "
+        "available (it failed to load, or --no-vision): \"placeholder\" answers with each image replaced by a line "
+        "saying so and a warning (the x-tandem-warning header on every format, and in the body where the format has "
+        "room); \"refuse\" answers 400, so the client knows the model never saw them.")
     tool_parser: str | None = Field(
         default=None, description="Model family for tool calls (app/families: qwen, mistral, llama, "
         "generic); None detects it from the chat template.")

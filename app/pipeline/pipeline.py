@@ -114,6 +114,12 @@ class Prepared:
     # Choices generated from the prompt.
     n: int = 1
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the client should know about how it was served (images the model could not see):
+        every format sends them in a header, and in its body where it has room."""
+        return list(self.extras.get("warnings", ()))
+
 
 @dataclass(frozen=True)
 class ChatConfig:
@@ -232,9 +238,13 @@ class Pipeline:
         if not any(m.images() for m in req.messages):
             return req.messages, {}
         vision = model.vision
+        first = next(p for m in req.messages for p in m.images())
         if vision.proxy is None:
-            first = next(p for m in req.messages for p in m.images())
             raise VisionNotSupportedError(f"model {model.profile.name} does not accept images", param=first.param)
+        if not vision.available and self._chats[model.profile.name].caps.vision_unavailable == "refuse":
+            raise VisionNotSupportedError(
+                f"model {model.profile.name} cannot see images now: its vision model {vision.model!r} is not "
+                f"available ({vision.reason}); send the request without images", param=first.param)
         result = await vision.proxy.rewrite(req.messages)
         return tuple(result.messages), {"captions": [c.as_dict() for c in result.captions],
                                         "warnings": list(result.warnings)}
