@@ -77,7 +77,7 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     state = AppState(config, worker, registry, pipeline, primary.name, distributed=dist)
     registry.add_listener(state.metrics.on_generation)
     registry.add_listener(log_generation)
-    state.metrics.watch(lambda: state)
+    state.metrics.watch(state.figures)
     profile = state.profile
     if profile is not None:
         log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name,

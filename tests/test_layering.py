@@ -1,21 +1,20 @@
 """The direction of imports tells the design.
 
-    api  ->  pipeline  ->  engine, parsers, config
-    api  ->  vision    ->  engine
-         pipeline, vision  ->  messages (the conversation's types: a leaf)
-         engine, parsers  ->  families (the model families' data: a leaf)
-    main, specs  ->  config, engine   (side by side; both  ->  kinds, a leaf)
+``LAYERS`` says, for each part of ``app/``, which other parts it may import; anything
+else of the app it imports is a break. ``OUTSIDE`` says which libraries a part never
+imports (the engine and the parsers know nothing of Litestar or pydantic; the parsers
+and the families nothing of MLX). The architecture page of the docs draws its picture
+from these two tables (``docs/hooks/reference.py``), so the picture is the rule.
 
-engine and parsers never import the API layer, the pipeline, Litestar or
-pydantic; families (the model families' data, which the engine's grammar and
-the parsers both read) import nothing of the app; the pipeline never imports
-the API layer, Litestar or vision (main wires the vision proxy and the native
-image reader into it); vision never imports the API layer, Litestar or the
-pipeline (the messages it rewrites are ``app.messages``, below both); config
-and the engine never import each other (app/specs.py maps one onto the other, and
-the value kinds both name are the leaf app/kinds.py); service (the
-CLI's service, pull, ps and models commands) talks to the server over HTTP, never
-through its modules. Every import counts, ``if TYPE_CHECKING:`` ones included.
+In words: the API layer reaches the rest only through the pipeline (plus the error tree
+and the request's context variables); the pipeline drives the engine, the parsers and
+the config; vision rewrites ``app.messages`` with the engine and knows nothing of the
+pipeline (main wires the vision proxy and the native image reader into it); config and
+the engine never import each other (``app/specs.py`` maps one onto the other, and the
+value kinds both name are the leaf ``app/kinds.py``); the families (the model families'
+data, which the engine's grammar and the parsers both read) import nothing of the app;
+service (the CLI's service, pull, ps and models commands) talks to the server over HTTP,
+never through its modules. Every import counts, ``if TYPE_CHECKING:`` ones included.
 """
 
 from __future__ import annotations
@@ -26,19 +25,41 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parent.parent / "app"
-# package -> (forbidden prefixes, allowed exceptions under them)
-RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "engine": (("litestar", "pydantic", "app.api", "app.config", "app.parsers", "app.vision", "app.pipeline"), ()),
-    "parsers": (("litestar", "pydantic", "app.api", "app.config", "app.engine", "app.vision", "app.pipeline", "mlx"),
-                ()),
-    "families": (("litestar", "pydantic", "app.api", "app.config", "app.engine", "app.parsers", "app.vision",
-                  "app.pipeline", "app.errors", "mlx", "llguidance"), ()),
-    "vision": (("litestar", "pydantic", "app.api", "app.pipeline"), ()),
-    "pipeline": (("litestar", "pydantic", "app.api", "app.vision"), ()),
-    "config": (("litestar", "app.api", "app.engine", "app.parsers", "app.vision", "app.pipeline", "mlx"), ()),
-    # The service commands are clients of the server (HTTP) and of the service manager.
-    "service": (("litestar", "uvicorn", "app.api", "app.pipeline", "app.parsers", "app.vision", "app.main",
-                 "app.httpserver"), ()),
+
+# Each part of app/ (a package or a top-level module) -> the other parts it may import.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "cli": ("httpserver", "main", "serve_distributed", "service", "config", "engine", "errors", "request_context"),
+    "httpserver": ("main", "api", "config", "errors"),
+    "main": ("api", "pipeline", "vision", "specs", "config", "engine", "errors"),
+    "serve_distributed": ("specs", "config", "engine", "errors"),
+    "service": ("config", "engine", "errors"),
+    "api": ("pipeline", "errors", "request_context"),
+    "pipeline": ("engine", "parsers", "config", "families", "messages", "errors", "request_context"),
+    "vision": ("engine", "config", "messages", "errors"),
+    "specs": ("config", "engine"),
+    "parsers": ("families", "streamtext", "errors"),
+    "engine": ("families", "kinds", "streamtext", "errors"),
+    "config": ("kinds", "errors"),
+    # The leaves: the model families' data, the value kinds, the conversation's types, the
+    # error tree, the request's context variables, streaming text helpers.
+    "families": (),
+    "kinds": (),
+    "messages": (),
+    "errors": (),
+    "request_context": (),
+    "streamtext": (),
+    "__main__": ("cli",),
+}
+# Outside libraries a part never imports.
+OUTSIDE: dict[str, tuple[str, ...]] = {
+    "api": ("mlx", "mlx_lm", "mlx_vlm", "mlx_embeddings"),
+    "pipeline": ("litestar", "pydantic"),
+    "vision": ("litestar", "pydantic"),
+    "engine": ("litestar", "pydantic"),
+    "parsers": ("litestar", "pydantic", "mlx"),
+    "families": ("litestar", "pydantic", "mlx", "llguidance"),
+    "config": ("litestar", "mlx"),
+    "service": ("litestar", "uvicorn"),
 }
 
 
@@ -57,22 +78,41 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-@pytest.mark.parametrize("package", sorted(RULES))
-def test_layer_imports(package):
-    forbidden, allowed = RULES[package]
-    files = sorted((APP / package).rglob("*.py"))
+def _part(path: Path) -> str:
+    rel = path.relative_to(APP)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_every_part_of_the_app_has_a_layer():
+    parts = {_part(p) for p in APP.rglob("*.py")} - {"__init__"}
+    assert parts == set(LAYERS), f"add {sorted(parts - set(LAYERS))} to LAYERS, drop {sorted(set(LAYERS) - parts)}"
+
+
+@pytest.mark.parametrize("part", sorted(LAYERS))
+def test_layer_imports(part):
+    files = sorted((APP / part).rglob("*.py")) if (APP / part).is_dir() else [APP / f"{part}.py"]
     assert files
+    allowed = {part, *LAYERS[part]}
     for path in files:
         for name in imports(path):
-            if any(_under(name, ok) for ok in allowed):
-                continue
-            bad = [f for f in forbidden if _under(name, f)]
+            if _under(name, "app") and name != "app":
+                assert name.split(".")[1] in allowed, f"{path.relative_to(APP.parent)} imports {name}"
+            bad = [lib for lib in OUTSIDE.get(part, ()) if _under(name, lib)]
             assert not bad, f"{path.relative_to(APP.parent)} imports {name}"
 
 
-def test_messages_are_a_leaf():
-    """The conversation's types sit below the pipeline and vision both: they import nothing of Tandem's."""
-    assert not [name for name in imports(APP / "messages.py") if _under(name, "app")]
+def test_the_layers_have_no_cycle():
+    """The picture the docs draw from LAYERS is a ladder: no part is above itself."""
+    seen: dict[str, int] = {}
+
+    def depth(part: str, path: tuple[str, ...] = ()) -> int:
+        assert part not in path, f"a cycle: {' -> '.join((*path, part))}"
+        if part not in seen:
+            seen[part] = 1 + max((depth(p, (*path, part)) for p in LAYERS[part]), default=-1)
+        return seen[part]
+
+    for part in LAYERS:
+        depth(part)
 
 
 def test_type_checking_and_local_imports_count(tmp_path):
@@ -124,11 +164,3 @@ def test_the_command_line_starts_without_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=APP.parent).stdout.strip()
     assert out == "[]"
-
-
-def test_the_leaf_modules_import_nothing_of_the_app():
-    """app/kinds.py (the value kinds config and the engine share) and app/messages.py (the
-    conversation's types) sit below everything that names them."""
-    for leaf in ("kinds.py", "messages.py"):
-        inside = [n for n in imports(APP / leaf) if _under(n, "app")]
-        assert not inside, f"app/{leaf} imports {inside}"

@@ -50,10 +50,17 @@ from app.api.state import AppState
 from app.api.streaming import Event, EventStream, Rendering, answer
 from app.api.wire import new_id
 from app.errors import InvalidRequestError
-from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
-from app.parsers import Event as ParserEvent
 from app.pipeline import request as typed
-from app.pipeline.results import Step
+from app.pipeline.results import (
+    ContentDelta,
+    ReasoningDelta,
+    Step,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+)
+from app.pipeline.results import Event as ParserEvent
 
 
 class ForwardedProps(BaseModel):

@@ -90,7 +90,7 @@ class BoundedRequest(Request[Any, Any, Any]):
 
     async def json(self) -> Any:
         body = await self.body()
-        limit = self.app.state.tandem.config.server.max_json_values
+        limit = self.app.state.tandem.settings.max_json_values
         if not within_json_values(body, limit):  # near the limit: counted off the event loop
             refuse_past(await anyio.to_thread.run_sync(count_json_values, body), limit)
         # Not kept on the request or in the scope's state, as Litestar would: the route's model

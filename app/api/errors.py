@@ -90,7 +90,7 @@ def as_app_error(request: Request, exc: Exception) -> AppError:
         return _validation_error(exc)
     if isinstance(exc, HTTPException):
         if exc.status_code == 413:
-            limit = request.app.state.tandem.config.server.max_body_bytes
+            limit = request.app.state.tandem.settings.max_body_bytes
             return PayloadTooLargeError(f"request body is larger than {limit} bytes (server.max_body_bytes)")
         kind = _BY_STATUS.get(exc.status_code, AppError)
         err = kind(exc.detail, headers=dict(getattr(exc, "headers", None) or {}))

@@ -28,8 +28,8 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from app.config.schema import ServerSettings
 from app.errors import AuthenticationError, ForbiddenError, UnsupportedMediaTypeError
+from app.pipeline.runtime import ServerSettings
 from app.request_context import CLIENT
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})

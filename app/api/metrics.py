@@ -39,8 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from app.engine.batch.encoder_engine import EncoderEngine
-from app.engine.types import Engine, GenerationRecord
+from app.pipeline.runtime import EncoderStats, EngineStats, Figures, GenerationRecord
 
 # No "_created" timestamp series next to every counter: nothing here reads them.
 disable_created_metrics()
@@ -70,9 +69,9 @@ class Metrics:
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Seconds between generated tokens.",
                              buckets=ITL_BUCKETS, registry=r)
 
-    def watch(self, read_state: Callable[[], Any]) -> None:
-        """Read gauges from the app state at scrape time."""
-        self.registry.register(_StateCollector(read_state))
+    def watch(self, read: Callable[[], Figures]) -> None:
+        """Read gauges from the runtime's figures at scrape time."""
+        self.registry.register(_StateCollector(read))
 
     async def before_send(self, message: Any, scope: Any) -> None:
         """Litestar ``before_send`` hook: count each response once, at its start."""
@@ -98,20 +97,15 @@ class Metrics:
 class _StateCollector(Collector):
     """Engine and caption-cache figures, read when scraped."""
 
-    def __init__(self, read_state: Callable[[], Any]) -> None:
-        self._read_state = read_state
+    def __init__(self, read: Callable[[], Figures]) -> None:
+        self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        state = self._read_state()
-        if state is None:
-            return
-        registry = state.registry
-        engines = [e for spec in registry.specs
-                   if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
-        stats = [e.stats() for e in engines]
+        figures = self._read()
+        stats = [s for _, s in figures.chat]
         total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
         for name, value, help_ in (
-            ("tandem_engine_up", int(state.worker.alive and all(s.alive for s in stats)),
+            ("tandem_engine_up", int(figures.alive and all(s.alive for s in stats)),
              "1 while the MLX engine thread runs."),
             ("tandem_requests_running", total("active"), "Sequences being generated."),
             ("tandem_requests_waiting", total("waiting"), "Requests waiting for the engine."),
@@ -130,13 +124,11 @@ class _StateCollector(Collector):
                                   value=total("prompt_cache_hits"))
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
-        yield from _tier_metrics(engines)
-        encoders = [registry.loaded_encoder(spec.name) for spec in registry.specs]
-        yield from _encoder_metrics([e for e in encoders if e is not None])
-        yield from _model_metrics(registry.snapshot())
-        proxy = state.vision.proxy
-        if proxy is not None:
-            cache = proxy.cache.stats()
+        yield from _tier_metrics(figures.chat)
+        yield from _encoder_metrics(figures.encoders)
+        yield from _model_metrics(figures.memory)
+        cache = figures.captions
+        if cache is not None:
             yield CounterMetricFamily("tandem_caption_cache_hits", "Images whose caption came from the cache.",
                                       value=cache["hits"])
             yield CounterMetricFamily("tandem_caption_cache_misses", "Images that had to be captioned.",
@@ -145,9 +137,8 @@ class _StateCollector(Collector):
                                     value=cache["entries"])
 
 
-def _encoder_metrics(engines: list[EncoderEngine]) -> Iterator[Metric]:
+def _encoder_metrics(stats: list[tuple[str, EncoderStats]]) -> Iterator[Metric]:
     """Each loaded encoder's jobs (``EncoderEngine.stats``)."""
-    stats = [(e.name, e.stats()) for e in engines]
     running = GaugeMetricFamily("tandem_encoder_jobs_running", "Embedding and rerank jobs running.", labels=["model"])
     waiting = GaugeMetricFamily("tandem_encoder_jobs_waiting", "Embedding and rerank jobs waiting (tokenizing "
                                 "or queued).", labels=["model"])
@@ -186,9 +177,9 @@ def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"tandem_mlx_{key}_memory_bytes", help_, value=snapshot["mlx"][f"{key}_mb"] * mb)
 
 
-def _tier_metrics(engines: list[Engine]) -> Iterator[Metric]:
+def _tier_metrics(engines: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
     """Each loaded model's prefix cache per tier (memory, disk), and the disk tiers' writes."""
-    tiers = [(e.name, tier, t) for e in engines for tier, t in e.stats().prompt_cache_tiers.items()]
+    tiers = [(name, tier, t) for name, stats in engines for tier, t in stats.prompt_cache_tiers.items()]
     for name, help_, kind in (
         ("hits", "Requests whose cached prefix came from this tier.", CounterMetricFamily),
         ("tokens", "Prompt tokens served from this tier.", CounterMetricFamily),

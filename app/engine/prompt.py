@@ -30,11 +30,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from app.errors import ContextLengthError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from PIL.Image import Image
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class PromptImage:
     # sha256 of the decoded, resized pixels (``pixel_digest``): the image's identity in caches.
     digest: str
     # The decoded image (PIL, within the model's max_pixels) the processor took.
-    image: Any = field(repr=False, compare=False)
+    image: Image = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class MultimodalPrompt:
     images: tuple[PromptImage, ...]
     # The processor's model inputs besides the token ids (pixel_values, attention_mask,
     # image_grid_thw, ...): MLX arrays, read on the MLX thread only.
-    inputs: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    inputs: Mapping[str, mx.array] = field(repr=False, compare=False, default_factory=dict)
 
 
 Prompt = TokenPrompt | MultimodalPrompt
@@ -87,7 +91,7 @@ class PromptBuilder(Protocol):
         ``InvalidRequestError`` when the template rejects the messages."""
         ...
 
-    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+    def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
         """``text`` (a rendered prompt) and its images, in placeholder order, as a ``Prompt``."""
         ...
 
@@ -113,7 +117,7 @@ class TextPrompts:
             raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
                                       param="messages") from exc
 
-    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+    def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
         if images:
             raise InvalidRequestError("this model does not take images", param="messages")
         # The rendered prompt already holds its special tokens.
@@ -141,7 +145,7 @@ def completion_room(prompt_len: int, max_model_len: int, kv_budget_tokens: int |
     return room
 
 
-def pixel_digest(image: Any) -> str:
+def pixel_digest(image: Image) -> str:
     """sha256 of an image's pixels as decoded and resized (array bytes and shape)."""
     array = np.ascontiguousarray(np.asarray(image))
     h = hashlib.sha256(repr((array.shape, str(array.dtype))).encode())

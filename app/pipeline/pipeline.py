@@ -20,7 +20,7 @@ import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -59,6 +59,9 @@ from app.pipeline.results import Completion, Step, Usage
 from app.pipeline.tokenizing import check_within
 from app.request_context import CLIENT, REQUEST_ID
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
 log = logging.getLogger("tandem.api")
 
 # Open WebUI's title, tags and follow-up prompts start so; they run as background work.
@@ -78,7 +81,7 @@ class VisionState:
     proxy: Any = None  # app.vision.proxy.VisionProxy when mode is proxy
     # Native mode: a request's messages -> their images, checked and decoded at the model's
     # size, in order (app.vision.wiring.native_reader).
-    images: Callable[[tuple[Message, ...]], Awaitable[list[Any]]] | None = None
+    images: Callable[[tuple[Message, ...]], Awaitable[list[Image]]] | None = None
 
 
 @dataclass
@@ -415,7 +418,7 @@ def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
 
 
 def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...] | None = None,
-               images: Sequence[Any] = ()) -> Prepared:
+               images: Sequence[Image] = ()) -> Prepared:
     """Render, tokenize and bound a chat request through the model's prompt builder.
     ``messages`` replaces the request's (the vision proxy's rewrite, images turned into
     text); ``images`` are the request's images in order, for a builder that takes them

@@ -5,14 +5,32 @@ text, and on the last one the finish reason and usage); non-streaming folds the
 same steps into one ``Completion``. Like llama.cpp's server task results, the
 pipeline produces these once and each wire format renders them its own way
 (``to_json_oaicompat_chat``, ``to_json_anthropic``, ...).
+
+The events a step carries are the parsers' (``app/parsers/events.py``); this module
+names them for the wire formats, which reach the rest of Tandem only through the
+pipeline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.parsers import Event, ParsedOutput, collect
+from app.parsers import collect
+from app.parsers.events import (
+    ContentDelta,
+    Event,
+    ParsedOutput,
+    ParsedToolCall,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+)
 from app.pipeline.logprobs import LogprobInfo
+
+__all__ = ["Completion", "ContentDelta", "Event", "ParsedOutput", "ParsedToolCall", "ReasoningDelta", "Step",
+           "ToolCallArgsDelta", "ToolCallEnd", "ToolCallError", "ToolCallStart", "Usage", "total_usage"]
 
 
 @dataclass(frozen=True)

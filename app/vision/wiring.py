@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from app.engine.registry import Registry
 from app.errors import AppError
@@ -23,6 +23,8 @@ from app.vision.native import native_images
 from app.vision.proxy import VisionProxy
 
 if TYPE_CHECKING:
+    from PIL.Image import Image
+
     from app.config.loader import ResolvedConfig
     from app.config.schema import ChatEntry, ChatParams, ServerSettings, VisionParams
     from app.messages import Message
@@ -47,7 +49,7 @@ def image_policy(server: ServerSettings, params: ChatParams | VisionParams) -> I
     )
 
 
-def native_reader(config: ResolvedConfig, chat: ChatEntry) -> Callable[[Sequence[Message]], Awaitable[list[Any]]]:
+def native_reader(config: ResolvedConfig, chat: ChatEntry) -> Callable[[Sequence[Message]], Awaitable[list[Image]]]:
     """For a ``vision_mode: native`` model: a request's messages -> their images, checked
     and decoded at the model's size, for its prompt builder (``native_images``)."""
     p = chat.params

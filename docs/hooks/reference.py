@@ -7,6 +7,7 @@ A page asks for a table with a marker on a line of its own:
     <!-- generated: endpoints app.main:create_app -->          every route of the Litestar app
     <!-- generated: metrics app/api/metrics.py -->            every metric the module defines
     <!-- generated: docstring app.engine.mlx_internals -->     a module's docstring, as Markdown
+    <!-- generated: layers tests/test_layering.py -->          the import rules, as a picture and a table
 
 The marker is replaced by Markdown before the page is converted. An unknown kind, a target
 that does not exist, or a table that comes out empty raises, and so fails the build
@@ -23,6 +24,8 @@ Where the facts come from:
   API key is read from its guards in an app built with a key set.
 - metrics: the module's source, read with ``ast``: each ``Counter`` / ``Histogram`` /
   ``*MetricFamily`` call, with the loops over literal tuples that name several of them.
+- layers: the test's ``LAYERS`` and ``OUTSIDE`` tables (literals, read with ``ast``): each
+  part of ``app/`` on a row above everything it imports, then the rules as a table.
 """
 
 from __future__ import annotations
@@ -263,5 +266,42 @@ def render_docstring(target: str) -> str:
     return re.sub(r"^([^\s-][^\n]*)\n- ", r"\1\n\n- ", doc, flags=re.MULTILINE) + "\n"
 
 
+# ---- layers: the import rules tests/test_layering.py enforces -------------------------------------
+
+
+def _literal(path: Path, name: str) -> Any:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+                return ast.literal_eval(node.value)
+    raise PluginError(f"{path}: no {name} = <literal>")
+
+
+def render_layers(target: str) -> str:
+    path = ROOT / target
+    layers: dict[str, tuple[str, ...]] = _literal(path, "LAYERS")
+    outside: dict[str, tuple[str, ...]] = _literal(path, "OUTSIDE")
+    depth: dict[str, int] = {}
+
+    def level(part: str) -> int:  # the test checks there is no cycle
+        if part not in depth:
+            depth[part] = 1 + max((level(p) for p in layers[part]), default=-1)
+        return depth[part]
+
+    rows: dict[int, list[str]] = {}
+    for part in layers:
+        if not part.startswith("_"):
+            rows.setdefault(level(part), []).append(part)
+    picture = ["```", "(each part imports only parts on rows below it, and only those its rule names)", ""]
+    picture += ["   ".join(sorted(rows[d])) for d in sorted(rows, reverse=True)]
+    picture.append("```")
+    table = ["| part of `app/` | may import | never imports |", "| --- | --- | --- |"]
+    for part in sorted((p for p in layers if not p.startswith("_")), key=lambda p: (-level(p), p)):
+        table.append(f"| `{part}` | {', '.join(code(p) for p in layers[part]) or 'nothing of the app'} | "
+                     f"{', '.join(code(lib) for lib in outside.get(part, ())) or '-'} |")
+    return "\n".join(picture) + "\n\n" + "\n".join(table) + "\n"
+
+
 RENDERERS = {"config": render_config, "cli": render_cli, "endpoints": render_endpoints,
-             "metrics": render_metrics, "docstring": render_docstring}
+             "metrics": render_metrics, "docstring": render_docstring, "layers": render_layers}

@@ -31,10 +31,19 @@ from app.api.state import AppState
 from app.api.streaming import Event, Rendering, answer, to_json
 from app.api.wire import new_id
 from app.errors import AppError
-from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
-from app.parsers import Event as ParserEvent
 from app.pipeline.pipeline import Prepared
-from app.pipeline.results import Completion, Step, Usage
+from app.pipeline.results import (
+    Completion,
+    ContentDelta,
+    ReasoningDelta,
+    Step,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+    Usage,
+)
+from app.pipeline.results import Event as ParserEvent
 
 # Anthropic's error types by status; other 4xx are invalid requests, other 5xx api_error.
 _ERROR_TYPES = {

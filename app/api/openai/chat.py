@@ -21,10 +21,20 @@ from app.api.openai.protocol import ChatCompletionRequest
 from app.api.state import AppState
 from app.api.streaming import Rendering, answer, to_json
 from app.api.wire import new_id
-from app.parsers import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallError, ToolCallStart
 from app.pipeline.logprobs import LogprobInfo
 from app.pipeline.pipeline import Prepared
-from app.pipeline.results import Completion, Step, Usage, total_usage
+from app.pipeline.results import (
+    Completion,
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    Step,
+    ToolCallArgsDelta,
+    ToolCallError,
+    ToolCallStart,
+    Usage,
+    total_usage,
+)
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:

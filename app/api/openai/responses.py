@@ -35,9 +35,17 @@ from app.api.state import AppState
 from app.api.streaming import Event, Rendering, answer, to_json
 from app.api.wire import new_id
 from app.errors import AppError
-from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.pipeline.pipeline import Prepared
-from app.pipeline.results import Step, Usage
+from app.pipeline.results import (
+    ContentDelta,
+    ReasoningDelta,
+    Step,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+    Usage,
+)
 
 
 def usage_dict(u: Usage, reasoning_tokens: int) -> dict[str, Any]:

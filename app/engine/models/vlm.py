@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -45,6 +45,9 @@ from app.engine.models.loader import KVGeometry, activation_dtype, apply_params,
 from app.engine.params import LoadParams
 from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage, TokenPrompt, pixel_digest, placeholder_runs
 from app.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 log = logging.getLogger("tandem.engine")
 
@@ -176,10 +179,10 @@ def _weights_bytes(model: Any) -> int:
 def profile_worst_case(loaded: LoadedVlm) -> VlmProfile:
     """``max_images`` images of ``max_pixels`` through the processor and the vision
     tower once; the peak memory above what was in use before is the images' cost."""
-    from PIL import Image
+    from PIL import Image as PILImage
 
     side = math.isqrt(loaded.max_pixels)
-    images = [Image.new("RGB", (side, side), (127, 127, 127)) for _ in range(loaded.max_images)]
+    images = [PILImage.new("RGB", (side, side), (127, 127, 127)) for _ in range(loaded.max_images)]
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": _PROFILE_TEXT}]
     prompts = VlmPrompts(loaded)
     text = prompts.render([{"role": "user", "content": content}])
@@ -299,7 +302,7 @@ class VlmPrompts:
             )
         return text
 
-    def build(self, text: str, images: Sequence[Any] = ()) -> Prompt:
+    def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
         """``text`` (rendered by ``render``) and its images as exact tokens: a ``TokenPrompt``
         without images, else a ``MultimodalPrompt`` with each image's run, hash and inputs."""
         loaded = self.loaded

@@ -1,0 +1,177 @@
+"""The server as the API layer sees it: what it serves and how it is doing.
+
+The wire formats reach the rest of Tandem through the pipeline only
+(``tests/test_layering.py``). Besides requests (``Pipeline``) they need the state of
+what serves them: the models /v1/models lists, /health's report, the figures /metrics
+reads when scraped, the server's settings. ``Runtime`` holds the parts ``app/main.py``
+wires together (the config, the MLX thread, the registry, the pipeline) and answers
+those questions in typed reports, so no route holds an engine or reads the registry.
+
+    Runtime.models() / model(name)   ModelReport per served model (what /v1/models shows)
+    Runtime.health()                 Health: the engine thread, memory, models, vision
+    Runtime.figures()                Figures: every loaded engine's stats, for /metrics
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.config.loader import ResolvedConfig
+from app.config.schema import ServerSettings
+from app.engine.batch.encoder_engine import EncoderStats
+from app.engine.distributed.distributed import Distributed
+from app.engine.params import ModelSpec
+from app.engine.registry import Registry
+from app.engine.types import Engine, EngineStats, GenerationRecord
+from app.engine.worker import MLXWorker
+from app.pipeline.pipeline import Pipeline, VisionState
+from app.pipeline.prompting import ModelProfile
+
+# What the API layer names of the layers below, through this module.
+__all__ = ["EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport", "Runtime",
+           "ServerSettings", "VisionReport"]
+
+
+@dataclass(frozen=True)
+class VisionReport:
+    """How images reach a chat model."""
+
+    mode: str
+    model: str | None
+    available: bool
+    reason: str | None
+
+    @classmethod
+    def of(cls, v: VisionState) -> VisionReport:
+        return cls(v.mode, v.model, v.available, v.reason)
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    """One served model: what is known before loading, and more once loaded."""
+
+    name: str
+    role: str
+    loaded: bool
+    # Chat models: their vision, and (once profiled) reasoning and tool parser.
+    chat: bool
+    vision: VisionReport | None = None
+    reasoning: bool | None = None
+    tool_parser: str | None = None
+    max_model_len: int | None = None
+    # Embedding models, once loaded.
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    """/health's facts."""
+
+    alive: bool
+    error: str | None
+    default_model: str
+    # The registry's snapshot: the budget, MLX's memory, every model's state and memory.
+    memory: dict[str, Any]
+    # The default model's engine, when loaded.
+    engine: EngineStats | None
+    vision: VisionReport
+    distributed: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What /metrics reads at scrape time."""
+
+    alive: bool
+    chat: list[tuple[str, EngineStats]]
+    encoders: list[tuple[str, EncoderStats]]
+    memory: dict[str, Any]
+    # The proxy caption cache's counters (hits, misses, entries), when the default model has one.
+    captions: dict[str, int] | None
+
+
+@dataclass
+class Runtime:
+    config: ResolvedConfig
+    worker: MLXWorker
+    registry: Registry
+    pipeline: Pipeline
+    # The chat model /health names first, AG-UI runs without a model use, and the CLI loads at start.
+    default_model: str
+    started: float = field(default_factory=time.time)
+    # This process's part in an mlx.launch (rank 0), or None in one process.
+    distributed: Distributed | None = None
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self.config.server
+
+    @property
+    def reasoning_fields(self) -> tuple[str, ...]:
+        return tuple(self.config.server.reasoning_fields)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the MLX thread runs."""
+        return self.worker.alive
+
+    @property
+    def engine(self) -> Engine:
+        """The default model's engine (loaded at start-up; it loads again on its next
+        request if it was unloaded since)."""
+        engine: Engine | None = self.registry.loaded_chat(self.default_model)
+        assert engine is not None, f"{self.default_model} is not loaded"
+        return engine
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        return self.pipeline.profile(self.default_model)
+
+    @property
+    def vision(self) -> VisionState:
+        return self.pipeline.vision(self.default_model)
+
+    # ---- reports ---------------------------------------------------------------------------
+
+    def models(self) -> list[ModelReport]:
+        """Every model the API serves (a vision entry captions for proxy-mode models and serves
+        no API of its own)."""
+        return [self._report(spec) for spec in self.registry.public_specs]
+
+    def model(self, name: str) -> ModelReport:
+        """One model by name (``ModelNotFoundError`` if none is served so)."""
+        return self._report(self.registry.spec(name))
+
+    def _report(self, spec: ModelSpec) -> ModelReport:
+        loaded = self.registry.loaded(spec.name) is not None
+        if self.registry.serves(spec.name, "chat"):
+            profile = self.pipeline.profile(spec.name)
+            vision = VisionReport.of(self.pipeline.vision(spec.name))
+            if profile is None:
+                return ModelReport(spec.name, spec.role, loaded, True, vision)
+            return ModelReport(spec.name, spec.role, loaded, True, vision, profile.reasoning, profile.parser,
+                               profile.max_model_len)
+        encoder = self.registry.loaded_encoder(spec.name)
+        if encoder is None:
+            return ModelReport(spec.name, spec.role, loaded, False)
+        return ModelReport(spec.name, spec.role, loaded, False, max_model_len=encoder.encoder.max_length,
+                           dimensions=encoder.encoder.dim)
+
+    def health(self) -> Health:
+        engine = self.registry.loaded_chat(self.default_model)
+        dead = self.worker.dead
+        return Health(self.worker.alive, repr(dead) if dead else None, self.default_model, self.registry.snapshot(),
+                      engine.stats() if engine is not None else None, VisionReport.of(self.vision),
+                      self.distributed.health() if self.distributed is not None else None)
+
+    def figures(self) -> Figures:
+        registry = self.registry
+        chat = [(e.name, e.stats()) for spec in registry.specs
+                if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
+        encoders = [(enc.name, enc.stats()) for spec in registry.specs
+                    if (enc := registry.loaded_encoder(spec.name))]
+        proxy = self.vision.proxy
+        return Figures(self.worker.alive, chat, encoders, registry.snapshot(),
+                       proxy.cache.stats() if proxy is not None else None)
