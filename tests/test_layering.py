@@ -28,10 +28,12 @@ APP = Path(__file__).resolve().parent.parent / "app"
 
 # Each part of app/ (a package or a top-level module) -> the other parts it may import.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "cli": ("httpserver", "main", "serve_distributed", "service", "config", "engine", "errors", "request_context"),
+    "cli": ("httpserver", "main", "serve_distributed", "launch", "service", "config", "engine", "errors",
+            "request_context"),
     "httpserver": ("main", "api", "config", "errors"),
     "main": ("api", "pipeline", "vision", "specs", "config", "engine", "errors"),
     "serve_distributed": ("specs", "config", "engine", "errors"),
+    "launch": (),  # mlx.launch with an exit status: MLX's launcher, nothing of the app
     "service": ("config", "engine", "errors"),
     "api": ("pipeline", "errors", "request_context"),
     "pipeline": ("engine", "parsers", "config", "families", "messages", "errors", "request_context"),

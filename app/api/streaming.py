@@ -11,6 +11,8 @@
 - ``answer``: every generating route's skeleton after its format has validated and
   converted the body: prepare, submit, then render through the format's ``Rendering``
   (a stream, or the whole answer), holding the model's lease until the generation ends.
+  The prepared request's warnings (images the model could not see) go out in the
+  ``x-tandem-warning`` header, on every format, streaming or not.
 - ``ending_in_error``: a stream's tail once it has started: a failure becomes the
   format's own error event(s), then the stream closes.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from litestar import Request
+from litestar import Request, Response
 from litestar.response import Stream
 
 if TYPE_CHECKING:  # annotations only: `tandem pull` and friends import the HTTP side without MLX
@@ -32,6 +34,11 @@ if TYPE_CHECKING:  # annotations only: `tandem pull` and friends import the HTTP
     from app.pipeline.results import Step
 
 T = TypeVar("T")
+
+# The header that carries a request's warnings, whatever its format's body can hold.
+WARNING_HEADER = "x-tandem-warning"
+# A header line stays well under the limits of proxies and clients (8 KB and less).
+_WARNING_MAX_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,11 @@ def to_json(data: Any) -> str:
 class EventStream(Stream):
     """A ``text/event-stream`` response of ``Event``s (or bare data strings)."""
 
-    def __init__(self, events: AsyncIterator[Event | str]) -> None:
+    def __init__(self, events: AsyncIterator[Event | str], headers: dict[str, str] | None = None) -> None:
         super().__init__(
             _frames(events),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
 
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,6 +157,15 @@ async def _collect(steps: AsyncIterator[Step]) -> list[Step]:
         return [step async for step in s]
 
 
+def warning_headers(warnings: list[str]) -> dict[str, str]:
+    """``warnings`` as one ``x-tandem-warning`` header (none without warnings): on one line, in
+    ASCII, "; "-joined, cut to a length every proxy passes."""
+    if not warnings:
+        return {}
+    text = "; ".join(" ".join(w.split()) for w in warnings).encode("ascii", "replace").decode()
+    return {WARNING_HEADER: text if len(text) <= _WARNING_MAX_CHARS else text[: _WARNING_MAX_CHARS - 3] + "..."}
+
+
 async def answer(request: Request, pipeline: Pipeline, prepare: Awaitable[Prepared], stream: bool,
                  render: Callable[[Prepared], Rendering]) -> Any:
     """Prepare the request, submit it, and render it as ``render``'s format does.
@@ -160,14 +176,16 @@ async def answer(request: Request, pipeline: Pipeline, prepare: Awaitable[Prepar
     client gone first, a failure while rendering begins) lets it go here.
     """
     prepared = await prepare
+    headers = warning_headers(prepared.warnings)
     try:
         rendering = render(prepared)
         if stream or rendering.whole is None:
             steps = await unless_disconnected(request, started(pipeline.steps(prepared)))
-            return EventStream(ending_in_error(rendering.events(steps), rendering.error))
+            return EventStream(ending_in_error(rendering.events(steps), rendering.error), headers)
         done = await unless_disconnected(request, _collect(pipeline.steps(prepared)))
     except BaseException:
         if prepared.lease is not None:
             prepared.lease.release()
         raise
-    return rendering.whole(done)
+    whole = rendering.whole(done)
+    return Response(whole, headers=headers) if headers else whole

@@ -8,8 +8,12 @@ they all need live here, below them, written once.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from app.errors import InvalidRequestError
 
 
 class Lenient(BaseModel):
@@ -23,3 +27,32 @@ def new_id(prefix: str, sep: str = "-", hex_chars: int = 24) -> str:
     """A response or item id: ``chatcmpl-…`` and ``cmpl-…`` in OpenAI's chat and completions,
     ``resp_…`` / ``msg_…`` in the Responses API and Anthropic's Messages."""
     return f"{prefix}{sep}{uuid.uuid4().hex[:hex_chars]}"
+
+
+# The tag of a content part whose type none of a format's part models has (``part_tag``).
+UNSUPPORTED = "unsupported"
+
+
+class UnsupportedPart(Lenient):
+    """A content part of a type this server does not take (vLLM's ``video_url``, OpenAI's
+    ``input_audio``, Anthropic's ``document``). Parsed rather than refused by validation, so
+    the 400 names the part and its type instead of what every other part model expected."""
+
+    type: str
+
+    def refused(self, where: str, takes: str) -> InvalidRequestError:
+        """The error to raise for this part at ``where``; ``takes`` lists the types served."""
+        return InvalidRequestError(f"{where}: content of type {self.type!r} is not supported; this server takes "
+                                   f"{takes}", param=where)
+
+
+def part_tag(tags: dict[str, str]) -> Callable[[Any], str | None]:
+    """A pydantic discriminator for content parts told apart by ``type``: the member's tag for
+    each type in ``tags``, ``UNSUPPORTED`` for any other string (None, a validation error, when
+    the part has no type at all)."""
+
+    def tag(v: Any) -> str | None:
+        kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        return tags.get(kind, UNSUPPORTED) if isinstance(kind, str) else None
+
+    return tag

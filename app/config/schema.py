@@ -217,6 +217,11 @@ class ModelCapabilities(_Strict):
         "(proxy), or sent straight in to a VLM served with mlx-vlm (native; its processor places the images).")
     vision_proxy: VisionProxyConfig | None = Field(
         default=None, description="The captioning VLM; needed with vision_mode proxy.")
+    vision_unavailable: Literal["placeholder", "refuse"] = Field(
+        default="placeholder", description="When a proxy-mode model gets images and its vision model is not "
+        "available (it failed to load, or --no-vision): \"placeholder\" answers with each image replaced by a line "
+        "saying so and a warning (the x-tandem-warning header on every format, and in the body where the format has "
+        "room); \"refuse\" answers 400, so the client knows the model never saw them.")
     tool_parser: str | None = Field(
         default=None, description="Model family for tool calls (app/families: qwen, mistral, llama, "
         "generic); None detects it from the chat template.")
@@ -359,7 +364,10 @@ class ServerSettings(_Strict):
         default=1_000_000, ge=1000, description="JSON values a request body may hold (every array item, object member "
         "and container; 413 beyond), counted before decoding: ~70 bytes each once decoded, so 1M is ~70 MB of Python "
         "objects, where 32 MB of `[{},{},...]` would be GBs. Room for a context's worth of token ids.")
-    max_messages: int = Field(default=512, ge=1, description="Messages one chat request may carry.")
+    max_messages: int = Field(
+        default=10_000, ge=1, description="Messages one chat request may carry: a bound only an attack reaches. Long "
+        "agent sessions (Claude Code, Codex: every tool call and result is a message) pass 512; a request is bounded "
+        "first by its bytes, JSON values and tokens (the context).")
     max_connections: int = Field(
         default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
         "kept alive, no byte of a request received) are closed to make room; when all are busy a request gets 503, "

@@ -45,7 +45,17 @@ from app.pipeline.prompting import (
     template_message,
     tool_note,
 )
-from app.pipeline.request import ChatRequest, EmbedRequest, Message, Options, Priority, RerankRequest, TextRequest, Tool
+from app.pipeline.request import (
+    ChatRequest,
+    EmbedRequest,
+    Message,
+    Options,
+    Priority,
+    RerankRequest,
+    TextRequest,
+    Tool,
+    merge_turns,
+)
 from app.pipeline.results import Completion, Step, Usage
 from app.pipeline.tokenizing import check_within
 from app.request_context import CLIENT, REQUEST_ID
@@ -107,6 +117,12 @@ class Prepared:
     lease: Lease[Engine] | None = None
     # Choices generated from the prompt.
     n: int = 1
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the client should know about how it was served (images the model could not see):
+        every format sends them in a header, and in its body where it has room."""
+        return list(self.extras.get("warnings", ()))
 
 
 @dataclass(frozen=True)
@@ -226,9 +242,13 @@ class Pipeline:
         if not any(m.images() for m in req.messages):
             return req.messages, {}
         vision = model.vision
+        first = next(p for m in req.messages for p in m.images())
         if vision.proxy is None:
-            first = next(p for m in req.messages for p in m.images())
             raise VisionNotSupportedError(f"model {model.profile.name} does not accept images", param=first.param)
+        if not vision.available and self._chats[model.profile.name].caps.vision_unavailable == "refuse":
+            raise VisionNotSupportedError(
+                f"model {model.profile.name} cannot see images now: its vision model {vision.model!r} is not "
+                f"available ({vision.reason}); send the request without images", param=first.param)
         result = await vision.proxy.rewrite(req.messages)
         return tuple(result.messages), {"captions": [c.as_dict() for c in result.captions],
                                         "warnings": list(result.warnings)}
@@ -378,10 +398,13 @@ def check_prompt_chars(profile: ModelProfile, chars: int, param: str) -> None:
 
 def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...]
                ) -> tuple[list[Message], tuple[Tool, ...], list[dict[str, Any]] | None]:
-    """One system message first, and the offered tools: for the template when it renders
-    tools, else as a compact note in that system message. Returns the messages, the tools
-    offered, and what to pass the template as ``tools``."""
+    """One system message first (consecutive turns of one role merged, where the template
+    demands alternation), and the offered tools: for the template when it renders tools, else
+    as a compact note in that system message. Returns the messages, the tools offered, and
+    what to pass the template as ``tools``."""
     msgs = gather_system(profile, messages)
+    if profile.alternating:
+        msgs = merge_turns(msgs)
     tools = offered_tools(req.tools, req.tool_choice)
     if not tools:
         return msgs, tools, None

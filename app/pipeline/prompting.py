@@ -3,8 +3,9 @@
 Plain CPU work on the tokenizer (no MLX), run off the event loop. The chat
 template comes from the tokenizer (mlx-lm's TokenizerWrapper); what it can do
 is probed once per model (``make_profile``): whether it renders tools, whether
-``enable_thinking`` changes anything, and the default system prompt it inserts
-when the client sends none.
+``enable_thinking`` changes anything, the default system prompt it inserts
+when the client sends none, and whether it refuses two user turns in a row
+(Mistral's templates do: their turns are then merged, ``app.messages.merge_turns``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ModelProfile:
     template_takes_tools: bool
     # Whether enable_thinking changes the rendered prompt (Qwen3 yes; Ministral, SmolLM2 no).
     thinking_switch: bool = False
+    # Whether the template refuses consecutive user (or assistant) turns: they are merged first.
+    alternating: bool = False
     # The system prompt the template inserts when the request has none ("" if none).
     default_system_prompt: str = ""
     # What a client's system prompt does to the default: "append" or "replace".
@@ -92,6 +95,7 @@ def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: i
     return ModelProfile(
         name, tokenizer, params, max_model_len, parser, reasoning, takes_tools,
         thinking_switch=_has_thinking_switch(tokenizer),
+        alternating=_requires_alternation(tokenizer),
         default_system_prompt=default_system,
         system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
         vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
@@ -154,8 +158,34 @@ def _has_thinking_switch(tokenizer: Any) -> bool:
     return on is not None and off is not None and on != off
 
 
+def _requires_alternation(tokenizer: Any) -> bool:
+    """Whether the template refuses two user turns, or two assistant turns, in a row, where it
+    renders them alternating. Asked of the template itself rather than of the model's family:
+    the template is what raises (Mistral's "conversation roles must alternate", Gemma's and
+    Llama 2's likewise, whatever family their parser is), and a fine-tune that dropped the
+    check keeps its turns as the client sent them."""
+    user, assistant = {"role": "user", "content": _PROBE}, {"role": "assistant", "content": _PROBE}
+    if _render_probe(tokenizer, [user, assistant, user]) is None:
+        return False  # a template that refuses even this: nothing to learn from it
+    return _render_probe(tokenizer, [user, user]) is None or _render_probe(tokenizer, [user, assistant, assistant,
+                                                                                       user]) is None
+
+
+# Claude Code's first system block: billing metadata for Anthropic's servers, not an instruction.
+# Its hash changes with the prompt (cc_version=2.1.197.6e2, then ...73f), and at the very start
+# of the prompt it would make every new session miss the whole prefix cache.
+_BILLING_LINE = re.compile(r"\A\s*x-anthropic-billing-header:[^\n]*(?:\n|\Z)")
+
+
+def without_billing_line(text: str) -> str:
+    """A system text without Claude Code's leading ``x-anthropic-billing-header: cc_version=…;
+    cc_entrypoint=…;`` line (on /v1/messages, or forwarded by a proxy to another format)."""
+    return _BILLING_LINE.sub("", text, count=1)
+
+
 def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[Message]:
-    """One system message first, holding every system message's text in order.
+    """One system message first, holding every system message's text in order, without
+    Claude Code's billing line (``without_billing_line``).
 
     Many templates accept a system message only at the start (Ministral raises
     otherwise) and clients send them elsewhere too (Claude Code after the user's
@@ -163,7 +193,7 @@ def gather_system(profile: ModelProfile, messages: tuple[Message, ...]) -> list[
     first, so a client's own system prompt does not silently remove the model's
     instructions (Ministral's [THINK] format).
     """
-    systems = [m.text() for m in messages if m.role == "system"]
+    systems = [text for m in messages if m.role == "system" if (text := without_billing_line(m.text()))]
     rest = [m for m in messages if m.role != "system"]
     if not systems:
         return rest

@@ -22,10 +22,11 @@ from typing import Any, Literal
 
 from app.engine.models.encoder_inputs import EncoderInput, EncoderInputs, TokenIds
 from app.errors import InvalidRequestError
-from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall
+from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
 
 __all__ = ["ChatRequest", "EmbedRequest", "EncoderInputs", "ImagePart", "Message", "Options", "OutputFormat", "Part",
-           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice"]
+           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice",
+           "merge_turns"]
 
 Priority = Literal["interactive", "background"]
 # A salt is a tenant's name or a random token, not a document.

@@ -308,6 +308,33 @@ def test_a_claude_code_shaped_request_is_served(demo_server):
     assert frames[-2].json()["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
 
 
+CLAUDE_CODE_SYSTEM = "You are Claude Code, Anthropic's official CLI for Claude. Answer in short sentences. " * 8
+
+
+def test_claude_codes_billing_block_leaves_the_prefix_cache_intact(tmp_path, tiny_model_dir):
+    """Claude Code opens its system prompt with a billing block whose hash changes with the prompt
+    (2.1.197: ``cc_version=2.1.197.6e2`` in one run, ``...73f`` in the next), so a new session
+    missed the whole prefix cache. The block is not an instruction: the model no longer sees it,
+    and two requests with different hashes share their prefix."""
+    def ask(build: str, question: str) -> dict:
+        billing = f"x-anthropic-billing-header: cc_version=2.1.197.{build}; cc_entrypoint=cli;"
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": question}],
+                "system": [{"type": "text", "text": billing}, {"type": "text", "text": CLAUDE_CODE_SYSTEM}]}
+        r = served.post("/v1/messages", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, None, {"cache_min_tokens": 16})) as served:
+        first = ask("6e2", "Say hi")
+        second = ask("73f", "List the files")
+        # The system prompt is most of the prompt, and all of it is read from the cache.
+        assert second["cache_read_input_tokens"] >= 0.8 * (first["input_tokens"] + first["cache_read_input_tokens"])
+        # What the model sees is the system prompt without the block, as if it had never been sent.
+        body = {"model": "tiny", "system": CLAUDE_CODE_SYSTEM, "messages": [{"role": "user", "content": "Say hi"}]}
+        counted = served.post("/v1/messages/count_tokens", body).json()["input_tokens"]
+        assert counted == first["input_tokens"] + first["cache_read_input_tokens"]
+
+
 def test_api_key_as_x_api_key_or_bearer(tmp_path, tiny_model_dir):
     with serving(tmp_path, tiny_yaml(tiny_model_dir, server={"api_key": "sekrit"})) as served:
         def client(**auth):

@@ -1,12 +1,14 @@
 """Tandem on two ranks of MLX distributed (the ring backend on loopback), as a user runs it:
 
-    mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- python -m app serve ...
+    tandem launch --backend ring -n 2 --hosts 127.0.0.1 -- python -m app serve ...
+
+(``tandem launch`` is mlx.launch with an exit status: tests/test_launch.py.)
 
 over the seeded tiny llama (4 attention heads, 2 KV heads: tensor parallel over 2 ranks).
 One launch serves most tests in this module; each test leaves it healthy, which proves the
 ranks are still in step (a follower whose step differs from rank 0's stops, and rank 0
 then answers 503). Answers are compared with the same model served by one process.
-The failure tests launch their ranks directly (MLX_RANK and MLX_HOSTFILE, as mlx.launch
+Most failure tests launch their ranks directly (MLX_RANK and MLX_HOSTFILE, as mlx.launch
 sets them), because mlx.launch itself ends every rank as soon as one dies.
 """
 
@@ -35,7 +37,7 @@ from openai import OpenAI
 from tests.api.serving import Served, serving
 from tests.conftest import REPO, free_port
 
-LAUNCH = [str(REPO / ".venv" / "bin" / "mlx.launch"), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
+LAUNCH = [sys.executable, "-m", "app", "launch", "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
 SERVE = [sys.executable, "-m", "app", "serve", "--log-level", "info"]
 PROMPTS = [f"Tell me about the number {i}" + " and the sea" * i for i in range(8)]
 
@@ -90,7 +92,7 @@ def gone(pids: list[int]) -> bool:
 
 @contextlib.contextmanager
 def launched(tmp: Path, models: dict[str, Any], *, wait: bool = True) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """``mlx.launch`` of two ranks of ``tandem serve``; yields the launcher, rank 0's base URL, the log."""
+    """``tandem launch`` of two ranks of ``tandem serve``; yields the launcher, rank 0's base URL, the log."""
     (tmp / "models.yaml").write_text(yaml.safe_dump(models))
     port, log = free_port(), tmp / "launch.log"
     proc = subprocess.Popen([*LAUNCH, "-p", str(ring_port()), "--", *SERVE, "--models-file", str(tmp / "models.yaml"),
@@ -313,8 +315,9 @@ def test_a_model_that_cannot_be_split_is_refused_on_every_rank(tmp_path, demo_mo
                               "capabilities": {"vision_mode": "native"}}]}
         message = "model 'vlm' is a native VLM, which mlx-lm cannot split over ranks"
     with launched(tmp_path, models, wait=False) as (proc, _, log):
-        proc.wait(timeout=120)
+        status = proc.wait(timeout=120)
         out = log.read_text()
+    assert status == 2, out[-3000:]  # a service manager sees the refusal (mlx.launch exited 0)
     for rank in (0, 1):
         assert f"rank {rank}: {message}" in out, out[-3000:]
         # Status 2; or, once its peer has exited 2, mlx.launch may end it first (SIGTERM).
@@ -342,6 +345,19 @@ def test_a_lost_rank_is_reported_and_requests_get_503(tmp_path, tiny_model_dir, 
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(timeout=30) == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.slow  # ~45 s; tests/test_launch.py and the refused model above cover the status in the default suite
+def test_the_launch_exits_non_zero_when_a_rank_dies(tmp_path, tiny_model_dir):
+    """A rank killed mid-service ends the launch with its status (128 + 9), where mlx.launch
+    exited 0, so a service manager (Restart=on-failure, KeepAlive) starts the launch again."""
+    with launched(tmp_path, tiny_models(tiny_model_dir)) as (proc, base, log):
+        assert chat_all(base, PROMPTS[:1])
+        rank_pids = children(proc.pid)
+        assert len(rank_pids) == 2
+        os.kill(rank_pids[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 137, log.read_text()[-3000:]
+        assert "failed (status 137); exiting 137" in log.read_text()
 
 
 def test_sigterm_to_the_launcher_ends_every_rank(tmp_path, tiny_model_dir):

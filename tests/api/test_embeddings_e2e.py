@@ -87,6 +87,7 @@ def test_token_ids_equal_the_text(srv):
     ("too many inputs", {"input": ["x"] * 65}, None, "input", "64"),
     ("over the model's length", {"input": "word " * 600}, "context_length_exceeded", "input", "256"),
     ("a token id outside the vocabulary", {"input": [[101, 99999999]]}, None, "input", "input[0][1]"),
+    ("tiktoken ids, as LangChain sends", {"input": [[9906, 1917, 100256]]}, None, "input", "another tokenizer's ids"),
     ("other dimensions", {"input": "hi", "dimensions": 128}, None, "dimensions", "384"),
 ], ids=lambda v: v if isinstance(v, str) and " " in v else "")
 def test_bad_inputs_are_400s_naming_the_item(srv, name, body, code, param, names):

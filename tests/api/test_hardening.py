@@ -323,3 +323,39 @@ def test_agui_client_mistakes_are_4xx_before_the_run(srv, name, body, param):
     r = srv.post("/v1/agui", body, headers=auth())
     err = assert_openai_error(r, 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+VIDEO = {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+UNSUPPORTED_PARTS = [
+    ("chat video_url (vLLM's)", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "What happens?"}, VIDEO]}]},
+     "video_url", "messages[0].content[1]"),
+    ("chat input_audio", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [AUDIO]}]},
+     "input_audio", "messages[0].content[0]"),
+    ("responses input_video", "/v1/responses",
+     {"input": [{"role": "user", "content": [{"type": "input_video", "video_url": "https://example.com/a.mp4"}]}]},
+     "input_video", "input[0].content[0]"),
+    ("responses video_url", "/v1/responses", {"input": [{"role": "user", "content": [VIDEO]}]},
+     "video_url", "input[0].content[0]"),
+    ("messages video", "/v1/messages",
+     {"max_tokens": 1, "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "What happens?"}, {"type": "video", "source": {"type": "url", "url": "https://x"}}]}]},
+     "video", "messages[0].content[1]"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, kind, param", UNSUPPORTED_PARTS, ids=[u[0] for u in UNSUPPORTED_PARTS])
+def test_an_unsupported_content_part_is_named(srv, name, path, body, kind, param):
+    """A video (or audio) part was a raw validation dump on chat (``param: messages[0].content.str``,
+    each member of the part union's complaint); every format now names the part and its type."""
+    r = srv.post(path, {"model": "tiny", **body}, headers=auth())
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+    else:
+        err = assert_openai_error(r, 400)
+        assert err["param"] == param
+    assert err["message"].startswith(f"{param}: content of type {kind!r} is not supported"), err

@@ -80,6 +80,20 @@ def test_too_many_messages(srv):
     assert err["param"] == "messages" and "at most 4" in err["message"]
 
 
+def test_a_long_agent_session_is_not_refused_by_its_message_count(tmp_path, demo_model_dir):
+    """600 short messages (a long Claude Code or Codex session: each tool call and result is one)
+    pass the default message bound (512 refused them); tokens and bytes bound the request."""
+    from tests.fixtures.tiny_llama import TINY_LLAMA, build_tiny_llama
+
+    config = {**TINY_LLAMA, "max_position_embeddings": 8192}
+    model_dir = build_tiny_llama(tmp_path / "tiny-long", demo_model_dir, config)
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "ok"} for i in range(599)]
+    with serving(tmp_path, tiny_yaml(model_dir, params={"mem": 64})) as served:
+        r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [*turns, *HI], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 3000
+
+
 def test_megabyte_prompts_are_refused_before_tokenizing(srv):
     """2 MB of prompt would take seconds of tokenizer CPU each; they are refused by length."""
     huge = "word " * 400_000

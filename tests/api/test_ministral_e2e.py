@@ -17,6 +17,7 @@ as it does for the real model. Two defects this guards against:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -237,3 +238,78 @@ def test_cut_inside_reasoning_leaves_no_markers(thinker, extra, reasoning):
     assert (choice.message.content, reasoning_of(choice.message), choice.finish_reason) == ("", reasoning, "length")
     content, streamed, _, finish = fold(client.chat.completions.create(**kw, stream=True))
     assert (content, streamed, finish) == ("", reasoning, "length")
+
+
+CODEX_REQUEST = Path(__file__).resolve().parent.parent / "fixtures" / "codex" / "responses_request.json"
+CODEX_CALL = '[TOOL_CALLS]exec_command[ARGS]{"cmd": "ls"}'
+CODEX_DONE = "Listed the files"
+
+
+@pytest.fixture(scope="module")
+def codexer(tmp_path_factory, tiny_ministral):
+    """Calls exec_command after a user turn, answers after its result; room for Codex's prompt
+    (~9,000 tokens, its tools as JSON)."""
+    model_dir = tiny_ministral({"[/INST]": CODEX_CALL, "[/TOOL_RESULTS]": CODEX_DONE})
+    config = yaml.safe_load(models_yaml(model_dir))
+    config["models"][0]["params"].update(max_model_len=16384, mem=64)
+    with serving(tmp_path_factory.mktemp("ministral"), yaml.safe_dump(config)) as served:
+        yield served
+
+
+def codex_chat_body(body: dict) -> dict:
+    """Codex's recorded Responses request as the same conversation in chat completions' shape:
+    developer, developer, user (its environment context), user (the prompt)."""
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+             for t in body["tools"] if t["type"] == "function"]
+    messages = [{"role": item["role"], "content": item["content"]} for item in body["input"]]
+    return {"model": "ministral", "messages": messages, "tools": tools, "extensions": True}
+
+
+def assert_one_user_turn(prompt: str, body: dict) -> None:
+    """Codex's two user messages reach the template as one turn, in their order."""
+    context, ask = (item["content"][0]["text"] for item in body["input"] if item["role"] == "user")
+    assert prompt.count("[INST]") == 1 and f"[INST]{context}\n{ask}[/INST]" in prompt
+
+
+def test_codexs_consecutive_user_messages_reach_a_template_that_demands_alternation(codexer):
+    """Codex always sends two user messages in a row; Ministral's template raises "conversation roles
+    must alternate" on them, which was a 400 on /v1/responses and /v1/chat/completions (Messages
+    already merged its turns). The template is probed for it and such turns are merged for every
+    format; Codex's tool round trip then completes on both."""
+    recorded = json.loads(CODEX_REQUEST.read_text())
+    body = {**recorded, "model": "ministral", "stream": False, "extensions": True}
+    r = codexer.post("/v1/responses", body)
+    assert r.status_code == 200, r.text
+    assert_one_user_turn(r.json()["extensions"]["prompt"], body)
+    (call,) = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert (call["name"], json.loads(call["arguments"])) == ("exec_command", {"cmd": "ls"})
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "a.txt"}
+    body["input"] = [*body["input"], call, result]
+    r = codexer.post("/v1/responses", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == CODEX_DONE
+
+    chat = codex_chat_body(recorded)
+    r = codexer.post("/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert_one_user_turn(r.json()["extensions"]["prompt"], recorded)
+    (tool_call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "exec_command"
+    chat["messages"] += [{"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                         {"role": "tool", "tool_call_id": tool_call["id"], "content": "a.txt"}]
+    r = codexer.post("/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == CODEX_DONE
+    assert codexer.state.pipeline.profile("ministral").alternating
+
+
+def test_a_template_that_takes_consecutive_turns_gets_them_as_sent(thinker, demo_state):
+    """Only templates that refuse consecutive turns get them merged: SmolLM2's renders them."""
+    from app.pipeline.pipeline import build_chat
+    from app.pipeline.request import ChatRequest, Message, Options
+
+    profile = demo_state.pipeline.profile("demo") or None
+    assert profile is not None and not profile.alternating
+    turns = (Message.of("user", "Context."), Message.of("user", "Hi"))
+    prompt = build_chat(profile, ChatRequest(Options("demo"), turns)).prompt_text
+    assert prompt.count("<|im_start|>user") == 2

@@ -145,3 +145,77 @@ def test_no_vision_flag_gives_placeholders_not_a_500(tmp_path, demo_model_dir):
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_image"
     finally:
         state.worker.stop()
+
+
+# ---- no vision model: one rule on every format ----------------------------------------------
+
+PLACEHOLDER = "[Image 1: not available, no vision model loaded]"
+
+
+def image_bodies(url: str) -> dict[str, dict]:
+    """The same question with an image, in each format."""
+    ask, data = "What is this?", url.split(",", 1)[1]
+    return {
+        "/v1/chat/completions": {"messages": [user(ask, url)], "max_tokens": 1},
+        "/v1/responses": {"input": [{"role": "user", "content": [{"type": "input_text", "text": ask},
+                                                                  {"type": "input_image", "image_url": url}]}],
+                          "max_output_tokens": 1, "store": False},
+        "/v1/messages": {"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": ask},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]},
+    }
+
+
+def vision_yaml(model_dir, policy: str | None) -> str:
+    import yaml
+
+    from tests.api.serving import tiny_yaml
+
+    config = yaml.safe_load(tiny_yaml(model_dir, vision={}))  # a proxy to a VLM that is not there
+    if policy is not None:
+        config["models"][0]["capabilities"]["vision_unavailable"] = policy
+    return yaml.safe_dump(config)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_placeholders_are_announced_on_every_format(tmp_path, tiny_model_dir, stream):
+    """With no vision model, images become placeholders (the default) and every format says so:
+    the x-tandem-warning header (streams too), and the body where it has room (chat's and the
+    Responses API's ``extensions``; Anthropic's Message has no field for it: the header alone).
+    /v1/messages and /v1/responses used to answer as if the model had seen the image."""
+    from tests.api.serving import serving
+
+    with serving(tmp_path, vision_yaml(tiny_model_dir, None)) as served:
+        for path, body in image_bodies(data_url(image_bytes())).items():
+            with httpx.stream("POST", served.base_url + path, json={"model": "tiny", "stream": stream, **body},
+                              timeout=60) as r:
+                text = r.read().decode()
+            assert r.status_code == 200, (path, text)
+            warning = r.headers.get("x-tandem-warning", "")
+            assert "1 image(s) were not described: no vision model is loaded" in warning, (path, r.headers)
+            if path != "/v1/messages":
+                assert '"warnings":["1 image(s) were not described' in text, (path, text)
+        # Without images nothing is announced.
+        r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [user("Hi")], "max_tokens": 1})
+        assert r.status_code == 200 and "x-tandem-warning" not in r.headers
+
+
+def test_refuse_answers_400_on_every_format(tmp_path, tiny_model_dir):
+    """``vision_unavailable: refuse``: a 400 in each format's error shape, naming the image."""
+    from tests.api.serving import serving
+
+    with serving(tmp_path, vision_yaml(tiny_model_dir, "refuse")) as served:
+        for path, body in image_bodies(data_url(image_bytes())).items():
+            r = served.post(path, {"model": "tiny", **body})
+            assert r.status_code == 400, (path, r.text)
+            if path == "/v1/messages":
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+                message = r.json()["error"]["message"]
+            else:
+                err = r.json()["error"]
+                where = "messages[0].content[1]" if "chat" in path else "input[0].content[1]"
+                assert err["code"] == "vision_not_supported" and err["param"].startswith(where), err
+                message = err["message"]
+            assert "cannot see images now" in message and "'vlm'" in message, message
+        r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [user("Hi")], "max_tokens": 1})
+        assert r.status_code == 200  # text is still served

@@ -162,6 +162,9 @@ def test_tokenize_from_many_threads_at_once(minilm):
         ([[101, -1]], "input[0][1] = -1"),
         ([101, 30522], "input[1] = 30522"),  # one input given as ids: the bad id's index
         ([[101, 30522]], "0 to 30521"),
+        # LangChain's OpenAIEmbeddings sends tiktoken's cl100k ids unless told to send the text.
+        ([[9906, 100256]], "another tokenizer's ids"),
+        ([[9906, 100256]], "check_embedding_ctx_length=False"),
         ([[101, 1.5]], "input[0][1] = 1.5"),
         ([True, False], "input[0] must be a string or a list of token ids"),
         ([{"text": "x"}], "input[0] must be a string"),

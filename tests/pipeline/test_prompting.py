@@ -128,3 +128,22 @@ def test_template_messages_with_images_keep_the_clients_order():
 
     # A text model's builder takes text: the same message is its text.
     assert template_message(messages[1])["content"] == "Compare\nthese:\nand"
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.6e2; cc_entrypoint=cli;"
+
+
+@pytest.mark.parametrize("system", [[{"type": "text", "text": BILLING}, {"type": "text", "text": "Be brief."}],
+                                    f"{BILLING}\nBe brief."], ids=["own part", "first line"])
+def test_claude_codes_billing_line_never_reaches_the_template(tokenizer, system):
+    """On any format (a proxy may forward Claude Code's system blocks to chat completions): the
+    prompt is the one without the line, whose hash would change the prompt's first tokens."""
+    plain = prepare_chat(profile(tokenizer), chat(messages=[{"role": "system", "content": "Be brief."},
+                                                            {"role": "user", "content": "Hi"}]))
+    billed = prepare_chat(profile(tokenizer), chat(messages=[{"role": "system", "content": system},
+                                                             {"role": "user", "content": "Hi"}]))
+    assert billed.prompt_text == plain.prompt_text and "x-anthropic-billing-header" not in billed.prompt_text
+    # A system message of the line alone is no system message: the template's default stands.
+    alone = prepare_chat(profile(tokenizer), chat(messages=[{"role": "system", "content": BILLING},
+                                                            {"role": "user", "content": "Hi"}]))
+    assert alone.prompt_text == prepare_chat(profile(tokenizer), chat()).prompt_text

@@ -7,6 +7,9 @@
                                                                 rest of the user's turn
     assistant: text, tool_use, thinking                      -> content, tool_calls, reasoning
     consecutive user (or assistant) turns                    -> one turn, as Anthropic combines them
+                                                                (the pipeline's ``merge_turns``, which
+                                                                every format gets for templates that
+                                                                demand alternating turns)
     tools[] with input_schema                                -> Tool; Anthropic's server tools (web
                                                                 search, code execution, tool search)
                                                                 run on Anthropic's side: left out
@@ -34,12 +37,11 @@ tools' ``defer_loading`` (deferred tools are offered like any other) and ``$sche
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from app.api.wire import Lenient
+from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -118,9 +120,13 @@ class RedactedThinkingBlock(Lenient):
     data: str = ""
 
 
+# Any other block (document, search_result, a video) is an UnsupportedPart: a 400 that names it.
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[UnsupportedPart, Tag(UNSUPPORTED)],
+    Discriminator(part_tag({tag: tag for tag in ("text", "image", "tool_use", "tool_result", "thinking",
+                                                 "redacted_thinking")})),
 ]
 
 
@@ -140,6 +146,8 @@ class InputMessage(Lenient):
         reasoning: list[str] = []
         for j, block in enumerate(self.content):
             at = f"{where}.content[{j}]"
+            if isinstance(block, UnsupportedPart):
+                raise block.refused(at, "text, image, tool_use, tool_result and thinking blocks")
             _check_role(self.role, block, at)
             if isinstance(block, TextBlock):
                 parts.append(typed.TextPart(block.text))
@@ -179,25 +187,6 @@ def _tool_message(block: ToolResultBlock, where: str) -> typed.Message:
     for k, p in enumerate(block.content):
         parts.append(typed.TextPart(p.text) if isinstance(p, TextBlock) else p.part(f"{where}.content[{k}]"))
     return typed.Message("tool", tuple(parts), tool_call_id=pipeline_tool_id(block.tool_use_id), param=where)
-
-
-def merge_turns(messages: list[typed.Message]) -> tuple[typed.Message, ...]:
-    """Consecutive user (or assistant) turns as one, as Anthropic combines them; system
-    messages in between do not separate them (the pipeline moves those to the front), and
-    templates that demand alternating turns (Mistral's) then get them."""
-    out: list[typed.Message] = []
-    last = -1  # where in out the last non-system message is
-    for m in messages:
-        prev = out[last] if last >= 0 else None
-        if prev is not None and m.role == prev.role and m.role in ("user", "assistant"):
-            reasoning = "\n".join(r for r in (prev.reasoning, m.reasoning) if r) or None
-            out[last] = replace(prev, content=prev.content + m.content, tool_calls=prev.tool_calls + m.tool_calls,
-                                reasoning=reasoning)
-            continue
-        out.append(m)
-        if m.role != "system":
-            last = len(out) - 1
-    return tuple(out)
 
 
 class CustomTool(Lenient):
@@ -293,7 +282,7 @@ class _MessagesBody(Lenient):
         where = "output_format" if self.output_format else "output_config.format"
         output = typed.OutputFormat("json_schema", fmt.schema_, param=where) if fmt else typed.OutputFormat()
         return typed.ChatRequest(
-            options, merge_turns([*system, *turns]), tools=tools, tool_choice=choice,
+            options, tuple(typed.merge_turns([*system, *turns])), tools=tools, tool_choice=choice,
             parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),
             output=output, thinking=self.thinking.switch() if self.thinking else False,
             reasoning_effort=self.output_config.effort if self.output_config else None,

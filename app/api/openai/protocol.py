@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from app.api.wire import Lenient
+from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.pipeline import request as typed
 
 
@@ -48,7 +48,20 @@ class ImagePart(Lenient):
         return {"url": v} if isinstance(v, str) else v
 
 
-ContentPart = TextPart | ImagePart
+# vLLM's video_url, OpenAI's input_audio and file parts are parsed as UnsupportedPart: a 400 that names them.
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image")]
+    | Annotated[UnsupportedPart, Tag(UNSUPPORTED)],
+    Discriminator(part_tag({"text": "text", "input_text": "text", "image_url": "image", "input_image": "image"})),
+]
+# The part types a message may hold, as the refusal of any other lists them.
+SERVED_PARTS = "text and image_url parts"
+
+
+def _as_parts(v: Any) -> Any:
+    """A string content is one text part: one shape to validate, so a bad part's error points
+    at it (``messages[0].content[1]``), not at the string the content also is not."""
+    return [{"type": "text", "text": v}] if isinstance(v, str) else v
 
 
 class FunctionCall(Lenient):
@@ -64,12 +77,14 @@ class ToolCall(Lenient):
 
 class ChatMessage(Lenient):
     role: Role
-    content: str | list[ContentPart] | None = None
+    content: list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     # Earlier assistant turns may carry their reasoning back.
     reasoning_content: str | None = None
+
+    _parts = field_validator("content", mode="before")(_as_parts)
 
     @model_validator(mode="after")
     def _content_rules(self) -> ChatMessage:
@@ -85,13 +100,13 @@ class ChatMessage(Lenient):
         """This message as the pipeline's typed one (``i``: its index, for error params)."""
         where = f"messages[{i}]"
         parts: list[typed.Part] = []
-        if isinstance(self.content, str):
-            parts.append(typed.TextPart(self.content))
-        for j, p in enumerate(self.content if isinstance(self.content, list) else ()):
+        for j, p in enumerate(self.content or ()):
             if isinstance(p, TextPart):
                 parts.append(typed.TextPart(p.text))
-            else:  # image_url, and input_image (the Responses API's image part) alike
+            elif isinstance(p, ImagePart):  # image_url, and input_image (the Responses API's image part) alike
                 parts.append(typed.ImagePart(p.image_url.url, f"{where}.content[{j}].image_url", p.image_url.detail))
+            else:
+                raise p.refused(f"{where}.content[{j}]", SERVED_PARTS)
         calls = tuple(typed.ToolCall(tc.id, tc.function.name, tc.function.arguments) for tc in self.tool_calls or ())
         role = "system" if self.role == "developer" else "tool" if self.role == "function" else self.role
         return typed.Message(role, tuple(parts), name=self.name, tool_calls=calls,

@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from app.api.openai.protocol import JsonArguments
-from app.api.wire import Lenient
+from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -90,7 +90,14 @@ class RefusalContent(Lenient):
     refusal: str
 
 
-Content = Annotated[TextContent | ImageContent | FileContent | RefusalContent, Field(discriminator="type")]
+# Any other type (input_video, input_audio, vLLM's video_url) is an UnsupportedPart: a 400 that names it.
+Content = Annotated[
+    Annotated[TextContent, Tag("text")] | Annotated[ImageContent, Tag("input_image")]
+    | Annotated[FileContent, Tag("input_file")] | Annotated[RefusalContent, Tag("refusal")]
+    | Annotated[UnsupportedPart, Tag(UNSUPPORTED)],
+    Discriminator(part_tag({"input_text": "text", "output_text": "text", "text": "text", "input_image": "input_image",
+                            "input_file": "input_file", "refusal": "refusal"})),
+]
 
 
 def _text_list(v: Any, kind: str = "input_text") -> Any:
@@ -438,6 +445,8 @@ def _parts(content: list[Any], where: str) -> list[typed.Part]:
         elif isinstance(p, ImageContent):
             raise InvalidRequestError(f"{at}: an input_image needs image_url (a data: URL); file_id needs the "
                                       "Files API, which this server does not have", param=at)
+        elif isinstance(p, UnsupportedPart):
+            raise p.refused(at, "input_text and input_image parts")
         else:
             raise InvalidRequestError(f"{at}: input_file parts are not supported; send the text as input_text",
                                       param=at)

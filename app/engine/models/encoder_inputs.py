@@ -59,9 +59,8 @@ def check_token_ids(ids: TokenIds, where: str, vocab_size: int) -> list[int]:
     param = where.split("[", 1)[0]
     for j, token in enumerate(ids):
         if not 0 <= token < vocab_size:
-            raise InvalidRequestError(
-                f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})", param=param
-            )
+            bad = f"{where}[{j}] = {token!r} is not a token id of this model (0 to {vocab_size - 1})"
+            raise InvalidRequestError(bad + _OTHER_TOKENIZER if token >= vocab_size else bad, param=param)
     return list(ids)
 
 
@@ -76,3 +75,12 @@ def over_length(model: str, where: str, tokens: int, limit: int, *, pair: bool =
         'Shorten it, or send "truncate": true to cut it to the limit.',
         param=where.split("[", 1)[0],
     )
+
+
+# Past the vocabulary is what another tokenizer's ids look like: LangChain's OpenAIEmbeddings
+# tokenizes every input with tiktoken's cl100k_base (ids up to 100k) before sending it.
+_OTHER_TOKENIZER = (
+    ": the client sent another tokenizer's ids (LangChain's OpenAIEmbeddings sends tiktoken cl100k_base ids "
+    "by default). Send the text instead: OpenAIEmbeddings(..., check_embedding_ctx_length=False) in LangChain; "
+    "input as strings for any client."
+)
