@@ -180,21 +180,23 @@ def vision_yaml(model_dir, policy: str | None) -> str:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_placeholders_are_announced_on_every_format(tmp_path, tiny_model_dir, stream):
     """With no vision model, images become placeholders (the default) and every format says so:
-    the x-tandem-warning header (streams too), and the body where it has room (chat's and the
-    Responses API's ``extensions``; Anthropic's Message has no field for it: the header alone).
-    /v1/messages and /v1/responses used to answer as if the model had seen the image."""
+    the x-tandem-warning header (streams too), and the body where it has room when the request
+    asks for ``extensions`` (chat's and the Responses API's; Anthropic's Message has no field
+    for it: the header alone). /v1/messages and /v1/responses used to answer as if the model
+    had seen the image."""
     from tests.api.serving import serving
 
     with serving(tmp_path, vision_yaml(tiny_model_dir, None)) as served:
         for path, body in image_bodies(data_url(image_bytes())).items():
-            with httpx.stream("POST", served.base_url + path, json={"model": "tiny", "stream": stream, **body},
-                              timeout=60) as r:
-                text = r.read().decode()
-            assert r.status_code == 200, (path, text)
-            warning = r.headers.get("x-tandem-warning", "")
-            assert "1 image(s) were not described: no vision model is loaded" in warning, (path, r.headers)
-            if path != "/v1/messages":
-                assert '"warnings":["1 image(s) were not described' in text, (path, text)
+            for extensions in (False, True) if path != "/v1/messages" else (False,):
+                with httpx.stream("POST", served.base_url + path, timeout=60,
+                                  json={"model": "tiny", "stream": stream, "extensions": extensions, **body}) as r:
+                    text = r.read().decode()
+                assert r.status_code == 200, (path, text)
+                warning = r.headers.get("x-tandem-warning", "")
+                assert "1 image(s) were not described: no vision model is loaded" in warning, (path, r.headers)
+                # The non-standard extensions object only when asked for (clients compare shapes).
+                assert ('"warnings":["1 image(s) were not described' in text) is extensions, (path, text)
         # Without images nothing is announced.
         r = served.post("/v1/chat/completions", {"model": "tiny", "messages": [user("Hi")], "max_tokens": 1})
         assert r.status_code == 200 and "x-tandem-warning" not in r.headers
