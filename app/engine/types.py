@@ -82,6 +82,10 @@ class GenerationRequest:
     share_prefix: bool = False
     # Constrained decoding (``app.engine.constrain.grammar``); None adds no processor and costs nothing.
     constraint: LogitsConstraint | None = None
+    # The stream's first delta is an empty one (``tokens`` 0) as soon as the request is
+    # queued, its submission checks passed: a streaming answer can start before the
+    # queue wait and the prefill, which take minutes for a long prompt on a small machine.
+    announce_queued: bool = False
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -230,7 +234,8 @@ class Engine(ModelHandle, Protocol):
         """Bytes of KV cache one token takes."""
 
     def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Deltas of one generation, the last carrying finish_reason; errors are raised."""
+        """Deltas of one generation, the last carrying finish_reason; errors are raised. With
+        ``req.announce_queued``, an empty delta (``tokens`` 0) first, once it is queued."""
 
     def stats(self) -> EngineStats:
         """A snapshot for /health and /metrics."""
