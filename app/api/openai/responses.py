@@ -90,7 +90,7 @@ class ResponseWriter:
     seq: int = 0
     next_index: int = 0
     open: _Open | None = None
-    # Generated tokens up to the end of the reasoning shown (each step is one token).
+    # Generated tokens up to the end of the reasoning shown.
     steps: int = 0
     reasoning_tokens: int = 0
 
@@ -112,7 +112,7 @@ class ResponseWriter:
 
     def step(self, step: Step) -> list[Event]:
         """The item events of one pipeline step."""
-        self.steps += 1
+        self.steps += step.tokens
         out: list[Event] = []
         for ev in step.events:
             if isinstance(ev, ReasoningDelta) and ev.text:
