@@ -9,8 +9,8 @@
   the headers and the format's opening event (``message_start`` and ``ping``,
   ``response.created``, the role chunk, ``RUN_STARTED``) go out at once, not after a
   prefill that takes minutes for a long prompt on a small machine: Claude Code gives
-  up after 300 s without a byte. What comes later (503 queue timeout) is the
-  format's error event.
+  up on a stream with no first event after 300 s. What comes later (503 queue
+  timeout) is the format's error event.
 - ``kept_alive``: while nothing else is sent (queued, prefilling), the format's
   keep-alive every ``server.sse_keepalive_s``: Anthropic's ``ping`` event, an SSE
   comment line for OpenAI's formats; proxies and clients drop silent streams.
