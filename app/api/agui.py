@@ -243,8 +243,9 @@ def run_error(request: Request, renderer: AguiRenderer, exc: Exception) -> list[
 
 def _rendering(request: Request, inp: RunAgentInput) -> Rendering:
     renderer = AguiRenderer()
+    # No whole answer: AG-UI streams. No keep-alive: AG-UI defines no such event.
     return Rendering(events=lambda steps: agui_events(inp, renderer, steps),
-                     error=lambda exc: run_error(request, renderer, exc))  # no whole answer: AG-UI streams
+                     error=lambda exc: run_error(request, renderer, exc), keepalive=None)
 
 
 @post("/v1/agui", status_code=200, summary="Run the model as an AG-UI agent (SSE of AG-UI events)")

@@ -3,9 +3,17 @@
 - ``EventStream``: Server-Sent Events framed with ``\\n`` (``data: ...\\n\\n``), as
   AG-UI's own encoder and OpenAI write them; clients that split on ``\\n\\n``
   (``@ag-ui/client``) read nothing from ``\\r\\n`` frames.
-- ``started``: a stream's response begins only once its first item is in, so a
-  refusal before the first token (429 queue full, 503 queue timeout) is an HTTP
-  status, not a 200 stream with an error inside.
+- ``started``: a stream's response begins only once its first item is in: the
+  pipeline's first step, empty, as soon as the engine has queued the request. A
+  refusal at submission (429 queue full, a dead engine) is then an HTTP status, and
+  the headers and the format's opening event (``message_start`` and ``ping``,
+  ``response.created``, the role chunk, ``RUN_STARTED``) go out at once, not after a
+  prefill that takes minutes for a long prompt on a small machine: Claude Code gives
+  up on a stream with no first event after 300 s. What comes later (503 queue
+  timeout) is the format's error event.
+- ``kept_alive``: while nothing else is sent (queued, prefilling), the format's
+  keep-alive every ``server.sse_keepalive_s``: Anthropic's ``ping`` event, an SSE
+  comment line for OpenAI's formats; proxies and clients drop silent streams.
 - ``unless_disconnected``: awaits work, cancelling it when the client hangs up;
   ``ClientGone`` then becomes nginx's 499 ("client closed request") at the edge.
 - ``answer``: every generating route's skeleton after its format has validated and
@@ -19,6 +27,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
@@ -53,15 +62,28 @@ class Event:
         return f"{head}data: {self.data}\n\n".encode()
 
 
+@dataclass(frozen=True)
+class Comment:
+    """An SSE comment line, which every SSE reader skips: OpenAI's formats' keep-alive."""
+
+    text: str
+
+    def frame(self) -> bytes:
+        return f": {self.text}\n\n".encode()
+
+
+Frame = Event | Comment | str  # a bare string is an unnamed event's data
+
+
 def to_json(data: Any) -> str:
     """Compact JSON, as every event and chunk goes out."""
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 class EventStream(Stream):
-    """A ``text/event-stream`` response of ``Event``s (or bare data strings)."""
+    """A ``text/event-stream`` response of ``Event``s and ``Comment``s (or bare data strings)."""
 
-    def __init__(self, events: AsyncIterator[Event | str], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[Frame], headers: dict[str, str] | None = None) -> None:
         super().__init__(
             _frames(events),
             media_type="text/event-stream",
@@ -73,9 +95,55 @@ class EventStream(Stream):
         return super().to_asgi_response(*args, **{**kwargs, "media_type": None})
 
 
-async def _frames(events: AsyncIterator[Event | str]) -> AsyncIterator[bytes]:
+async def _frames(events: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
     async for ev in events:
-        yield (ev if isinstance(ev, Event) else Event(ev)).frame()
+        yield (Event(ev) if isinstance(ev, str) else ev).frame()
+
+
+async def kept_alive(events: AsyncIterator[T], every: float, keepalive: T | None) -> AsyncIterator[T]:
+    """``events``, and ``keepalive`` each time ``every`` seconds pass without one of them
+    (None, or ``every`` 0: none). ``events`` run in a task of their own, so waiting for
+    the next one can time out without cancelling it; closing the result cancels them."""
+    if keepalive is None or every <= 0:
+        async with aclosing(events) as inner:  # type: ignore[type-var]  # an async generator underneath
+            async for ev in inner:
+                yield ev
+        return
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(maxsize=1)  # (ended, the event or the failure)
+
+    async def pump() -> None:
+        try:
+            async with aclosing(events) as inner:  # type: ignore[type-var]
+                async for ev in inner:
+                    await queue.put((False, ev))
+        except Exception as exc:  # noqa: BLE001 - raised again by the reader
+            await queue.put((True, exc))
+        else:
+            await queue.put((True, None))
+
+    task = asyncio.ensure_future(pump())  # the context (request id) goes with it
+    get: asyncio.Future[tuple[bool, Any]] | None = None
+    try:
+        while True:
+            if get is None:
+                get = asyncio.ensure_future(queue.get())
+            # Not wait_for: it cancels the get on a timeout, and can hang when the client's
+            # disconnect cancels this task in the middle of that.
+            done, _ = await asyncio.wait({get}, timeout=every)
+            if not done:
+                yield keepalive
+                continue
+            ended, item = get.result()
+            get = None
+            if ended:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        if get is not None:
+            get.cancel()
+        task.cancel()  # runs the generation's own cleanup (the engine's cancel) in that task
 
 
 async def started(items: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -145,11 +213,13 @@ async def ending_in_error(events: AsyncIterator[T], on_error: Callable[[Exceptio
 @dataclass(frozen=True)
 class Rendering:
     """How one wire format writes one answer: as a stream of events (ended by ``error``'s
-    events on a failure after the start), or whole from every step (``None``: stream only)."""
+    events on a failure after the start, kept alive by ``keepalive`` while silent), or whole
+    from every step (``None``: stream only)."""
 
-    events: Callable[[AsyncIterator[Step]], AsyncIterator[Event | str]]
-    error: Callable[[Exception], Iterable[Event | str]]
+    events: Callable[[AsyncIterator[Step]], AsyncIterator[Frame]]
+    error: Callable[[Exception], Iterable[Frame]]
     whole: Callable[[list[Step]], Any] | None = None
+    keepalive: Frame | None = Comment("keep-alive")
 
 
 async def _collect(steps: AsyncIterator[Step]) -> list[Step]:
@@ -170,8 +240,9 @@ async def answer(request: Request, pipeline: Pipeline, prepare: Awaitable[Prepar
                  render: Callable[[Prepared], Rendering]) -> Any:
     """Prepare the request, submit it, and render it as ``render``'s format does.
 
-    A stream's response starts only with its first step (``started``); a client that hangs
-    up first cancels the work (``unless_disconnected``). The prepared request holds its
+    A stream's response starts with its first step, as soon as the engine has queued the
+    request (``started``), and is kept alive while silent (``kept_alive``); a client that
+    hangs up first cancels the work (``unless_disconnected``). The prepared request holds its
     model's lease, which the generation lets go when it ends; one that never started (the
     client gone first, a failure while rendering begins) lets it go here.
     """
@@ -181,7 +252,8 @@ async def answer(request: Request, pipeline: Pipeline, prepare: Awaitable[Prepar
         rendering = render(prepared)
         if stream or rendering.whole is None:
             steps = await unless_disconnected(request, started(pipeline.steps(prepared)))
-            return EventStream(ending_in_error(rendering.events(steps), rendering.error), headers)
+            events = ending_in_error(rendering.events(steps), rendering.error)
+            return EventStream(kept_alive(events, pipeline.server.sse_keepalive_s, rendering.keepalive), headers)
         done = await unless_disconnected(request, _collect(pipeline.steps(prepared)))
     except BaseException:
         if prepared.lease is not None:

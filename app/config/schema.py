@@ -377,6 +377,10 @@ class ServerSettings(_Strict):
         "from the first byte of its next request; then it is closed (slowloris). Idle kept-alive connections close "
         "after 5 s.")
     backlog: int = Field(default=2048, ge=16, description="Listen backlog, so a burst of connections is not reset.")
+    sse_keepalive_s: float = Field(
+        default=10.0, ge=0, description="Seconds a stream may stay silent (queued, or prefilling a long prompt) "
+        "before a keep-alive goes out: `event: ping` on /v1/messages, as Anthropic sends it, an SSE comment line "
+        "(`: keep-alive`) on the OpenAI formats; proxies and clients drop silent streams. 0 sends none.")
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM/SIGINT: seconds running requests get to finish before they end "
         "with an error event.")

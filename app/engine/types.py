@@ -102,6 +102,10 @@ class GenerationRequest:
     # The reasoning block the model may write: its tokens counted (``TokenDelta.reasoning_tokens``)
     # and, with a budget, ended by force. None: the output is not read for reasoning.
     reasoning: ReasoningBlock | None = None
+    # The stream's first delta is an empty one (``tokens`` 0) as soon as the request is
+    # queued, its submission checks passed: a streaming answer can start before the
+    # queue wait and the prefill, which take minutes for a long prompt on a small machine.
+    announce_queued: bool = False
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -259,7 +263,8 @@ class Engine(ModelHandle, Protocol):
         """Bytes of KV cache one token takes."""
 
     def stream(self, req: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Deltas of one generation, the last carrying finish_reason; errors are raised."""
+        """Deltas of one generation, the last carrying finish_reason; errors are raised. With
+        ``req.announce_queued``, an empty delta (``tokens`` 0) first, once it is queued."""
 
     def stats(self) -> EngineStats:
         """A snapshot for /health and /metrics."""

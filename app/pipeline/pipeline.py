@@ -256,8 +256,9 @@ class Pipeline:
     # ---- generate ---------------------------------------------------------------------
 
     async def steps(self, p: Prepared) -> AsyncGenerator[Step, None]:
-        """The generation, one ``Step`` per engine delta (choices interleaved when n > 1);
-        closing it cancels every choice and lets the model go."""
+        """The generation, one ``Step`` per engine delta (choices interleaved when n > 1),
+        each choice's first an empty one once the engine has queued it; closing it cancels
+        every choice and lets the model go."""
         assert p.lease is not None, "a prepared request holds its model's lease"
         try:
             if p.n == 1:
@@ -278,8 +279,11 @@ class Pipeline:
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
                                  tools_offered=p.tools_offered)
-        async with aclosing(p.lease.handle.stream(gen)) as deltas:
+        async with aclosing(p.lease.handle.stream(replace(gen, announce_queued=True))) as deltas:
             async for delta in deltas:
+                if not delta.tokens and delta.finish_reason is None:  # queued
+                    yield Step([], index=index, tokens=0)
+                    continue
                 events = parser.feed(delta.text) if parser is not None and delta.text else []
                 usage = None
                 if delta.finish_reason is not None:
@@ -290,7 +294,8 @@ class Pipeline:
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
-                yield Step(events, delta.text, delta.finish_reason, usage, index, logprobs, delta.stop_sequence)
+                yield Step(events, delta.text, delta.finish_reason, usage, index, logprobs, delta.stop_sequence,
+                           delta.tokens)
 
     async def _choices(self, p: Prepared) -> AsyncGenerator[Step, None]:
         """``n`` generations of one prompt: the first computes the prompt's KV and leaves it
@@ -309,7 +314,8 @@ class Pipeline:
                     await prompt_cached.wait()
                 async with aclosing(self._choice(p, gen, index)) as steps:
                     async for step in steps:
-                        prompt_cached.set()
+                        if step.tokens or step.finish_reason is not None:  # not just queued: prefilled
+                            prompt_cached.set()
                         await queue.put(step)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 await queue.put(exc)

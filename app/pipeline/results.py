@@ -51,7 +51,8 @@ class Usage:
 
 @dataclass
 class Step:
-    """What one engine delta became."""
+    """What one engine delta became. A choice's first step is empty (``tokens`` 0): the
+    engine has queued it, so a stream can start before the first token."""
 
     # The parser's events for this delta (empty for plain-text completions).
     events: list[Event]
@@ -66,6 +67,9 @@ class Step:
     logprobs: list[LogprobInfo] = field(default_factory=list)
     # Set on the last step when one of the request's stop strings ended the generation.
     stop_sequence: str | None = None
+    # Tokens generated in this step: one, or several the engine's channel merged for a slow
+    # reader; 0 on the first step, which only says the request is queued.
+    tokens: int = 1
 
 
 @dataclass

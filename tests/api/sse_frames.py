@@ -8,9 +8,11 @@ Every Tandem stream, whatever its wire format, is a run of events of this exact 
     \\n
 
 and nothing else: no ``\\r`` anywhere (clients that split on ``\\n\\n``, ``@ag-ui/client``
-among them, read nothing from ``\\r\\n`` frames), no comments or keep-alives, no empty
+among them, read nothing from ``\\r\\n`` frames), no other comments, no empty
 events, one data line per event (JSON never needs two), UTF-8 throughout, ``[DONE]``
-only last. ``iter_lines`` would forgive most of these; the bytes do not.
+only last. The one comment is the keep-alive (``: keep-alive``, OpenAI's formats, on a
+stream silent for ``server.sse_keepalive_s``), left out of the frames; Anthropic's is
+its ``ping`` event. ``iter_lines`` would forgive most of these; the bytes do not.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 
 DONE = "[DONE]"
+KEEPALIVE = ": keep-alive"
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ def parse_frames(raw: bytes, *, named: bool = False) -> list[Frame]:
     assert cr == -1, f"a \\r on the wire at byte {cr}: {raw[max(0, cr - 60):cr + 60]!r}"
     text = raw.decode("utf-8")  # strict: a bad byte fails here
     assert text.endswith("\n\n"), f"the stream does not end with a whole event: {text[-120:]!r}"
-    frames = [_frame(block, named) for block in text[:-2].split("\n\n")]
+    frames = [_frame(block, named) for block in text[:-2].split("\n\n") if block != KEEPALIVE]
     assert DONE not in (f.data for f in frames[:-1]), "[DONE] before the last event"
     return frames
 

@@ -49,6 +49,17 @@ HI = [{"role": "user", "content": "Name a colour."}]
 # Anthropic's event grammar, one event type per word.
 EVENT_ORDER = re.compile(r"message_start (content_block_start (content_block_delta )*content_block_stop )*"
                          r"message_delta message_stop")
+
+
+def wire_order(frames) -> str:
+    """The event names of a raw stream, checked to open with ``message_start`` then ``ping``
+    (as Anthropic's API does), without the pings: more come while a stream is silent."""
+    names = [f.name for f in frames]
+    assert names[:2] == ["message_start", "ping"], names
+    assert all(f.json() == {"type": "ping"} for f in frames if f.name == "ping")
+    return " ".join(n for n in names if n != "ping")
+
+
 RAW_TYPES = {"message_start": RawMessageStartEvent, "content_block_start": RawContentBlockStartEvent,
              "content_block_delta": RawContentBlockDeltaEvent, "content_block_stop": RawContentBlockStopEvent,
              "message_delta": RawMessageDeltaEvent, "message_stop": RawMessageStopEvent}
@@ -119,7 +130,7 @@ def test_stream_frames_are_exact_named_events(demo_server):
     raw = read_stream(demo_server.base_url, "/v1/messages",
                       {"model": "demo", "max_tokens": 4, "messages": HI, "temperature": 0, "stream": True})
     frames = parse_frames(raw, named=True)
-    assert EVENT_ORDER.fullmatch(" ".join(f.name for f in frames))
+    assert EVENT_ORDER.fullmatch(wire_order(frames))
     delta = frames[-2].json()
     assert set(delta["usage"]) == {"input_tokens", "output_tokens", "cache_read_input_tokens",
                                    "cache_creation_input_tokens"}
@@ -304,7 +315,7 @@ def test_a_claude_code_shaped_request_is_served(demo_server):
                       timeout=120) as r:
         assert r.status_code == 200, r.read()
         frames = parse_frames(r.read(), named=True)
-    assert EVENT_ORDER.fullmatch(" ".join(f.name for f in frames))
+    assert EVENT_ORDER.fullmatch(wire_order(frames))
     assert frames[-2].json()["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
 
 

@@ -169,15 +169,16 @@ def stream_lines(srv, max_tokens, stack):
 
 def test_full_queue_429_and_queue_timeout_503(srv):
     """A long stream holds the only slot; the next request waits, the one after finds the
-    queue full (429); the waiting one times out (503). Streaming requests get the same
-    statuses: nothing is sent before the engine has taken the request."""
+    queue full (429); the waiting one times out (503). A streaming request gets the same 429:
+    nothing is sent before the engine has queued it; once queued, its stream starts at once
+    (Claude Code gives up after 300 s without a byte), so its queue timeout is an error event."""
     from contextlib import ExitStack
 
     engine = srv.state.engine
     with ExitStack() as stack:
         running = stream_lines(srv, 1500, stack)  # kept: dropping the iterator closes the stream
         waited = {}
-        waiter = threading.Thread(target=lambda: waited.update(r=chat(srv, stream=True)))
+        waiter = threading.Thread(target=lambda: waited.update(r=chat(srv)))
         waiter.start()
         deadline = time.monotonic() + 10
         while engine.stats().waiting < 1:
@@ -191,6 +192,11 @@ def test_full_queue_429_and_queue_timeout_503(srv):
         r = waited["r"]
         assert_openai_error(r, 503, "engine_busy")
         assert int(r.headers["retry-after"]) > 0
+        r = chat(srv, stream=True)
+        assert r.status_code == 200
+        data = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert data[-1]["error"]["code"] == "engine_busy"  # one error event, then the end
         assert '"finish_reason":null' in next(line for line in running if line)  # still streaming
     deadline = time.monotonic() + 20
     while engine.stats().active:  # the closed stream's sequence is cancelled

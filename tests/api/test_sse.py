@@ -15,7 +15,8 @@ def events(base: str, path: str, body: dict) -> list[str]:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"]
-        lines = list(r.iter_lines())
+        # Comment lines are keep-alives (server.sse_keepalive_s) on a busy machine.
+        lines = [line for line in r.iter_lines() if line != ": keep-alive"]
     data = [line.removeprefix("data: ") for line in lines if line]
     assert len(data) == sum(1 for line in lines if line.startswith("data: ")), lines  # nothing but data lines
     return data

@@ -91,7 +91,7 @@ GOOD = b'data: {"a":1}\n\ndata: [DONE]\n\n'
 BAD = {
     "crlf": b'data: {"a":1}\r\n\r\n',
     "cr": b'data: {"a":"x"}\r\r',
-    "comment": b': keep-alive\n\ndata: {"a":1}\n\n',
+    "comment": b': hello\n\ndata: {"a":1}\n\n',  # a comment other than the keep-alive
     "comment-line": b': keep-alive\ndata: {"a":1}\n\n',
     "empty-event": b'data: {"a":1}\n\n\ndata: {"a":2}\n\n',
     "two-data-lines": b'data: {"a":\ndata: 1}\n\n',
@@ -108,6 +108,8 @@ BAD = {
 
 def test_the_frame_check_accepts_the_shape():
     assert [f.data for f in parse_frames(GOOD)] == ['{"a":1}', DONE]
+    # The keep-alive of a silent stream (server.sse_keepalive_s) is skipped, as SSE readers skip it.
+    assert [f.data for f in parse_frames(b': keep-alive\n\n' + GOOD)] == ['{"a":1}', DONE]
     (named,) = parse_frames(b'event: ping\ndata: {"type":"ping"}\n\n', named=True)
     assert named.name == "ping" and named.json() == {"type": "ping"}
     (escaped,) = parse_frames(b'data: {"a":"\\r\\n\\n"}\n\n')  # line breaks inside JSON are escaped

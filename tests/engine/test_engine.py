@@ -221,3 +221,44 @@ def test_prefix_cache_namespaces_never_share(engine):
     _, alice = asyncio.run(run(engine, req))
     assert mallory.cached_tokens == 0
     assert alice.cached_tokens > len(req.prompt_tokens) // 2
+
+
+def test_a_cancelled_prefill_keeps_its_kv_for_the_retry(tiny_model_dir):
+    """Claude Code gives up on a request after 300 s without an answer and sends it again:
+    the KV its first try prefilled goes to the prefix cache (its own namespace only), so
+    the retry resumes there, and generates what a fresh run does."""
+    import threading
+
+    eng = make_engine(tiny_model_dir, prefill_chunk_size=16, prompt_cache="prefix")
+    try:
+        tokens = prompt(eng, "tell me everything about the history of the world " * 20)
+        assert len(tokens) > 150  # ten chunks and more
+        req = GenerationRequest(TokenPrompt(tokens), max_tokens=6, cache_namespace="retry")
+        holding, gate = threading.Event(), threading.Event()
+
+        def hold_after(steps: int):
+            # A step job runs once per loop turn, before the batch step: after `steps` turns
+            # it holds the MLX thread, as one long prefill step of a big model would.
+            for _ in range(steps):
+                yield
+            holding.set()
+            gate.wait(30)
+
+        async def give_up() -> None:
+            first = asyncio.ensure_future(eng.stream(req).__anext__())
+            await asyncio.sleep(0)  # submitted
+            held = eng.worker.submit_steps(lambda: hold_after(3))
+            assert await asyncio.to_thread(holding.wait, 30)
+            first.cancel()  # the client is gone while the MLX thread is inside its prefill
+            await asyncio.gather(first, return_exceptions=True)
+            gate.set()
+            await asyncio.wrap_future(held)
+
+        asyncio.run(give_up())
+        retry_text, retry = asyncio.run(run(eng, req))
+        fresh_text, fresh = asyncio.run(run(eng, replace(req, cache_namespace="fresh")))
+        assert fresh.cached_tokens == 0  # nothing leaks to another namespace
+        assert 0 < retry.cached_tokens < len(tokens), retry.cached_tokens  # cut short mid-prefill, resumed there
+        assert retry_text == fresh_text
+    finally:
+        eng.worker.stop()

@@ -2,7 +2,7 @@
 
 A stream is Anthropic's event sequence, each ``event: <type>`` with its JSON:
 
-    message_start
+    message_start, ping             at once, before the prompt is prefilled; a ping again while silent
     (content_block_start, content_block_delta*, content_block_stop)*   thinking, text, tool_use blocks
     message_delta                                                      stop_reason, stop_sequence, usage
     message_stop                    (or one ``error`` event, once the stream has started, and the end)
@@ -256,11 +256,16 @@ def _event(data: dict[str, Any]) -> Event:
     return Event(to_json(data), data["type"])
 
 
+# Right after message_start, then while the stream is silent (a long prompt queued or prefilling).
+PING = _event({"type": "ping"})
+
+
 async def message_events(view: MessageView, steps: AsyncIterator[Step]) -> AsyncIterator[Event]:
     """The stream of one answer."""
     start_usage = {"input_tokens": view.input_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                    "cache_read_input_tokens": 0}
     yield _event({"type": "message_start", "message": view.message([], None, None, start_usage)})
+    yield PING  # as Anthropic's API does, before the first block: the client knows the stream is alive
     writer = BlockWriter(view.show_thinking, stream_inputs=True)
     async for step in steps:
         for ev in writer.feed(step.events):
@@ -295,7 +300,7 @@ def _rendering(data: MessagesRequest, prepared: Prepared) -> Rendering:
     # A failure after the start is one ``error`` event in Anthropic's shape, then the end.
     return Rendering(events=lambda steps: message_events(view, steps),
                      error=lambda exc: [_event(stream_error(exc, anthropic_error))],
-                     whole=lambda steps: message_response(view, steps))
+                     whole=lambda steps: message_response(view, steps), keepalive=PING)
 
 
 @post("/", status_code=200, summary="Create a message (Anthropic Messages API)")

@@ -187,6 +187,8 @@ class BatchingEngine(Generic[S, L]):
             seq.reasoning = ReasoningTracker(req.reasoning, self._piece)
         self._submit(seq)
         try:
+            if req.announce_queued:
+                yield TokenDelta()
             while True:
                 for delta in await seq.channel.get():
                     if delta.error is not None:
@@ -280,6 +282,11 @@ class BatchingEngine(Generic[S, L]):
         """Take row ``uid`` out of the batch, its KV freed."""
         raise NotImplementedError
 
+    def _cancel_row(self, seq: S) -> None:
+        """``seq``'s client left (or its request was cancelled) while it had a batch row: the row leaves."""
+        assert seq.uid is not None
+        self._drop_row(seq.uid)
+
     def _on_prompt_progress(self, responses: list[Any]) -> None:
         """The batch step's prompt responses (prefill progress)."""
 
@@ -342,7 +349,7 @@ class BatchingEngine(Generic[S, L]):
             if seq.done:
                 continue
             if seq.uid is not None and seq.uid in self._running:
-                self._drop_row(seq.uid)
+                self._cancel_row(seq)
                 self._release(seq)
             elif seq in self._parked:
                 self._parked.remove(seq)

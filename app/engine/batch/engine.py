@@ -18,6 +18,8 @@ What is this engine's own:
                      (``_fit_reservations``), and the prefill chunk sized by time
                      while rows decode (``pacing``: the step's time budget, at the
                      prefill rate measured on this model)
+    a cancellation   the row's KV goes to the prefix cache too, a prefill cut short
+                     included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
 
@@ -473,6 +475,16 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _on_finished(self, seq: _Seq, r: Any) -> None:
         self._store_conversation(seq, r.prompt_cache, r.all_tokens)
+
+    def _cancel_row(self, seq: _Seq) -> None:
+        """A cancelled row leaves with its KV, which goes to the prefix cache when the row
+        computed any (prefill chunks, or tokens): Claude Code gives up on a request after
+        300 s without an answer and retries, and the retry resumes where this one stopped
+        instead of prefilling its long prompt from zero again."""
+        caches = self._bg.remove([seq.uid], return_prompt_caches=True)
+        cache, tokens = caches.get(seq.uid, (None, None))
+        if tokens is not None and len(tokens) > seq.cached_tokens:
+            self._store_conversation(seq, cache, tokens)
 
     def _store_conversation(self, seq: _Seq, cache: Any, tokens: Any) -> None:
         if self.params.prompt_cache != "prefix" or cache is None or tokens is None:
