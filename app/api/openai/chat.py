@@ -81,6 +81,10 @@ class ChunkWriter:
     opened: set[int] = field(default_factory=set)
     # Logprobs of a choice's tokens held back before its role went out.
     held_logprobs: dict[int, list[LogprobInfo]] = field(default_factory=dict)
+    # The content of a role chunk sent before the first token (the engine has queued the
+    # request): OpenAI's "" where the answer cannot be a tool call; null where it may be one,
+    # since a tool-call stream must not carry an empty content delta (llama.cpp does the same).
+    early_content: str | None = ""
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, index: int = 0,
               logprobs: list[LogprobInfo] | None = None, **extra: Any) -> dict[str, Any]:
@@ -114,6 +118,8 @@ class ChunkWriter:
         their own when the step's text is still held back, or, before the choice's role has
         gone out, on its opening chunk). Empty deltas are never sent."""
         i = step.index
+        if step.tokens == 0 and i not in self.opened:  # queued: the stream starts before the prefill
+            return [self.first(i, self.early_content)]
         deltas = self._opening(i, [d for ev in step.events if (d := self._delta(ev, i))])
         chunks = [self.chunk(delta, index=i) for delta in deltas]
         logprobs = [*self.held_logprobs.pop(i, []), *step.logprobs] if self.with_logprobs else []
@@ -228,7 +234,8 @@ def _rendering(data: ChatCompletionRequest, state: AppState, prepared: Prepared)
     extras = prepared.extras if data.extensions else None
     with_logprobs = bool(data.logprobs)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs)
+    writer = ChunkWriter(data.model, state.reasoning_fields, with_logprobs,
+                         early_content=None if data.tools and data.tool_choice != "none" else "")
     return Rendering(
         events=lambda steps: chat_stream(writer, steps, extras, include_usage),
         error=openai_stream_error,
