@@ -123,6 +123,9 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(name, help_, value=value)
         yield CounterMetricFamily("tandem_background_pauses", "Background sequences paused for interactive work.",
                                   value=total("background_pauses"))
+        yield CounterMetricFamily("tandem_memory_pauses", "Sequences paused because the KV budget could not take "
+                                  "their growth (their KV to the prefix cache, resumed when room returns).",
+                                  value=total("memory_pauses"))
         yield CounterMetricFamily("tandem_prompt_cache_hits", "Requests that reused a cached prefix.",
                                   value=total("prompt_cache_hits"))
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",

@@ -72,7 +72,7 @@ mlx-vlm
   of running the vision tower; ``model.vision_tower(pixel_values, grid_thw,
   output_hidden_states=False)`` there gives one row per image token, image after
   image, each image's rows its own (block-diagonal attention over ``grid_thw``),
-  which is what lets ``vision_features`` encode and cache images one by one;
+  which is what lets ``batch/vision_features`` encode and cache images one by one;
   ``model.language_model``; ``model.config.text_config`` (a dataclass);
 - ``utils.should_add_special_tokens(model_type, processor)``, the rule
   ``mlx_vlm.generate`` applies before ``prepare_inputs``; without images,

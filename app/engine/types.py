@@ -201,6 +201,8 @@ class EngineStats:
     # Background sequences paused for interactive work: now, and pauses so far.
     paused: int = 0
     background_pauses: int = 0
+    # Rows paused because the KV budget could not take their growth (their KV to the prefix cache).
+    memory_pauses: int = 0
     # Bytes MLX's KV caches hold now (batch rows, paused sequences, the memory tier), measured
     # after each step; kv_reserved_tokens bounds it from above.
     kv_cache_bytes: int = 0

@@ -71,6 +71,7 @@ def test_metrics_count_requests_tokens_and_latency(srv):
     assert delta("tandem_inter_token_latency_seconds_count") == 3  # tokens after the first
     assert after["tandem_engine_up"] == 1 and after["tandem_kv_budget_tokens"] > 0
     assert "tandem_caption_cache_hits_total" in after and "tandem_caption_cache_misses_total" in after
+    assert after["tandem_memory_pauses_total"] == 0 and "tandem_background_pauses_total" in after
 
 
 def test_gauges_show_a_running_request_and_a_cancelled_one(srv):

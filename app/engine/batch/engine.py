@@ -184,6 +184,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             super().stats(),
             paused=len(self._paused),
             background_pauses=self.background_pauses,
+            memory_pauses=self.memory_pauses,
             prompt_cache_bytes=self.prompt_cache.nbytes,
             prompt_cache_hits=self.cache_hits,
             prompt_cache_tokens_saved=self.cache_tokens_saved,

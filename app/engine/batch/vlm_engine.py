@@ -23,7 +23,7 @@ batch steps; its memory is what the load-time worst-case profile measured.
 
 Caches (issue 22). What the installed mlx-vlm (0.7.x) allows decides the design:
 
-- The vision-feature cache (``app.engine.vision_features``) is ours and complete:
+- The vision-feature cache (``app.engine.batch.vision_features``) is ours and complete:
   ``get_input_embeddings`` merges image features at the placeholder tokens
   (``merge_input_ids_with_image_features``: the tower's rows, one per image token,
   image after image) and, for Qwen2-VL and Qwen2.5-VL, takes them ready-made as
@@ -74,11 +74,11 @@ import mlx.core as mx
 from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
 from app.engine.batch.stops import StopMatcher
+from app.engine.batch.vision_features import FeatureCache, input_embeddings
 from app.engine.mlx_internals import new_vlm_batch_generator, new_vlm_detokenizer
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt
 from app.engine.types import EngineStats, GenerationRequest
-from app.engine.vision_features import FeatureCache, input_embeddings
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ContextLengthError, EngineError, ImageError
 
@@ -101,7 +101,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
     def __init__(self, worker: MLXWorker, loaded: LoadedVlm, params: EngineParams, *,
                  feature_cache_bytes: int = 0) -> None:
         super().__init__(worker, loaded, params)
-        # The vision tower's output per image (``app.engine.vision_features``); 0 bytes: none.
+        # The vision tower's output per image (``app.engine.batch.vision_features``); 0 bytes: none.
         self.features = FeatureCache(feature_cache_bytes) if feature_cache_bytes > 0 else None
         from app.engine.models.vlm import VlmPrompts
 
