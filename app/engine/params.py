@@ -28,6 +28,18 @@ class LoadParams:
 
 
 @dataclass(frozen=True)
+class SpeculativeParams:
+    """Speculative decoding for one chat model (``app.engine.speculative``; schema: ``speculative``)."""
+
+    # Propose n-gram continuations found in the prompt and the output so far.
+    prompt_lookup: bool = True
+    # Another chat entry of models.yaml that drafts for this one (None: no draft model).
+    draft: str | None = None
+    # The most tokens a row proposes per step (the adaptive rule picks fewer when they do not pay).
+    tokens: int = 4
+
+
+@dataclass(frozen=True)
 class EngineParams:
     """How one loaded chat model is scheduled: memory, batching, queueing, caching."""
 
@@ -56,6 +68,8 @@ class EngineParams:
     # Deltas one stream may have pending before new text is merged into the last one
     # (a slow client never makes the engine thread wait).
     channel_max_pending: int = 32
+    # Speculative decoding (models.yaml ``speculative``).
+    speculative: SpeculativeParams = SpeculativeParams()
 
     @property
     def prompt_cache_disk_bytes(self) -> int:

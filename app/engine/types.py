@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.engine.prompt import Prompt, PromptBuilder
+from app.engine.speculative import DraftCounts
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,26 @@ class GenerationRequest:
     # queued, its submission checks passed: a streaming answer can start before the
     # queue wait and the prefill, which take minutes for a long prompt on a small machine.
     announce_queued: bool = False
+    # Speculative decoding for this request (``app.engine.speculative``): None takes the
+    # model's defaults (models.yaml ``speculative``).
+    speculation: SpeculationRequest | None = None
 
     @property
     def prompt_tokens(self) -> list[int]:
         """The prompt's exact token ids (a multimodal prompt's image runs expanded)."""
         return self.prompt.tokens
+
+
+@dataclass(frozen=True)
+class SpeculationRequest:
+    """What one request asks of speculative decoding (``app.engine.speculative``)."""
+
+    # OpenAI's Predicted Outputs: the predicted content's token ids, proposed where the
+    # output so far matches them (empty: no prediction).
+    prediction: tuple[int, ...] = ()
+    # Per-request switches for the model's drafters; None keeps the models.yaml setting.
+    prompt_lookup: bool | None = None
+    draft: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,10 @@ class TokenDelta:
     reasoning_tokens: int = 0
     # The stop string that ended the generation (finish_reason "stop"), if one did.
     stop_sequence: str | None = None
+    # Of the tokens the client's prediction proposed (``SpeculationRequest.prediction``),
+    # those the model kept and those it refused (OpenAI's Predicted Outputs usage).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     error: BaseException | None = None
 
 
@@ -215,6 +235,9 @@ class EngineStats:
     # Images the vision tower encoded, and its seconds in all.
     vision_encoded_images: int = 0
     vision_encode_s: float = 0.0
+    # Speculative decoding per drafter ("prediction", "prompt_lookup", "draft"): tokens
+    # proposed and accepted so far (``app.engine.speculative.DraftCounts``).
+    speculation: dict[str, DraftCounts] = field(default_factory=dict)
 
 
 class ModelHandle(Protocol):
