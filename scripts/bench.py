@@ -44,6 +44,9 @@ It measures, in this order (one server at a time, so they never compete):
  15. dashboard: the page's first paint on loopback (HTML, script and stylesheet fetched
      one after another, and Chromium's first contentful paint when a browser is found),
      and single-stream decode tokens/s with a /ui/events client attached against none.
+ 16. speculative: decode tokens/s with speculation over without, at 1 and 4 streams, for a
+     code edit (prompt lookup), the same edit with the answer as `prediction`, and free
+     chat; the acceptance rate per drafter and TTFT (scripts/bench_speculative.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -75,11 +78,13 @@ PROFILES = {
     "cpu": {"decode_tokens": 32, "concurrency": [1, 4, 8], "stream_tokens": 16, "system_tokens": 300,
             "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256,
             "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2,
-            "pacing_prompt_tokens": 600, "pacing_stream_tokens": 64},
+            "pacing_prompt_tokens": 600, "pacing_stream_tokens": 64,
+            "spec_file_tokens": 250, "spec_answer_tokens": 160, "spec_chat_tokens": 64},
     "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
              "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096,
              "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2,
-             "pacing_prompt_tokens": 8000, "pacing_stream_tokens": 256},
+             "pacing_prompt_tokens": 8000, "pacing_stream_tokens": 256,
+             "spec_file_tokens": 1500, "spec_answer_tokens": 1200, "spec_chat_tokens": 256},
 }
 
 
@@ -703,7 +708,7 @@ def bench_dashboard(serve, model: str, prof: dict) -> list[str]:
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative")
 
 
 def main() -> None:
@@ -921,6 +926,16 @@ def main() -> None:
 
     if "dashboard" in run:
         ratios += bench_dashboard(serve, name, prof)
+
+    if "speculative" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_speculative import bench_speculative
+
+        ours, base = serve(max_num_seqs=4)
+        try:
+            ratios += bench_speculative(base, name, prof)
+        finally:
+            stop(ours)
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.
