@@ -65,6 +65,26 @@ mlx-vlm
   finish_reason`` ("stop" at an EOS of the processor's stopping criteria,
   "length"); ``remove(uid)``; ``close()``. It admits waiting prompts only while
   ``completion_batch_size - decoding >= prefill_batch_size``.
+- for the prefix cache (``vlm_prefix_batch_generator``, ``_vlm_prefix_batch_class``):
+  ``BatchGenerator._build_mixed_prompt_batch(sequences)``, called by ``_next`` with the
+  prompts it is about to prefill (tuples ``uid, ids, max_tokens, prompt_kwargs,
+  logits_processors, thinking_budget_criteria``) and returning a prompt batch for all of
+  them, or None for its own cold prefill; ``BatchGenerator._extend_generation_batch(
+  gen_batch)``, each finished prefill's rows handed to the generation batch;
+  ``GenerationBatch.empty(model, sampler, stop_criteria, compute_logprobs=,
+  top_logprobs_k=, greedy_sampling=)``, its ``extend`` (into an empty one too), its
+  ``filter(keep)``, through which every leaving row goes (finished inside ``next()``,
+  or ``remove``d), and its ``uids`` and ``prompt_cache`` (one cache per layer, rows in
+  ``uids`` order); ``PromptProcessingBatch(model=, uids=, input_ids=, max_tokens=,
+  inputs_embeds=, prompt_kwargs=, logits_processors=, thinking_budget_criteria=,
+  prefill_step_size=, warm_cache=, right_pad_per_row=, suffix_lens=, greedy_sampling=)``,
+  mlx-vlm's warm prefill (the layers' caches given, right-padded rows rolled left after
+  the last chunk), whose ``_token_context`` is the context its rows' logits processors
+  see; ``models.cache.BatchKVCache.merge`` and ``extract``, ``models.cache.KVCache``
+  (``keys``, ``values``, ``offset``). The language model takes explicit M-RoPE
+  ``position_ids`` for the tokens it is given and, decoding, adds ``rope_deltas`` to each
+  row's cache offset: so a row prefilled from a cached prefix gets the positions a full
+  prefill gives.
 - ``model.get_input_embeddings(input_ids, pixel_values, mask=, **processor_extras)
   .to_dict()``: the prompt's embeddings with the image features merged in, and
   the model's position extras (Qwen2-VL's M-RoPE ``position_ids``, ``rope_deltas``);
@@ -125,6 +145,15 @@ list and the contract tests in step):
     mlx_vlm.generate.ar.BatchGenerator.next
     mlx_vlm.generate.ar.BatchGenerator.remove
     mlx_vlm.generate.ar.BatchGenerator.close
+    mlx_vlm.generate.ar.BatchGenerator._build_mixed_prompt_batch
+    mlx_vlm.generate.ar.BatchGenerator._extend_generation_batch
+    mlx_vlm.generate.ar.GenerationBatch.empty
+    mlx_vlm.generate.ar.GenerationBatch.extend
+    mlx_vlm.generate.ar.GenerationBatch.filter
+    mlx_vlm.generate.ar.PromptProcessingBatch
+    mlx_vlm.generate.ar.PromptProcessingBatch._token_context
+    mlx_vlm.models.cache.BatchKVCache
+    mlx_vlm.models.cache.KVCache
     mlx_vlm.utils.should_add_special_tokens
     mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS
     mlx_vlm.tokenizer_utils.make_streaming_detokenizer
@@ -173,13 +202,18 @@ __all__ = [
     "sharded_load",
     "sharding_support",
     "trim_prompt_cache",
+    "vlm_blank_features",
     "vlm_clean_output",
     "vlm_image_limit",
     "vlm_input_embeddings",
     "vlm_encode_images",
     "vlm_feature_rows",
     "vlm_language_model",
+    "vlm_lm_cache",
+    "vlm_prefix_batch_generator",
+    "vlm_prefix_cacheable",
     "vlm_prompt_inputs",
+    "vlm_rest_kwargs",
     "vlm_text_config",
     "vlm_text_tokens",
     "new_vlm_batch_generator",
@@ -349,7 +383,7 @@ def _vlm_prefix_batch_class() -> type:
     from mlx_vlm.models.cache import BatchKVCache as VlmBatchKVCache
     from mlx_vlm.models.cache import KVCache as VlmKVCache
 
-    class KeepingGenerationBatch(GenerationBatch):  # type: ignore[misc]
+    class KeepingGenerationBatch(GenerationBatch):
         keep: set[int]
         kept: dict[int, list[Any]]
 
@@ -363,7 +397,7 @@ def _vlm_prefix_batch_class() -> type:
                     self.kept[uid] = rows
             super().filter(keep)
 
-    class PrefixBatchGenerator(VlmBatchGenerator):  # type: ignore[misc]
+    class PrefixBatchGenerator(VlmBatchGenerator):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             # uid -> (the cached prefix's KV, the whole prompt's tokens) until its prefill starts.
@@ -512,6 +546,30 @@ def vlm_encode_images(model: Any, pixel_values: Any, grid_thw: Any) -> Any:
     ``grid_thw`` row each): their features, one row per image token, image after image."""
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
     return model.vision_tower(pixel_values.astype(dtype), grid_thw, output_hidden_states=False)
+
+
+def vlm_prefix_cacheable(model: Any) -> bool:
+    """Whether a row of this model can start from cached KV (``vlm_prefix_batch_generator``):
+    its embeddings come with explicit M-RoPE ``position_ids`` and ``rope_deltas``, and its
+    image features can be left out image by image (Qwen2-VL, Qwen2.5-VL)."""
+    return model.config.model_type in _FEATURE_CACHE_MODEL_TYPES
+
+
+def vlm_blank_features(model: Any, rows: int) -> Any:
+    """Zero features for an image whose KV comes from the prefix cache: its rows of the
+    embeddings are never prefilled, only their count and dtype matter."""
+    import mlx.core as mx
+
+    hidden = int(vlm_text_config(model)["hidden_size"])
+    return mx.zeros((rows, hidden), dtype=model.vision_tower.patch_embed.proj.weight.dtype)
+
+
+def vlm_rest_kwargs(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
+    """The ``prompt_kwargs`` of a prompt's tokens from ``start`` on, for a row whose first
+    ``start`` tokens' KV is cached: the whole prompt's embeddings and M-RoPE positions
+    sliced (each position what a full prefill gives it), its ``rope_deltas`` as they are."""
+    return {"inputs_embeds": kwargs["inputs_embeds"][:, start:], "position_ids": kwargs["position_ids"][..., start:],
+            "rope_deltas": kwargs["rope_deltas"]}
 
 
 def vlm_language_model(model: Any) -> Any:

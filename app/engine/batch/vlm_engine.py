@@ -75,9 +75,19 @@ from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.sampling import build_logits_processors, build_sampler, logprob_tap, sampling_processor
 from app.engine.batch.stops import StopMatcher
 from app.engine.batch.vision_features import FeatureCache, input_embeddings
-from app.engine.mlx_internals import new_vlm_batch_generator, new_vlm_detokenizer
+from app.engine.distributed.mirror import LOCAL_OPS
+from app.engine.kv.prefix_cache import UNBOUNDED, PrefixCache
+from app.engine.mlx_internals import (
+    new_vlm_batch_generator,
+    new_vlm_detokenizer,
+    trim_prompt_cache,
+    vlm_lm_cache,
+    vlm_prefix_batch_generator,
+    vlm_prefix_cacheable,
+    vlm_rest_kwargs,
+)
 from app.engine.params import EngineParams
-from app.engine.prompt import MultimodalPrompt
+from app.engine.prompt import MultimodalPrompt, cache_key_tokens
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ContextLengthError, EngineError, ImageError
@@ -93,6 +103,10 @@ class _Seq(Seq):
     # With logprobs: the distribution each generated token is drawn from, in order
     # (``logprob_tap``; mlx-vlm draws the next token before it returns this one).
     drawn_from: deque[mx.array] = field(default_factory=deque)
+    # The prompt as the prefix cache keys it (``cache_key_tokens``), and the tokens generated:
+    # together, what its KV holds when it leaves the batch.
+    key: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
 
 
 class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
@@ -109,12 +123,21 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         self.prompts = VlmPrompts(loaded, lambda fn: worker.submit(fn).result())
         # Admitted, waiting for the vision tower (one per loop turn).
         self._starting: deque[_Seq] = deque()
+        self.bytes_per_token = loaded.kv.bytes_per_token
+        # The prefix cache (``app.engine.kv.prefix_cache``, as ``TextEngine``'s), for the
+        # models whose rows can start from cached KV.
+        self.prefix = params.prompt_cache != "off" and vlm_prefix_cacheable(loaded.model)
+        self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
+                                        params.prompt_cache_bytes if self.prefix else 0)
+        self.cache_hits = 0
+        self.cache_tokens_saved = 0
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
             "vlm %s: KV %d bytes/token, budget %d tokens, at most %d image(s) per request, vision-feature "
-            "cache %.1f MB; EngineParams %s",
+            "cache %.1f MB, prefix cache %s; EngineParams %s",
             loaded.name, loaded.kv.bytes_per_token, self.admission.budget_tokens, loaded.max_images,
-            feature_cache_bytes / 2**20, params.to_log_string(),
+            feature_cache_bytes / 2**20, f"{params.prompt_cache_bytes // 2**20} MB" if self.prefix else "off",
+            params.to_log_string(),
         )
 
     # ---- called from the event loop -------------------------------------------------
@@ -125,6 +148,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         self._bg = None
         if self.features is not None:
             self.features.clear()
+        self.prompt_cache.trim_to(n_bytes=0)
 
     def stats(self) -> EngineStats:
         f = self.features
@@ -133,6 +157,10 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             vision_feature_cache=f.stats() if f is not None else None,
             vision_encoded_images=f.encoded if f is not None else 0,
             vision_encode_s=f.encode_s if f is not None else 0.0,
+            prompt_cache_bytes=self.prompt_cache.nbytes,
+            prompt_cache_hits=self.cache_hits,
+            prompt_cache_tokens_saved=self.cache_tokens_saved,
+            prompt_cache_tiers=self.prompt_cache.stats() if self.prefix else {},
         )
 
     async def _open(self, req: GenerationRequest) -> _Seq:
@@ -157,21 +185,111 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
     def _step(self) -> bool:
         if self._bg is None:
             self._bg = self._new_batch()
-        return super()._step()
+        busy = super()._step()
+        self._settle()
+        return busy
 
     def _schedule(self) -> None:
-        self._starting.extend(self._admit())
+        self._starting.extend(self._admit(self._cache_tokens(), self._evict))
         self._start_one()
 
     def _new_batch(self) -> Any:
         p = self.params
-        return new_vlm_batch_generator(
+        new = vlm_prefix_batch_generator if self.prefix else new_vlm_batch_generator
+        return new(
             self.loaded.model, self.loaded.processor, max_num_seqs=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
 
     def _drop_row(self, uid: int) -> None:
         self._bg.remove(uid)
+
+    # ---- the prefix cache: KV accounting as TextEngine's -------------------------------
+
+    def _cache_tokens(self) -> int:
+        """The memory tier in tokens, rounded up: the figure must never be below what is held."""
+        return -(-self.prompt_cache.nbytes // self.bytes_per_token)
+
+    def _evict(self, tokens: int) -> int:
+        """Evict at least ``tokens`` of the memory tier; what it holds then."""
+        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * self.bytes_per_token))
+        return self._cache_tokens()
+
+    def _settle(self) -> None:
+        """After a step: the memory tier within what the reservations leave of the budget."""
+        room = (self.admission.budget_tokens - self.admission.reserved) * self.bytes_per_token
+        if self.prompt_cache.nbytes > room:
+            self.prompt_cache.trim_to(n_bytes=max(0, room))
+
+    def cache_key(self, namespace: str = "") -> str:
+        """The prefix cache's partition: per model and its image settings (what shaped each
+        image's tokens), and per namespace (a cache_salt, an API key), as ``TextEngine``'s."""
+        return f"{self.loaded.name}\x00{self.loaded.max_pixels}/{self.loaded.min_pixels}\x00{namespace}"
+
+    def _cached_prefix(self, seq: _Seq) -> tuple[list[Any] | None, int]:
+        """The KV of ``seq``'s longest cached prefix (a copy it owns) and its length in tokens,
+        cut back to the start of an image its end falls in, and short of the last token
+        (which must run for the first new token's logits); (None, 0) on a miss."""
+        prompt = seq.req.prompt
+        seq.key = cache_key_tokens(prompt)
+        cache, rest, _ = self.prompt_cache.fetch(self.cache_key(seq.req.cache_namespace), seq.key)
+        if cache is None:
+            return None, 0
+        done = len(seq.key) - len(rest)
+        for image in prompt.images:  # an image's rows are all cached or none
+            if image.start < done < image.start + image.length:
+                done = image.start
+        done = min(done, len(seq.key) - 1)
+        if done <= 0:
+            return None, 0
+        trim_prompt_cache(cache, cache[0].offset - done)
+        self.cache_hits += 1
+        self.cache_tokens_saved += done
+        return cache, done
+
+    def _keep_conversation(self, seq: _Seq, rows: list[Any] | None) -> None:
+        """A row's KV as it left the batch into the prefix cache, keyed by its prompt's key
+        tokens and the tokens it generated (``prompt_cache: prefix``)."""
+        if rows is None:
+            return
+        cache = vlm_lm_cache(rows)
+        tokens = (seq.key + seq.out)[: cache[0].offset]
+        if len(tokens) < cache[0].offset:
+            trim_prompt_cache(cache, cache[0].offset - len(tokens))
+        if len(tokens) >= self.params.cache_min_tokens:
+            self.prompt_cache.insert_cache(self.cache_key(seq.req.cache_namespace), tokens, cache,
+                                           cache_type="assistant")
+
+    def _release(self, seq: _Seq) -> None:
+        if seq.uid is not None and self._keeps() and self._bg is not None:
+            self._bg.take_cache(seq.uid)  # kept and not taken (a failure, a stop on the last token): dropped
+        super()._release(seq)
+
+    def _keeps(self) -> bool:
+        return self.prefix and self.params.prompt_cache == "prefix"
+
+    def _on_token(self, seq: _Seq, r: Any) -> None:
+        if self._keeps():
+            seq.out.append(r.token)
+        super()._on_token(seq, r)
+
+    def _on_finished(self, seq: _Seq, r: Any) -> None:
+        if self._keeps():
+            self._keep_conversation(seq, self._bg.take_cache(r.uid))
+
+    def _stop_early(self, seq: _Seq) -> None:
+        assert seq.uid is not None
+        self._bg.remove(seq.uid)
+        if self._keeps():
+            self._keep_conversation(seq, self._bg.take_cache(seq.uid))
+
+    def _cancel_row(self, seq: _Seq) -> None:
+        """A cancelled row's KV goes to the prefix cache too, when it got past its prompt
+        (a row removed in prefill gives none back)."""
+        assert seq.uid is not None
+        self._bg.remove(seq.uid)
+        if self._keeps():
+            self._keep_conversation(seq, self._bg.take_cache(seq.uid))
 
     def _start_one(self) -> None:
         """The vision tower for one admitted request, then into the batch."""
@@ -184,8 +302,12 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
 
             ids = list(req.prompt.tokens)
             images = req.prompt.images if isinstance(req.prompt, MultimodalPrompt) else ()
+            cache, done = self._cached_prefix(seq) if self.prefix else (None, 0)
             kwargs = input_embeddings(self.loaded.model, prompt_inputs(req.prompt), images, self.features,
-                                      req.cache_namespace, self.loaded.max_pixels, self.loaded.min_pixels)
+                                      req.cache_namespace, self.loaded.max_pixels, self.loaded.min_pixels,
+                                      cached_tokens=done)
+            if done:
+                kwargs = vlm_rest_kwargs(kwargs, done)
             processors = build_logits_processors(req.sampling) + self._budget(seq, len(ids))
             if req.constraint is not None:  # masks before the sampling processor draws
                 seq.constraint = req.constraint.processor(len(ids))
@@ -194,8 +316,15 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
                 processors.append(logprob_tap(seq.drawn_from))
             if req.sampling.temperature > 0:
                 processors.append(sampling_processor(build_sampler(req.sampling)))
-            (uid,) = self._bg.insert([ids], max_tokens=[req.max_tokens], prompt_kwargs=[kwargs],
-                                     logits_processors=[processors])
+            if self.prefix:
+                uid = self._bg.insert_row(ids[done:], max_tokens=req.max_tokens, prompt_kwargs=kwargs,
+                                          logits_processors=processors, cache=cache, prompt=ids)
+                if self._keeps():
+                    self._bg.keep_cache(uid)
+            else:
+                (uid,) = self._bg.insert([ids], max_tokens=[req.max_tokens], prompt_kwargs=[kwargs],
+                                         logits_processors=[processors])
+            seq.cached_tokens = done
         except Exception as exc:  # noqa: BLE001 - one bad request fails alone
             log.exception("could not start request %s", req.request_id)
             self._release(seq)
