@@ -60,8 +60,9 @@ def tower_calls(loaded, monkeypatch) -> list[int]:
 
 
 def make_engine(worker, loaded, **params: Any) -> VlmEngine:
+    # No disk tier unless asked for: each test starts from an empty cache.
     settings: dict[str, Any] = {"mem": 16, "max_num_seqs": 2, "prefill_chunk_size": 32, "cache_min_tokens": 8,
-                                **params}
+                                "prompt_cache_disk_mb": 0, **params}
     return VlmEngine(worker, loaded, engine_params(ChatParams(**settings)))
 
 
@@ -208,3 +209,22 @@ def test_a_flood_of_distinct_images_stays_within_the_budget(worker, loaded):
     assert 64 * per_conversation > 2 * cap, f"the flood is more than the cap holds ({per_conversation} B each)"
     memory = engine.stats().prompt_cache_tiers["memory"]
     assert memory.evictions > 0 and memory.entries < 64 and memory.bytes <= cap
+
+
+def test_the_disk_tier_keeps_a_conversation_for_another_engine(worker, loaded, engines, tmp_path, tower_calls):
+    """A conversation written to disk by one engine (an earlier load) is turn two's prefix
+    in another whose memory tier is empty: images included, the same answer."""
+    _, uncached = engines
+    first = make_engine(worker, loaded, prompt_cache_disk_mb=64, prompt_cache_disk_dir=str(tmp_path))
+    turn1 = [user("What is this?", 1)]
+    answer, _ = generate(first, request(first, turn1, [image(7)]))
+    assert first.finish_writes(30)
+    assert first.stats().prompt_cache_tiers["disk"].writes == 1
+    later = make_engine(worker, loaded, prompt_cache_disk_mb=64, prompt_cache_disk_dir=str(tmp_path))
+    turn2 = [*turn1, {"role": "assistant", "content": answer}, user("And the colours?")]
+    req = request(later, turn2, [image(7)])
+    text, last = generate(later, req)
+    assert later.stats().prompt_cache_tiers["disk"].hits == 1 and len(tower_calls) == 1
+    image_run = req.prompt.images[0]
+    assert last.cached_tokens > image_run.start + image_run.length
+    assert text == generate(uncached, request(uncached, turn2, [image(7)]))[0]

@@ -67,6 +67,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -76,16 +77,20 @@ from app.engine.batch.sampling import build_logits_processors, build_sampler, lo
 from app.engine.batch.stops import StopMatcher
 from app.engine.batch.vision_features import FeatureCache, input_embeddings
 from app.engine.distributed.mirror import LOCAL_OPS
-from app.engine.kv.prefix_cache import UNBOUNDED, PrefixCache
+from app.engine.kv.disk_cache import DiskTier, disk_root, open_disk_tier
+from app.engine.kv.kv_snapshot import kv_identity, probe_layout
+from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
 from app.engine.mlx_internals import (
     new_vlm_batch_generator,
     new_vlm_detokenizer,
     trim_prompt_cache,
+    vlm_language_model,
     vlm_lm_cache,
     vlm_prefix_batch_generator,
     vlm_prefix_cacheable,
     vlm_rest_kwargs,
 )
+from app.engine.models.loader import KV_GROUP_SIZE
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, cache_key_tokens
 from app.engine.types import EngineStats, GenerationRequest
@@ -127,8 +132,9 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         # The prefix cache (``app.engine.kv.prefix_cache``, as ``TextEngine``'s), for the
         # models whose rows can start from cached KV.
         self.prefix = params.prompt_cache != "off" and vlm_prefix_cacheable(loaded.model)
+        disk = self._open_disk_tier() if self.prefix and params.prompt_cache_disk_bytes else None
         self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
-                                        params.prompt_cache_bytes if self.prefix else 0)
+                                        params.prompt_cache_bytes if self.prefix else 0, disk)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         worker.add_stepper(self._step, self._on_worker_death)
@@ -140,6 +146,20 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
             params.to_log_string(),
         )
 
+    def _open_disk_tier(self) -> DiskTier | None:
+        """The prefix cache's disk tier, as ``TextEngine``'s: the language model's KV layers,
+        under an identity of the weights and of what shaped each image's tokens."""
+        loaded, p = self.loaded, self.params
+        layout = probe_layout(vlm_language_model(loaded.model), None, KV_GROUP_SIZE)
+        if layout is None:
+            log.info("vlm %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
+            return None
+        identity = kv_identity(loaded.model, loaded.path, {
+            "kind": "vlm", "max_pixels": loaded.max_pixels, "min_pixels": loaded.min_pixels,
+            "mlx_vlm": version("mlx-vlm")})
+        return open_disk_tier(disk_root(p.prompt_cache_disk_dir), loaded.name, identity, p.prompt_cache_disk_bytes,
+                              p.prompt_cache_disk_queue_mb * 2**20, layout)
+
     # ---- called from the event loop -------------------------------------------------
 
     def close(self) -> None:
@@ -148,7 +168,15 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         self._bg = None
         if self.features is not None:
             self.features.clear()
+        if not self.prompt_cache.close(DISK_WRITES_WAIT_S):
+            log.warning("vlm %s: prompt cache writes still queued after %gs were dropped", self.name,
+                        DISK_WRITES_WAIT_S)
+        self.prompt_cache.collect()
         self.prompt_cache.trim_to(n_bytes=0)
+
+    def finish_writes(self, timeout: float) -> bool:
+        """Finish the prefix cache's queued disk writes (graceful shutdown); whether in time."""
+        return self.prompt_cache.close(timeout)
 
     def stats(self) -> EngineStats:
         f = self.features
@@ -185,6 +213,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
     def _step(self) -> bool:
         if self._bg is None:
             self._bg = self._new_batch()
+        self.prompt_cache.collect()
         busy = super()._step()
         self._settle()
         return busy
