@@ -10,50 +10,58 @@ A request's way through, on the MLX thread:
 
     stream(req)      the prompt's exact tokens are known (``VlmPrompts.build`` ran the
                      processor at prepare time): admission reserves the real KV
-    admit            against the KV budget, interactive before background
-    encode           each image's features from the vision-feature cache, the others
-                     through the vision tower (one request per loop turn, so running
-                     streams keep moving), merged into the prompt's embeddings
-    BatchGenerator   prefill and decode, batched with every other running request
+    admit            against the KV budget (the prefix cache's memory tier counted),
+                     interactive before background
+    prefix           the KV of the prompt's longest cached prefix, images included
+    encode           each image after that prefix: its features from the vision-feature
+                     cache, or through the vision tower (one request per loop turn, so
+                     running streams keep moving), merged into the rest's embeddings
+    BatchGenerator   prefill of the rest and decode, batched with every other running
+                     request; the finished row's KV back to the prefix cache
 
 What is batched: prefill (``prefill_batch_size`` prompts at a time, in chunks of
 ``prefill_chunk_size``) and decode of every running request, images or not.
 What is serialized: the vision tower, one request's images at a time between
 batch steps; its memory is what the load-time worst-case profile measured.
 
-Caches (issue 22). What the installed mlx-vlm (0.7.x) allows decides the design:
+Caches (issue 22):
 
-- The vision-feature cache (``app.engine.batch.vision_features``) is ours and complete:
-  ``get_input_embeddings`` merges image features at the placeholder tokens
-  (``merge_input_ids_with_image_features``: the tower's rows, one per image token,
-  image after image) and, for Qwen2-VL and Qwen2.5-VL, takes them ready-made as
-  ``cached_image_features``. So each image's rows are kept under its pixel digest,
-  processor settings and cache scope, and only images not held go through the tower.
-  The prompt's embeddings are still built whole for each request (a token lookup,
-  cheap); only the tower's work is saved.
-- A prefix cache (KV reuse, as ``TextEngine._insert`` does with mlx-lm's
-  ``insert_segments(caches=, all_tokens=)``) is NOT here, because mlx-vlm's
-  ``BatchGenerator`` gives no way in or out for a row's KV:
-  ``insert(prompts, max_tokens, prompt_kwargs, logits_processors,
-  thinking_budget_criteria, attention_mask)`` takes no cache (the constructor's
-  ``prompt_cache=`` is accepted and never read); the only warm start
-  is ``_build_mixed_prompt_batch``, reached only with mlx-vlm's own APC
-  (``apc_manager=APCManager(...)``: its block pool, hash chain and SSD tier, set up
-  from environment variables), whose rows' KV comes from that manager and goes back
-  into it after prefill (``apc_meta``); generation responses carry ``uid, token,
-  token_logprob, finish_reason, top_logprobs`` and no cache, ``remove(uid)`` returns
-  a bool, and a finished row is filtered out of ``GenerationBatch`` inside ``next()``.
-  Feeding ``app.engine.kv.PrefixCache`` would mean replacing ``_next`` and the prompt
-  and generation batches' internals: a fork. The two ways on: upstream a
-  ``caches=`` argument to ``insert`` and a ``return_prompt_caches`` on ``remove`` and
-  finished responses (then the key is the prompt's tokens with each placeholder run
-  standing for its ``PromptImage.digest``, scoped as the text engine's); or adopt
-  mlx-vlm's APC with ``_apc_semantic_hash`` set per prompt from the scope and the
-  image digests, its pool taken out of ``mem`` and counted by admission (it salts a
-  whole prompt with one image hash, so a turn that adds an image misses the lot,
-  and it keeps its own disk tier beside ours). So ``cached_tokens`` stays 0 here.
+- The vision-feature cache (``app.engine.batch.vision_features``): the vision tower's
+  output per image, under its pixel digest, processor settings and cache scope;
+  ``get_input_embeddings`` takes those rows as ``cached_image_features`` (Qwen2-VL,
+  Qwen2.5-VL), so only images not held go through the tower, whatever text surrounds them.
+- The prefix cache: ``TextEngine``'s (``app.engine.kv.prefix_cache``: the memory tier
+  inside ``mem``, counted by admission and trimmed to what the reservations leave, and
+  the disk tier), keyed by ``cache_key_tokens``: the prompt's tokens with each image's
+  placeholder run replaced by ids drawn from its pixel digest, so a cached prefix runs
+  across an image only when the pixels are the same (never by URL); partitioned per
+  model, its max/min pixels and the request's cache namespace (API key, cache_salt).
+  A request takes its longest cached prefix (cut back to an image's start when it ends
+  inside one, and short of the last token), and only the rest is embedded into the
+  batch: images wholly inside the prefix skip the vision tower and the feature cache
+  (blank rows stand for them), and ``cached_tokens`` counts their tokens. In
+  ``prompt_cache: prefix`` mode a row's KV goes back to the cache when it finishes, stops
+  at a stop string or is cancelled after its prefill, keyed by its prompt's key tokens
+  and what it generated: the next turn of the conversation starts there.
 
-Not here either (``TextEngine`` has it): pausing background work.
+  mlx-vlm 0.7.x's ``BatchGenerator`` has no way in or out for a row's KV, so the fence
+  (``mlx_internals.vlm_prefix_batch_generator``) subclasses it. In: a row inserted with
+  a cache is prefilled through ``_build_mixed_prompt_batch``, mlx-vlm's warm-prefill hook
+  (the one its own APC uses): the rows' caches merged into one left-padded
+  ``BatchKVCache``, the rest of each prompt right-padded and rolled left after the last
+  chunk. Positions stay exact: Qwen2-VL's M-RoPE positions of the whole prompt are
+  computed as for a full prefill (``get_rope_index`` depends only on the tokens and the
+  images' grids before each position), and the row gets the slice for its remaining
+  tokens plus the whole prompt's ``rope_deltas``, which decode adds to the row's cache
+  offset: every token sits where a full prefill puts it, and at temperature 0 the
+  answer is the same. Out: the generator's one generation batch copies out the KV of
+  each row marked ``keep_cache`` as it leaves (``filter``), for ``take_cache``.
+  Models without explicit M-RoPE positions and per-image features (the other mlx-vlm
+  families) have no prefix cache: ``cached_tokens`` stays 0 there.
+
+Not here (``TextEngine`` has them): pausing background work and pausing for memory
+(a row keeps its whole reservation), the ``system`` / ``first_message`` modes'
+mid-prompt prefix (only whole conversations are stored), ``share_prefix``.
 
 Per-request sampling rides on mlx-vlm's per-row logits processors
 (``sampling_processor``), since its sampler is one for the whole batch. That
