@@ -200,6 +200,11 @@ def test_turn_two_reuses_the_pictures_kv_and_counts_it(remote):
     assert cold.usage.prompt_tokens_details.cached_tokens == 0, "another cache_salt shares nothing"
     image_tokens = second.usage.prompt_tokens - chat(remote, turn2[1:]).usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens > image_tokens > 0
+    from tests.api.test_metrics import scrape
+
+    metrics = scrape(remote)
+    assert metrics['tandem_prompt_cache_tier_hits_total{model="qwen",tier="memory"}'] >= 1
+    assert metrics['tandem_prompt_cache_tier_bytes{model="qwen",tier="memory"}'] > 0
 
 
 def test_two_pictures_behind_one_url_are_never_confused(remote, picture_url):
