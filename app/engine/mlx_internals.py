@@ -366,7 +366,9 @@ def _vlm_prefix_batch_class() -> type:
     gets its KV merged into one ``BatchKVCache`` (left-padded to the longest cached
     prefix), its remaining prompt right-padded to the longest, ``prepare(right_padding=)``
     and, after the last chunk, ``finalize()`` roll each row's padding left: mlx-vlm's
-    warm-prefill path, given our caches instead of its block pool. Each row's
+    warm-prefill path, given our caches instead of its block pool. A row prefilled alone
+    keeps a plain ``KVCache``, as mlx-vlm's own one-row prefill does (its decode then
+    needs no padding mask). Each row's
     ``prompt_kwargs`` hold the embeddings and M-RoPE ``position_ids`` of exactly its
     remaining tokens (sliced from the whole prompt's, so every position is what a full
     prefill gives it) and the whole prompt's ``rope_deltas``, which decode adds to
@@ -453,20 +455,35 @@ def _vlm_prefix_batch_class() -> type:
                 deltas.append(kw["rope_deltas"].reshape(1, 1))
             layers = len(self.model.layers)
             rows = [w[0] if w is not None else [VlmKVCache() for _ in range(layers)] for w in warm]
+            if len(rows) == 1:  # alone: a plain cache, as mlx-vlm's own one-row prefill has
+                return self._warm_batch(sequences, rest, [_vlm_kv(c) for c in rows[0]], mx.concatenate(embeds),
+                                        positions, deltas, warm, None)
             merged = [VlmBatchKVCache.merge([row[i] for row in rows]) for i in range(layers)]
+            return self._warm_batch(sequences, rest, merged, mx.concatenate(embeds, axis=0), positions, deltas, warm,
+                                    [width - len(r) for r in rest])
+
+        def _warm_batch(self, sequences: list[tuple[Any, ...]], rest: list[list[int]], cache: list[Any],
+                        embeds: Any, positions: list[Any], deltas: list[Any],
+                        warm: list[tuple[list[Any], list[int]] | None], right_pad: list[int] | None) -> Any:
             batch = PromptProcessingBatch(
                 model=self.model, uids=[s[0] for s in sequences], input_ids=rest,
-                max_tokens=[s[2] for s in sequences], inputs_embeds=mx.concatenate(embeds, axis=0),
+                max_tokens=[s[2] for s in sequences], inputs_embeds=embeds,
                 prompt_kwargs={"position_ids": mx.concatenate(positions, axis=1),
                                "rope_deltas": mx.concatenate(deltas, axis=0)},
                 logits_processors=[s[4] for s in sequences], thinking_budget_criteria=[s[5] for s in sequences],
-                prefill_step_size=self.prefill_step_size, warm_cache=merged,
-                right_pad_per_row=[width - len(r) for r in rest], suffix_lens=[len(r) for r in rest],
+                prefill_step_size=self.prefill_step_size, warm_cache=cache, right_pad_per_row=right_pad,
+                suffix_lens=[len(r) for r in rest] if right_pad is not None else None,
                 greedy_sampling=self.greedy_sampling,
             )
             if batch._token_context:  # the processors see the whole prompt, as after a full prefill
                 batch._token_context = [list(w[1]) if w is not None else r for w, r in zip(warm, rest, strict=True)]
             return batch
+
+    def _vlm_kv(c: Any) -> Any:
+        """A cached layer (mlx-lm ``KVCache``) as mlx-vlm's own single-row ``KVCache``."""
+        out = VlmKVCache()
+        out.keys, out.values, out.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
+        return out
 
     return PrefixBatchGenerator
 
