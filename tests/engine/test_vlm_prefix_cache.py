@@ -11,6 +11,7 @@ real tower (it still runs).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from io import BytesIO
 from typing import Any
 
@@ -20,7 +21,7 @@ from PIL import Image
 from app.config.schema import ChatParams
 from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.prompt import cache_key_tokens
-from app.engine.types import GenerationRequest, TokenDelta
+from app.engine.types import GREEDY, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from tests.engine.engines import run
@@ -228,3 +229,33 @@ def test_the_disk_tier_keeps_a_conversation_for_another_engine(worker, loaded, e
     image_run = req.prompt.images[0]
     assert last.cached_tokens > image_run.start + image_run.length
     assert text == generate(uncached, request(uncached, turn2, [image(7)]))[0]
+
+
+def test_sampling_seeds_penalties_logprobs_and_stops_hold_from_cached_kv(engines):
+    """Turn two from the cache is turn two prefilled whole, for a seeded sampled request with
+    a repetition penalty (its processors see the whole prompt) and logprobs, and a stop
+    string cuts it the same way."""
+    cached, uncached = engines
+    sampling = replace(GREEDY, temperature=0.9, seed=11, repetition_penalty=1.3)
+
+    def turn_two(engine: VlmEngine, **kw: Any) -> tuple[str, TokenDelta, list]:
+        turn1 = [user("What is this?", 1)]
+        answer, _ = generate(engine, request(engine, turn1, [image(8)]))
+        turn2 = [*turn1, {"role": "assistant", "content": answer}, user("And the colours?")]
+        req = request(engine, turn2, [image(8)], max_tokens=12, sampling=sampling, logprobs=2, **kw)
+
+        async def collect():
+            return [d async for d in engine.stream(req)]
+
+        got = asyncio.run(collect())
+        return "".join(d.text for d in got), got[-1], [lp for d in got for lp in d.logprobs]
+
+    text, last, logprobs = turn_two(cached)
+    text_u, last_u, logprobs_u = turn_two(uncached)
+    assert last.cached_tokens > 0 and last_u.cached_tokens == 0
+    assert text == text_u and [lp.token for lp in logprobs] == [lp.token for lp in logprobs_u]
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in logprobs_u], abs=1e-4)
+    stop = text[len(text) // 2:][:2]
+    assert stop.strip(), "the seeded answer has text to stop at"
+    cut, cut_last, _ = turn_two(cached, stop=[stop])
+    assert cut == text[:text.index(stop)] and cut_last.finish_reason == "stop"
