@@ -70,7 +70,10 @@ mlx-vlm
   prompts it is about to prefill (tuples ``uid, ids, max_tokens, prompt_kwargs,
   logits_processors, thinking_budget_criteria``) and returning a prompt batch for all of
   them, or None for its own cold prefill; ``BatchGenerator._extend_generation_batch(
-  gen_batch)``, each finished prefill's rows handed to the generation batch;
+  gen_batch)``, each finished prefill's rows handed to the generation batch, which is
+  the generator's ``_generation_batch`` (replaced once, at construction, by an empty one of
+  ours made from its ``model``, ``sampler``, ``tokenizer.stopping_criteria``,
+  ``compute_logprobs``, ``top_logprobs_k`` and ``greedy_sampling``);
   ``GenerationBatch.empty(model, sampler, stop_criteria, compute_logprobs=,
   top_logprobs_k=, greedy_sampling=)``, its ``extend`` (into an empty one too), its
   ``filter(keep)``, through which every leaving row goes (finished inside ``next()``,
