@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
+from app.engine.batch.vision_features import FeatureCache
 from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.types import GenerationRequest
-from app.engine.batch.vision_features import FeatureCache
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy, decode_image
