@@ -3,8 +3,8 @@ processor, vision tower and BatchGenerator: a turn that repeats the conversation
 starts from its KV, images included, and gives what a full prefill gives (temperature 0).
 
 Each pair of engines shares one loaded model: one with the prefix cache, one without
-(``prompt_cache: off``), both without the vision-feature cache, so a skipped vision
-tower is the prefix cache's doing. The tower's runs are counted with a spy around the
+(``prompt_cache: off``), both without the vision-feature cache (but in the last test),
+so a skipped vision tower is the prefix cache's doing. The tower's runs are counted with a spy around the
 real tower (it still runs).
 """
 
@@ -60,11 +60,11 @@ def tower_calls(loaded, monkeypatch) -> list[int]:
     return calls
 
 
-def make_engine(worker, loaded, **params: Any) -> VlmEngine:
+def make_engine(worker, loaded, feature_cache_bytes: int = 0, **params: Any) -> VlmEngine:
     # No disk tier unless asked for: each test starts from an empty cache.
     settings: dict[str, Any] = {"mem": 16, "max_num_seqs": 2, "prefill_chunk_size": 32, "cache_min_tokens": 8,
                                 "prompt_cache_disk_mb": 0, **params}
-    return VlmEngine(worker, loaded, engine_params(ChatParams(**settings)))
+    return VlmEngine(worker, loaded, engine_params(ChatParams(**settings)), feature_cache_bytes=feature_cache_bytes)
 
 
 @pytest.fixture()
@@ -259,3 +259,21 @@ def test_sampling_seeds_penalties_logprobs_and_stops_hold_from_cached_kv(engines
     assert stop.strip(), "the seeded answer has text to stop at"
     cut, cut_last, _ = turn_two(cached, stop=[stop])
     assert cut == text[:text.index(stop)] and cut_last.finish_reason == "stop"
+
+
+def test_both_caches_together(worker, loaded, engines, tower_calls):
+    """The prefix cache covers a repeated conversation; the feature cache an image the
+    prefix does not reach (another system prompt before it): neither runs the tower again,
+    and the answers are a cold engine's."""
+    _, uncached = engines
+    both = make_engine(worker, loaded, feature_cache_bytes=8 * 2**20)
+    text, last, _ = two_turns(both, [image(9)])
+    assert len(tower_calls) == 1 and last.cached_tokens > 0
+    other = [{"role": "system", "content": "You describe pictures."}, user("What is this?", 1)]
+    answer, fresh = generate(both, request(both, other, [image(9)]))
+    assert len(tower_calls) == 1, "the feature cache had the image"
+    features = both.stats().vision_feature_cache
+    assert features is not None and (features.hits, features.misses) == (1, 1)
+    assert fresh.cached_tokens < request(both, other, [image(9)]).prompt.images[0].start
+    assert two_turns(uncached, [image(9)])[0] == text
+    assert generate(uncached, request(uncached, other, [image(9)]))[0] == answer
