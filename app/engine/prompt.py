@@ -13,8 +13,8 @@ llama.cpp's ``server_tokens`` keeps text tokens and media chunks in one type).
 
 A ``MultimodalPrompt`` carries, for each image, its span in the tokens, the
 decoded image the processor took, and a content hash of its pixels (sha256
-of the array's bytes and shape), so a later prefix cache can key a prompt by
-its tokens with each image run standing for its hash. The processor's model
+of the array's bytes and shape), so the prefix cache keys a prompt by its tokens
+with each image run standing for its hash (``cache_key_tokens``). The processor's model
 inputs (``pixel_values``, ``image_grid_thw``, ...) are kept as it made them,
 for the engine's vision tower: they are MLX arrays, made and used on the
 MLX-owner thread only.
@@ -151,6 +151,22 @@ def pixel_digest(image: Image) -> str:
     h = hashlib.sha256(repr((array.shape, str(array.dtype))).encode())
     h.update(array.tobytes())
     return h.hexdigest()
+
+
+def cache_key_tokens(prompt: Prompt) -> list[int]:
+    """The prompt's tokens as a prefix cache keys them: each image's run of placeholder
+    tokens replaced by ids drawn from its pixel digest, so two prompts share a cached
+    prefix across an image only when the pixels are the same, whatever the URL or the
+    encoding. The ids are negative (real token ids never are) and fit in int32, as the
+    disk tier stores tokens; each position of a run has its own 31 bits, so a run of
+    n tokens matches another image's by chance with odds 2**-31n."""
+    tokens = list(prompt.tokens)
+    for image in prompt.images:
+        seed = bytes.fromhex(image.digest)
+        for i in range(image.length):
+            h = hashlib.blake2b(seed + i.to_bytes(4, "little"), digest_size=4).digest()
+            tokens[image.start + i] = -1 - (int.from_bytes(h, "little") & 0x7FFFFFFF)
+    return tokens
 
 
 def placeholder_runs(tokens: Sequence[int], token_id: int) -> list[tuple[int, int]]:

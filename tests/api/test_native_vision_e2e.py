@@ -7,6 +7,8 @@ text model may caption with the same loaded copy.
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -135,3 +137,88 @@ def test_a_repeated_image_skips_the_tower_and_shows_in_metrics_and_health(native
     # The default (proxy) model's caption cache in /health, with its new counters.
     cache = health["vision"]["caption_cache"]
     assert {"hits", "misses", "evictions", "bytes", "entries"} <= set(cache)
+
+
+class _OnePicture(BaseHTTPRequestHandler):
+    """One URL whose picture the test swaps: what a reused upload path or a CDN key does."""
+
+    body = b""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def picture_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OnePicture)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/photo.png"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory, vlm_dir):
+    models = [{"name": "qwen", "local_path": str(vlm_dir),
+               "params": {"mem": 16, "max_tokens": 6, "temperature": 0.0, "max_pixels": 56 * 56,
+                          "cache_min_tokens": 8, "prompt_cache_disk_mb": 0},
+               "capabilities": {"vision_mode": "native"}}]
+    server = {"shutdown_grace_s": 1, "allow_remote_images": True, "allow_private_remote_images": True,
+              "remote_image_hosts": ["127.0.0.1"]}
+    with serving(tmp_path_factory.mktemp("remote-server"), yaml.safe_dump({"server": server, "models": models})) as srv:
+        yield srv
+
+
+def chat(srv, messages, **kw):
+    with OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return client.chat.completions.create(model="qwen", messages=messages, max_tokens=6, temperature=0, **kw)
+
+
+def picture_first(url: str, text: str = "What is in the picture?") -> dict:
+    return {"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+
+
+def test_turn_two_reuses_the_pictures_kv_and_counts_it(remote):
+    """The prefix cache of a native VLM through the API: turn two repeats turn one, its
+    picture's tokens come from the cache and are counted in cached_tokens."""
+    url = data_url(striped_bytes(21))
+    first = chat(remote, [picture_first(url)])
+    turn2 = [picture_first(url), {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And the colours?"}]
+    second = chat(remote, turn2)
+    cold = chat(remote, turn2, extra_body={"cache_salt": "another client"})
+    assert second.choices[0].message.content == cold.choices[0].message.content
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0, "another cache_salt shares nothing"
+    image_tokens = second.usage.prompt_tokens - chat(remote, turn2[1:]).usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens > image_tokens > 0
+    from tests.api.test_metrics import scrape
+
+    metrics = scrape(remote)
+    assert metrics['tandem_prompt_cache_tier_hits_total{model="qwen",tier="memory"}'] >= 1
+    assert metrics['tandem_prompt_cache_tier_bytes{model="qwen",tier="memory"}'] > 0
+
+
+def test_two_pictures_behind_one_url_are_never_confused(remote, picture_url):
+    """The key is the pixels: the same URL now serving another picture gets no cached KV of
+    the first one (only the text before it), and the answer a fresh request gives."""
+    _OnePicture.body = striped_bytes(22)
+    a = chat(remote, [picture_first(picture_url)])
+    a_again = chat(remote, [picture_first(picture_url)])
+    assert a_again.usage.prompt_tokens_details.cached_tokens == a_again.usage.prompt_tokens - 1
+    _OnePicture.body = striped_bytes(23)
+    b = chat(remote, [picture_first(picture_url)])
+    text_before = chat(remote, [{"role": "user", "content": ""}]).usage.prompt_tokens
+    assert b.usage.prompt_tokens_details.cached_tokens < text_before
+    fresh_b = chat(remote, [picture_first(data_url(striped_bytes(23)))], extra_body={"cache_salt": "b"})
+    fresh_a = chat(remote, [picture_first(data_url(striped_bytes(22)))], extra_body={"cache_salt": "a"})
+    assert b.choices[0].message.content == fresh_b.choices[0].message.content
+    assert a.choices[0].message.content == fresh_a.choices[0].message.content

@@ -63,6 +63,17 @@ CONTRACTS: dict[str, Contract] = {
     "mlx_vlm.generate.ar.BatchGenerator.next": _c(),
     "mlx_vlm.generate.ar.BatchGenerator.remove": _c(),
     "mlx_vlm.generate.ar.BatchGenerator.close": _c(),
+    "mlx_vlm.generate.ar.BatchGenerator._build_mixed_prompt_batch": _c("sequences"),
+    "mlx_vlm.generate.ar.BatchGenerator._extend_generation_batch": _c("gen_batch"),
+    "mlx_vlm.generate.ar.GenerationBatch.empty": _c(
+        "model sampler stop_criteria compute_logprobs top_logprobs_k greedy_sampling"),
+    "mlx_vlm.generate.ar.GenerationBatch.extend": _c("other"),
+    "mlx_vlm.generate.ar.GenerationBatch.filter": _c("keep"),
+    "mlx_vlm.generate.ar.PromptProcessingBatch": _c(
+        "model uids input_ids max_tokens inputs_embeds prompt_kwargs logits_processors thinking_budget_criteria "
+        "prefill_step_size warm_cache right_pad_per_row suffix_lens greedy_sampling"),
+    "mlx_vlm.models.cache.BatchKVCache": _c(attrs="merge extract"),
+    "mlx_vlm.models.cache.KVCache": _c(attrs="keys values offset extract"),
     "mlx_vlm.utils.should_add_special_tokens": _c("model_type processor"),
     "mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS": _c(attrs="__contains__"),
     "mlx_vlm.tokenizer_utils.make_streaming_detokenizer": _c("processor"),
@@ -82,6 +93,8 @@ BEHAVIOUR = {
     "<vlm model>.vision_tower": (M, "test_vlm_vision_tower_gives_each_image_its_own_rows"),
     "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
     "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
+    "mlx_vlm.generate.ar.PromptProcessingBatch._token_context": (
+        M, "test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv"),
 }
 # Behaviours of the names above that a signature cannot show, checked on real models.
 BEHAVIOUR_TOO = [
@@ -91,6 +104,7 @@ BEHAVIOUR_TOO = [
     (test_mlx_lm_internals, "test_contract_lru_prompt_cache_len_trim_and_nearest"),
     (test_mlx_internals, "test_a_continuation_keeps_its_leading_space"),
     (test_mlx_internals, "test_new_vlm_detokenizer_is_private_per_sequence"),
+    (test_mlx_internals, "test_vlm_prefix_batch_generator_gives_a_finished_rows_kv"),
 ]
 
 
@@ -138,7 +152,7 @@ def test_contract(name):
         assert not absent or takes_kwargs, f"{name} no longer takes {sorted(absent)}"
     if attrs:
         instance = None
-        if inspect.isclass(obj) and name.endswith("KVCache") and name != "mlx_lm.models.cache.BatchKVCache":
+        if inspect.isclass(obj) and name.endswith("KVCache") and not name.endswith("BatchKVCache"):
             instance = obj()  # fields set in __init__
         lacking = [a for a in attrs if not hasattr(obj, a) and not hasattr(instance, a)]
         assert not lacking, f"{name} has no {lacking}"

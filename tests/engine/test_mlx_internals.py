@@ -180,3 +180,90 @@ def test_vlm_clean_output_uses_the_processors_own(vlm):
     assert mi.vlm_clean_output(vlm[1], "a <b> c") == "a <b> c"
     glm = object.__new__(Glm46VProcessor)  # only its clean_output is used
     assert mi.vlm_clean_output(glm, f"x{_BOX_TOKENS[0]}y") == "xy"
+
+
+def _drain(bg) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    for _ in range(200):
+        if not bg.has_work:
+            break
+        for r in bg.next()[1]:
+            tokens.setdefault(r.uid, []).append(r.token)
+    return tokens
+
+
+def _prefix_generator(vlm, prefill_batch_size: int = 1):
+    model, processor, _ = vlm
+    return mi.vlm_prefix_batch_generator(model, processor, max_num_seqs=4, prefill_batch_size=prefill_batch_size,
+                                         prefill_step_size=16)
+
+
+def test_vlm_prefix_batch_generator_gives_a_finished_rows_kv(vlm):
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    ids, kw = inputs["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, inputs)
+    bg = _prefix_generator(vlm)
+    kept, plain = (bg.insert_row(ids, max_tokens=5, prompt_kwargs=kw, logits_processors=[]) for _ in range(2))
+    bg.keep_cache(kept)
+    out = _drain(bg)
+    rows = bg.take_cache(kept)
+    assert rows is not None and bg.take_cache(kept) is None and bg.take_cache(plain) is None
+    # The KV of the prompt and of every token it generated (each was fed back in), as mlx-lm caches.
+    cache = mi.vlm_lm_cache(rows)
+    assert len(cache) == len(model.language_model.layers)
+    assert {c.offset for c in cache} == {len(ids) + len(out[kept])} and type(cache[0]) is mi.KVCache
+    # A row removed while it decodes gives its KV too.
+    uid = bg.insert_row(ids, max_tokens=50, prompt_kwargs=kw, logits_processors=[])
+    bg.keep_cache(uid)
+    while uid not in _step_tokens(bg):
+        pass
+    assert bg.remove(uid) and bg.take_cache(uid)[0].offset == len(ids) + 1
+    bg.close()
+
+
+def _step_tokens(bg) -> set[int]:
+    return {r.uid for r in bg.next()[1]}
+
+
+@pytest.mark.parametrize("prefill_batch_size", [1, 2])
+def test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv(vlm, prefill_batch_size):
+    """Turn two from turn one's KV gives a full prefill's tokens (temperature 0), a new
+    image after the cached prefix included, alone or prefilled beside a cold row; its
+    logits processors see the whole prompt."""
+    model, processor, prompt = vlm
+    first = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    ids1, kw1 = first["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, first)
+    bg = _prefix_generator(vlm)
+    uid = bg.insert_row(ids1, max_tokens=6, prompt_kwargs=kw1, logits_processors=[])
+    bg.keep_cache(uid)
+    answer = _drain(bg)[uid]
+    cache = mi.vlm_lm_cache(bg.take_cache(uid))
+    text = prompt(1) + processor.tokenizer.decode(answer) + (
+        "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>And this?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    second = mi.vlm_prompt_inputs(model, processor, text, [image(1), image(2)])
+    ids2, kw2 = second["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, second)
+    held = ids1 + answer
+    done = next((i for i, (a, b) in enumerate(zip(ids2, held)) if a != b), len(held))
+    assert done > len(ids1)  # into the answer
+    mi.trim_prompt_cache(cache, cache[0].offset - done)
+
+    def run_turn(warm: bool) -> tuple[list[int], list[int]]:
+        seen: list[int] = []
+
+        def context(tokens, logits):
+            seen.append(len(tokens))
+            return logits
+
+        bg = _prefix_generator(vlm, prefill_batch_size)
+        if warm:
+            uid = bg.insert_row(ids2[done:], max_tokens=8, prompt_kwargs=mi.vlm_rest_kwargs(kw2, done),
+                                logits_processors=[context], cache=cache, prompt=ids2)
+        else:
+            uid = bg.insert_row(ids2, max_tokens=8, prompt_kwargs=kw2, logits_processors=[context])
+        bg.insert_row(ids1, max_tokens=8, prompt_kwargs=kw1, logits_processors=[])  # a cold neighbour
+        out = _drain(bg)[uid]
+        bg.close()
+        return out, seen
+
+    assert run_turn(warm=True) == run_turn(warm=False)

@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
+from app.engine.batch.vision_features import FeatureCache
 from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
 from app.engine.types import GenerationRequest
-from app.engine.batch.vision_features import FeatureCache
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy, decode_image
@@ -61,7 +61,9 @@ def tower_calls(loaded, monkeypatch) -> list[int]:
 
 
 def make_engine(worker, loaded, cache_mb: float) -> VlmEngine:
-    params = engine_params(ChatParams(mem=16, max_num_seqs=2, prefill_chunk_size=32))
+    # The feature cache alone: with the prefix cache on, an image that repeats a cached
+    # prefix comes with its KV and never asks for features (test_vlm_prefix_cache has both).
+    params = engine_params(ChatParams(mem=16, max_num_seqs=2, prefill_chunk_size=32, prompt_cache="off"))
     return VlmEngine(worker, loaded, params, feature_cache_bytes=int(cache_mb * 2**20))
 
 

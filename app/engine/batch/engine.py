@@ -63,7 +63,7 @@ from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import probe_layout
-from app.engine.kv.prefix_cache import UNBOUNDED, PrefixCache
+from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
 from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
@@ -74,8 +74,6 @@ from app.errors import EngineError, VisionNotSupportedError
 
 log = logging.getLogger("tandem.engine")
 
-# An unload waits this long for the prefix cache's queued disk writes.
-DISK_WRITES_WAIT_S = 30.0
 
 
 @dataclass(eq=False)

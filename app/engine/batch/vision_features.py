@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.mlx_internals import vlm_encode_images, vlm_feature_rows, vlm_input_embeddings
+from app.engine.mlx_internals import vlm_blank_features, vlm_encode_images, vlm_feature_rows, vlm_input_embeddings
 from app.engine.prompt import PromptImage
 from app.engine.types import CacheTierStats
 
@@ -97,25 +97,32 @@ def feature_key(scope: str, image: PromptImage, grid: Sequence[int], max_pixels:
 
 
 def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,
-                     scope: str, max_pixels: int, min_pixels: int) -> dict[str, Any]:
+                     scope: str, max_pixels: int, min_pixels: int, *, cached_tokens: int = 0) -> dict[str, Any]:
     """``vlm_input_embeddings`` for one prompt, each image's features from ``cache`` when
-    it holds them, the rest through the vision tower (then kept). MLX thread."""
-    rows = vlm_feature_rows(model, inputs) if cache is not None and images else None
-    if cache is None or rows is None or len(rows) != len(images):
+    it holds them, the rest through the vision tower (then kept). An image within the
+    first ``cached_tokens`` tokens, whose KV the prefix cache gave, needs none: blank rows
+    stand for it, and those tokens are never prefilled. MLX thread."""
+    skip = any(img.start + img.length <= cached_tokens for img in images)
+    rows = vlm_feature_rows(model, inputs) if (cache is not None or skip) and images else None
+    if rows is None or len(rows) != len(images):
         return vlm_input_embeddings(model, inputs)
     grids = inputs["image_grid_thw"].tolist()
     keys = [feature_key(scope, img, grid, max_pixels, min_pixels) for img, grid in zip(images, grids, strict=True)]
     features: list[mx.array] = []
     for i, key in enumerate(keys):  # in order: an image twice in one prompt is encoded once
-        found = cache.get(key)
+        if images[i].start + images[i].length <= cached_tokens:
+            features.append(vlm_blank_features(model, images[i].length))
+            continue
+        found = cache.get(key) if cache is not None else None
         if found is None:  # one image at a time: each entry owns exactly its rows
             started = time.perf_counter()
             start, count = rows[i]
             found = vlm_encode_images(model, inputs["pixel_values"][start:start + count], mx.array([grids[i]]))
             mx.eval(found)
-            cache.encode_s += time.perf_counter() - started
-            cache.encoded += 1
-            cache.put(key, found)
+            if cache is not None:
+                cache.encode_s += time.perf_counter() - started
+                cache.encoded += 1
+                cache.put(key, found)
         features.append(found)
     merged = mx.concatenate(features, axis=0)
     return vlm_input_embeddings(model, inputs, merged)

@@ -22,6 +22,8 @@ from app.engine.types import CacheTierStats
 log = logging.getLogger("tandem.engine")
 # The memory tier's own limits are set out of reach: this class applies them and counts evictions.
 UNBOUNDED = 1 << 62
+# An unload waits this long for the prefix cache's queued disk writes.
+DISK_WRITES_WAIT_S = 30.0
 
 
 class PrefixCache:
