@@ -145,7 +145,7 @@ def param_field(key: str) -> FieldInfo:
     *outer, last = key.split(".")
     for part in outer:
         model = model.model_fields[part].annotation
-    return model.model_fields[last]  # type: ignore[no-any-return]
+    return model.model_fields[last]
 
 
 def _nested(updates: dict[str, Any]) -> dict[str, Any]:
