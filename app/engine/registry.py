@@ -469,6 +469,10 @@ class Registry:
         if slot.state in ("loading", "unloading"):
             raise ConflictError(f"model {what!r} is {slot.state}; retry when it is done", param=param,
                                 code="model_busy")
+        targets = [s.spec.name for s in self._slots.values() if s.draft is slot]
+        if targets:
+            raise ConflictError(f"model {what!r} drafts for {', '.join(map(repr, targets))}, which is loaded; unload "
+                                "that first", param=param, code="model_busy")
         if slot.state == "loaded" and slot.busy:
             raise ConflictError(f"model {what!r} is serving requests; retry when they are done", param=param,
                                 code="model_busy")

@@ -71,7 +71,7 @@ def test_the_draft_loads_first_and_stays_while_its_target_is_loaded(worker, tmp_
         weights = snap["target"]["memory_mb"]["weights"] * MB
         alone = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
         assert weights == pytest.approx(alone + tokens * (1 * 2 * 16 * 2 * 4), abs=0.1 * MB)
-        with pytest.raises(ConflictError, match="serving requests"):
+        with pytest.raises(ConflictError, match="drafts for 'target', which is loaded"):
             await reg.unload_idle("small")  # its target holds it
         await reg.unload_idle("target")
         assert reg.snapshot()["models"]["target"]["draft"] is None
