@@ -163,8 +163,9 @@ class SpeculativeConfig(_Params):
         "the same tokenizer: checked at load). It is loaded with this model, counts in server.memory_limit_mb with "
         "its weights and its KV for this model's rows, and stays loaded while this model is. None: no draft model.")
     tokens: int = Field(
-        default=4, ge=1, le=16, description="The most tokens a row proposes per step; the adaptive rule picks fewer "
-        "when a longer proposal does not pay on this machine.")
+        default=4, ge=0, le=16, description="The most tokens a row proposes per step; the adaptive rule picks fewer "
+        "when a longer proposal does not pay on this machine. 0 turns speculative decoding off for this model, "
+        "requests' predictions included.")
 
 
 class _SpeculativeParams(_Params):

@@ -107,3 +107,12 @@ def test_the_prediction_is_the_models_tokens_without_special_ones(demo_state, pl
     assert profile.tokenizer.bos_token_id not in spec.prediction
     # Nothing asked: the model's defaults, no per-request speculation at all.
     assert speculation_for(profile, Options("demo")) is None
+
+
+def test_completions_take_the_switches_too(demo_server):
+    url = demo_server.base_url + "/v1/completions"
+    body = {"model": "demo", "prompt": "One, two,", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    off = httpx.post(url, json={**body, "speculative": {"prompt_lookup": False}}, timeout=60)
+    assert off.status_code == 200 and off.json()["choices"][0]["text"] == plain
+    assert_openai_error(httpx.post(url, json={**body, "speculative": {"lookup": False}}, timeout=60), 400)

@@ -165,7 +165,8 @@ def test_speculative_defaults_and_a_draft_map_onto_engine_params(tmp_path):
     ("{draft: minilm}", "{}", "draft 'minilm' has role embedding"),
     ("{draft: eyes}", "{}", "draft 'eyes' is a native VLM"),
     ("{draft: small}", "{draft: big}", "draft 'small' has a draft of its own ('big')"),
-    ("{tokens: 0}", "{}", "greater than or equal to 1"),
+    ("{tokens: -1}", "{}", "greater than or equal to 0"),
+    ("{tokens: 17}", "{}", "less than or equal to 16"),
     ("{tokens: 4, drafter: x}", "{}", "unknown key"),
 ])
 def test_a_bad_draft_stops_start_up_naming_file_and_key(tmp_path, big, small, why):
