@@ -151,12 +151,13 @@ class SpeculativeConfig(_Params):
     """A chat entry's ``params.speculative``: who proposes tokens for the batch to verify in one
     forward pass (``app.engine.speculative``). The answer is what it would have been without:
     proposals only make decoding faster when they are accepted. A request may turn a drafter
-    off for itself (``tandem: {speculative: {...}}`` on chat completions); OpenAI's
-    ``prediction`` adds the client's predicted text as a drafter of its own."""
+    off for itself (``speculative: {prompt_lookup: false, draft: false}`` in a chat or text
+    completion's body); OpenAI's ``prediction`` adds the client's predicted text as a drafter
+    of its own (docs/guides/speculative.md)."""
 
     prompt_lookup: bool = Field(
         default=True, description="Propose continuations of n-grams found in the prompt and the output so far (no "
-        "extra model, a few microseconds per step): pays when the answer repeats the prompt (code edits, quotes). "
+        "extra model: a lookup per row and step); pays when the answer repeats the prompt (code edits, quotes). "
         "The adaptive rule proposes fewer tokens to a row whose proposals are not accepted.")
     draft: str | None = Field(
         default=None, description="Another chat entry of this file that drafts for this one (a smaller model with "
