@@ -183,6 +183,10 @@ class Registry:
             self._slots[spec.name] = slot
             for key in (spec.name, *spec.aliases):
                 self._by_name.setdefault(key, slot)
+        for slot in self._slots.values():
+            draft = slot.spec.engine.speculative.draft if slot.spec.engine is not None else None
+            if draft is not None and draft not in self._slots:
+                log.warning("model %s: draft model %s is not served here; decoding without it", slot.spec.name, draft)
         self._listeners: list[Callable[[GenerationRecord], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
@@ -413,12 +417,7 @@ class Registry:
         """The slot of the draft model ``slot``'s spec names, or None (none named; or not served
         here: distributed serving serves one chat model, which then decodes without it)."""
         name = slot.spec.engine.speculative.draft if slot.spec.engine is not None else None
-        if name is None:
-            return None
-        draft = self._slots.get(name)
-        if draft is None:
-            log.warning("model %s: draft model %s is not served here; decoding without it", slot.spec.name, name)
-        return draft
+        return self._slots.get(name) if name is not None else None
 
     async def _acquire_draft(self, slot: _Slot) -> _Slot | None:
         """Load ``slot``'s draft model (making room as its own request would) and lease it; the

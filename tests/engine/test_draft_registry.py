@@ -123,3 +123,16 @@ def test_a_draft_with_another_tokenizer_fails_its_target_clearly(worker, tmp_pat
         assert await reg.unload_idle("small") == "small"
 
     asyncio.run(scenario())
+
+
+def test_a_draft_that_is_not_served_here_is_done_without(worker, tmp_path, tiny_model_dir, small_dir, caplog):
+    """Distributed serving serves one chat model: its draft is not an entry there, and it decodes without."""
+    path = tmp_path / "models.yaml"
+    path.write_text(YAML.format(target=tiny_model_dir, small=small_dir))
+    target = model_spec(load_models_file(path).models[0], None)
+    with caplog.at_level("WARNING", logger="tandem.registry"):
+        reg = Registry(worker, [target])
+    assert "draft model small is not served here; decoding without it" in caplog.text
+    reg.load_now("target")
+    assert reg.snapshot()["models"]["target"]["state"] == "loaded"
+    assert reg.snapshot()["models"]["target"]["draft"] is None
