@@ -20,6 +20,7 @@ from app.engine.params import (
     LoadParams,
     ModelSource,
     ModelSpec,
+    SpeculativeParams,
     VisionSpec,
 )
 
@@ -53,6 +54,8 @@ def engine_params(p: ChatParams) -> EngineParams:
         prompt_cache_disk_mb=p.prompt_cache_disk_mb,
         prompt_cache_disk_dir=p.prompt_cache_disk_dir,
         background_share=p.background_share,
+        speculative=SpeculativeParams(prompt_lookup=p.speculative.prompt_lookup, draft=p.speculative.draft,
+                                      tokens=p.speculative.tokens),
     )
 
 

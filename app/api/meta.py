@@ -62,6 +62,10 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     body["default_model"] = report.default_model
     body["memory"] = {k: snapshot[k] for k in ("limit_mb", "used_mb", "free_mb", "mlx")}
     body["models"] = snapshot["models"]
+    for name, drafters in report.speculation.items():
+        body["models"][name]["speculation"] = {drafter: {
+            "proposed": c.proposed, "accepted": c.accepted, "steps": c.steps,
+            "acceptance": round(c.accepted / c.proposed, 4) if c.proposed else None} for drafter, c in drafters.items()}
     stats = asdict(report.engine) if report.engine is not None else None
     body["engine"] = {**(stats or {"alive": ok}), "error": report.error}
     body["vision"] = _vision(report.vision)

@@ -131,6 +131,7 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tandem_prompt_cache_tokens_saved", "Prefill tokens saved by the prefix cache.",
                                   value=total("prompt_cache_tokens_saved"))
         yield from _tier_metrics(figures.chat)
+        yield from _speculative_metrics(figures.chat)
         yield from _feature_metrics(figures.chat)
         yield from _encoder_metrics(figures.encoders)
         yield from _model_metrics(figures.memory)
@@ -212,6 +213,20 @@ def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
     for key, help_ in (("active", "MLX's active memory."), ("peak", "MLX's peak memory."),
                        ("cache", "MLX's buffer cache.")):
         yield GaugeMetricFamily(f"tandem_mlx_{key}_memory_bytes", help_, value=snapshot["mlx"][f"{key}_mb"] * mb)
+
+
+def _speculative_metrics(engines: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """Each loaded chat model's speculative decoding, per drafter (prediction, prompt_lookup, draft)."""
+    for name, help_ in (
+        ("proposed_tokens", "Tokens a drafter proposed for the verify step."),
+        ("accepted_tokens", "Proposed tokens the model kept (each one a token it did not decode on its own)."),
+        ("steps", "Verify steps that carried a drafter's proposals."),
+    ):
+        family = CounterMetricFamily(f"tandem_speculative_{name}", help_, labels=["model", "drafter"])
+        for model, stats in engines:
+            for drafter, counts in stats.speculation.items():
+                family.add_metric([model, drafter], getattr(counts, name.removesuffix("_tokens")))
+        yield family
 
 
 def _tier_metrics(engines: list[tuple[str, EngineStats]]) -> Iterator[Metric]:

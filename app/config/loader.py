@@ -109,6 +109,8 @@ PARAM_FLAGS = {
     "temperature": "temperature",
     "max_tokens": "max_tokens",
     "distributed": "distributed",
+    "draft_model": "speculative.draft",
+    "speculative_tokens": "speculative.tokens",
 }
 # Command-line flags that override the file's ServerSettings field of the same name.
 SERVER_FLAGS = ("host", "port", "api_key")
@@ -133,8 +135,29 @@ def flag_arguments() -> list[tuple[str, dict[str, Any]]]:
     """The override flags as (name, argparse keywords), generated from the schema's fields
     (as vLLM's ``get_kwargs`` builds its CLI from ``ModelConfig``): server flags first."""
     server = [(f, _flag_kwargs(ServerSettings.model_fields[f], f"server.{f}")) for f in SERVER_FLAGS]
-    params = [(f, _flag_kwargs(ChatParams.model_fields[k], f"params.{k}")) for f, k in PARAM_FLAGS.items()]
+    params = [(f, _flag_kwargs(param_field(k), f"params.{k}")) for f, k in PARAM_FLAGS.items()]
     return server + params
+
+
+def param_field(key: str) -> FieldInfo:
+    """The ChatParams field a dotted key names (``speculative.draft``: a nested model's field)."""
+    model: Any = ChatParams
+    *outer, last = key.split(".")
+    for part in outer:
+        model = model.model_fields[part].annotation
+    return model.model_fields[last]
+
+
+def _nested(updates: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys as nested mappings: {"speculative.draft": "x"} -> {"speculative": {"draft": "x"}}."""
+    out: dict[str, Any] = {}
+    for key, value in updates.items():
+        *outer, last = key.split(".")
+        here = out
+        for part in outer:
+            here = here.setdefault(part, {})
+        here[last] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -151,8 +174,11 @@ class ResolvedConfig:
 def _override(model: Any, updates: dict[str, Any], source: str, where: str) -> Any:
     if not updates:
         return model
+    data = model.model_dump(exclude_unset=True)
+    for key, value in updates.items():  # a nested model's keys are merged into what the file set
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     try:
-        return type(model).model_validate({**model.model_dump(exclude_unset=True), **updates})
+        return type(model).model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(f"{source} ({where})", exc)) from exc
 
@@ -174,9 +200,11 @@ def resolve(
         chat = [m.name for m in models_file.models if m.role == "chat"]
         raise ConfigError(f"{source}: no chat model {name!r}; chat models: {', '.join(chat)}")
 
-    param_updates = {PARAM_FLAGS[k]: v for k, v in overrides.items() if k in PARAM_FLAGS}
+    param_updates = _nested({PARAM_FLAGS[k]: v for k, v in overrides.items() if k in PARAM_FLAGS})
     params = _override(entry.params, param_updates, source, "command-line flags")
     primary = entry.model_copy(update={"params": params})
+    if problem := models_file.draft_problem(primary):
+        raise ConfigError(f"{source} (command-line flags): params.speculative.draft: {problem}")
 
     server_updates = {k: overrides[k] for k in SERVER_FLAGS if k in overrides}
     server = _override(models_file.server, server_updates, source, "command-line flags")

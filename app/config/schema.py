@@ -147,10 +147,38 @@ class _ImageParams(_Params):
         "counted in the model's memory next to its weights, LRU-evicted beyond it; 0 turns it off.")
 
 
-class ChatParams(_ImageParams, _DefaultSampling, _PromptCacheParams, _QueueParams, _BatchParams, _WeightParams):
+class SpeculativeConfig(_Params):
+    """A chat entry's ``params.speculative``: who proposes tokens for the batch to verify in one
+    forward pass (``app.engine.speculative``). The answer is what it would have been without:
+    proposals only make decoding faster when they are accepted. A request may turn a drafter
+    off for itself (``speculative: {prompt_lookup: false, draft: false}`` in a chat or text
+    completion's body); OpenAI's ``prediction`` adds the client's predicted text as a drafter
+    of its own (docs/guides/speculative.md)."""
+
+    prompt_lookup: bool = Field(
+        default=True, description="Propose continuations of n-grams found in the prompt and the output so far (no "
+        "extra model: a lookup per row and step); pays when the answer repeats the prompt (code edits, quotes). "
+        "The adaptive rule proposes fewer tokens to a row whose proposals are not accepted.")
+    draft: str | None = Field(
+        default=None, description="Another chat entry of this file that drafts for this one (a smaller model with "
+        "the same tokenizer: checked at load). It is loaded with this model, counts in server.memory_limit_mb with "
+        "its weights and its KV for this model's rows, and stays loaded while this model is. None: no draft model.")
+    tokens: int = Field(
+        default=4, ge=0, le=16, description="The most tokens a row proposes per step; the adaptive rule picks fewer "
+        "when a longer proposal does not pay on this machine. 0 turns speculative decoding off for this model, "
+        "requests' predictions included.")
+
+
+class _SpeculativeParams(_Params):
+    speculative: SpeculativeConfig = Field(
+        default=SpeculativeConfig(), description="Speculative decoding: prompt lookup, a draft model.")
+
+
+class ChatParams(_SpeculativeParams, _ImageParams, _DefaultSampling, _PromptCacheParams, _QueueParams, _BatchParams,
+                 _WeightParams):
     """A chat entry's ``params`` (``role: chat``, the default): loading, KV memory, batching,
-    queueing, the prefix cache, default sampling, and image bounds for a native VLM
-    (``vision_mode: native``)."""
+    queueing, the prefix cache, default sampling, speculative decoding, and image bounds for a
+    native VLM (``vision_mode: native``)."""
 
 
 class VisionParams(_ImageParams, _QueueParams, _BatchParams, _WeightParams):
@@ -452,7 +480,34 @@ class ModelsFile(_Strict):
                 )
         if self.default_model and self.find(self.default_model) is None:
             raise ValueError(f"default_model {self.default_model!r} is not an entry")
+        for i, m in enumerate(self.models):
+            if isinstance(m, ChatEntry) and (problem := self.draft_problem(m)):
+                raise ValueError(f"models[{i}].params.speculative.draft: {problem}")
         return self
+
+    def draft_problem(self, entry: ChatEntry) -> str | None:
+        """Why ``entry``'s draft model cannot draft for it, or None (no draft, or a good one): it
+        must be another text chat entry of this file, one without a draft of its own."""
+        name = entry.params.speculative.draft
+        if name is None:
+            return None
+        if entry.capabilities.vision_mode == "native":
+            return f"model {entry.name!r} is a native VLM (mlx-vlm): only text models take a draft model"
+        draft = self.find(name)
+        chat = [m.name for m in self.models if isinstance(m, ChatEntry) and m.name != entry.name]
+        if draft is None:
+            return (f"model {entry.name!r}: draft {name!r} is not an entry (chat entries: "
+                    f"{', '.join(chat) or 'none but this one'})")
+        if not isinstance(draft, ChatEntry):
+            return f"model {entry.name!r}: draft {name!r} has role {draft.role}; a draft model is a chat entry"
+        if draft.name == entry.name:
+            return f"model {entry.name!r}: a model cannot draft for itself"
+        if draft.capabilities.vision_mode == "native":
+            return f"model {entry.name!r}: draft {name!r} is a native VLM (mlx-vlm); a draft model is a text model"
+        if draft.params.speculative.draft is not None:
+            return (f"model {entry.name!r}: draft {name!r} has a draft of its own "
+                    f"({draft.params.speculative.draft!r}); a draft model drafts alone")
+        return None
 
     def find(self, name: str) -> ModelEntry | None:
         """The entry called `name`, or whose hf_id is `name`."""

@@ -29,14 +29,14 @@ class LoadParams:
 
 @dataclass(frozen=True)
 class SpeculativeParams:
-    """Speculative decoding for one chat model (``app.engine.speculative``; schema: ``speculative``)."""
+    """Speculative decoding for one chat model (``app.engine.speculative``; schema: ``SpeculativeConfig``)."""
 
     # Propose n-gram continuations found in the prompt and the output so far.
-    prompt_lookup: bool = True
+    prompt_lookup: bool
     # Another chat entry of models.yaml that drafts for this one (None: no draft model).
-    draft: str | None = None
+    draft: str | None
     # The most tokens a row proposes per step (the adaptive rule picks fewer when they do not pay).
-    tokens: int = 4
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class EngineParams:
     prompt_cache_disk_mb: int
     prompt_cache_disk_dir: str | None
     background_share: float
+    # Speculative decoding (models.yaml ``speculative``).
+    speculative: SpeculativeParams
     # The engine's own knobs:
     # A waiting request older than this stops smaller ones from passing it (backfill).
     starvation_s: float = 5.0
@@ -68,8 +70,6 @@ class EngineParams:
     # Deltas one stream may have pending before new text is merged into the last one
     # (a slow client never makes the engine thread wait).
     channel_max_pending: int = 32
-    # Speculative decoding (models.yaml ``speculative``).
-    speculative: SpeculativeParams = SpeculativeParams()
 
     @property
     def prompt_cache_disk_bytes(self) -> int:

@@ -20,6 +20,11 @@ needed and what is free. After each load or unload, MLX's buffer cache is
 bounded to what the budget leaves free, and on Metal the loaded models' memory
 is kept wired (as mlx-lm's ``wired_limit`` does for mlx_lm.server).
 
+A chat model with a draft model (models.yaml ``speculative.draft``) loads it first, as its
+own entry (its weights and KV budget its own), and holds a lease on it while loaded: the
+draft is never unloaded under its target, and is free to go once the target is. The draft's
+KV for the target's rows counts with the target (``roles._load_chat``).
+
 The dashboard's buttons are ``load``, ``unload_idle`` and ``pin``: the same
 transitions, asked for by name (an unload never cuts off a request: 409 when busy).
 
@@ -43,6 +48,7 @@ import mlx.core as mx
 
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
+from app.engine.batch.engine import TextEngine
 from app.engine.batch.vlm_engine import VlmEngine
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
@@ -82,6 +88,8 @@ class _Slot:
     last_used: float | None = None
     transition: asyncio.Future[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The draft model this one loaded with (``speculative.draft``), leased while this one is loaded.
+    draft: _Slot | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -175,6 +183,10 @@ class Registry:
             self._slots[spec.name] = slot
             for key in (spec.name, *spec.aliases):
                 self._by_name.setdefault(key, slot)
+        for slot in self._slots.values():
+            draft = slot.spec.engine.speculative.draft if slot.spec.engine is not None else None
+            if draft is not None and draft not in self._slots:
+                log.warning("model %s: draft model %s is not served here; decoding without it", slot.spec.name, draft)
         self._listeners: list[Callable[[GenerationRecord], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
@@ -300,9 +312,14 @@ class Registry:
                 raise EngineDeadError("the server is shutting down", retry_after=10)
             async with slot.lock:
                 if slot.state in ("unloaded", "failed"):
-                    await self._make_room(slot)
+                    draft = await self._acquire_draft(slot)
+                    try:
+                        await self._make_room(slot)
+                    except BaseException:
+                        self._release_draft(draft)
+                        raise
                     slot.state = "loading"
-                    slot.transition = asyncio.ensure_future(self._load(slot))
+                    slot.transition = asyncio.ensure_future(self._load(slot, draft))
             if slot.state == "failed":
                 raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
 
@@ -329,36 +346,49 @@ class Registry:
         true`` ones, a proxy's vision model). A required model that cannot load raises (start-up
         stops); another's error is returned (None when it loaded)."""
         slot = self._slots[name]
+        draft = self._draft_slot(slot)
+        if draft is not None and draft.state != "loaded" and (error := self.load_now(draft.spec.name, required=False)):
+            slot.state, slot.error = "failed", f"its draft model {draft.spec.name!r} could not be loaded: {error}"
+            if required:
+                raise ModelLoadError(f"model {name!r} could not be loaded: {slot.error}")
+            return slot.error
+        if draft is not None:
+            draft.leases += 1
         started = time.monotonic()
         slot.state = "loading"
         try:
-            handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot)).result()
+            handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot, draft)).result()
         except Exception as exc:
+            self._release_draft(draft)
             slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
             if required:
                 raise
             log.error("model %s: preload failed: %s", name, slot.error)
             return slot.error
-        self._loaded(slot, handle, weights, started)
+        self._loaded(slot, handle, weights, started, draft)
         return None
 
-    async def _load(self, slot: _Slot) -> None:
+    async def _load(self, slot: _Slot, draft: _Slot | None = None) -> None:
         started = time.monotonic()
         try:
-            handle, weights = await asyncio.wrap_future(self.worker.submit_steps(lambda: self._load_steps(slot)))
+            handle, weights = await asyncio.wrap_future(
+                self.worker.submit_steps(lambda: self._load_steps(slot, draft)))
         except AppError as exc:
+            self._release_draft(draft)
             slot.state, slot.error = "failed", exc.message
             log.error("model %s: load failed: %s", slot.spec.name, exc.message)
             return
         except Exception as exc:  # noqa: BLE001 - a model that cannot load fails its requests, not the server
+            self._release_draft(draft)
             slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("model %s: load failed", slot.spec.name)
             return
-        self._loaded(slot, handle, weights, started)
+        self._loaded(slot, handle, weights, started, draft)
 
-    def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float) -> None:
+    def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float,
+                draft: _Slot | None = None) -> None:
         slot.handle, slot.weights_bytes, slot.error = handle, weights, None
-        slot.state = "loaded"
+        slot.state, slot.draft = "loaded", draft
         if (engine := slot.chat) is not None:
             for listener in self._listeners:
                 engine.add_listener(listener)
@@ -366,13 +396,53 @@ class Registry:
                  time.monotonic() - started, weights / MB, self.used_bytes / MB, self.limit_bytes / MB)
         self.worker.submit(self._tune_mlx_memory)
 
-    def _load_steps(self, slot: _Slot) -> Generator[None, None, Loaded]:
-        """Load one model on the MLX thread, in slices, by its role's loader."""
-        handle, weights = yield from slot.role.load(self._load_ctx, slot.spec)
+    def _load_steps(self, slot: _Slot, draft: _Slot | None = None) -> Generator[None, None, Loaded]:
+        """Load one model on the MLX thread, in slices, by its role's loader (with its loaded draft model)."""
+        ctx = self._load_ctx
+        if draft is not None:
+            engine = draft.as_(TextEngine)
+            if engine is None:
+                raise ModelLoadError(f"model {slot.spec.name!r}: draft model {draft.spec.name!r} is not a text "
+                                     f"model served by mlx-lm ({type(draft.handle).__name__})")
+            ctx = replace(ctx, draft=engine.loaded)
+        handle, weights = yield from slot.role.load(ctx, slot.spec)
         if not isinstance(handle, slot.role.handle):
             handle.close()
             raise TypeError(f"model {slot.spec.name}: role {slot.spec.role} loaded a {type(handle).__name__}")
         return handle, weights
+
+    # ---- draft models: loaded with their target, and kept loaded while it is -----------------
+
+    def _draft_slot(self, slot: _Slot) -> _Slot | None:
+        """The slot of the draft model ``slot``'s spec names, or None (none named; or not served
+        here: distributed serving serves one chat model, which then decodes without it)."""
+        name = slot.spec.engine.speculative.draft if slot.spec.engine is not None else None
+        return self._slots.get(name) if name is not None else None
+
+    async def _acquire_draft(self, slot: _Slot) -> _Slot | None:
+        """Load ``slot``'s draft model (making room as its own request would) and lease it; the
+        lease is given back when ``slot`` unloads or fails to load."""
+        draft = self._draft_slot(slot)
+        if draft is None:
+            return None
+        draft.leases += 1
+        draft.last_used = time.monotonic()
+        try:
+            await self._ensure_loaded(draft)
+        except AppError as exc:
+            draft.leases -= 1
+            raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: its draft model "
+                                 f"{draft.spec.name!r}: {exc.message}") from exc
+        except BaseException:
+            draft.leases -= 1
+            raise
+        return draft
+
+    @staticmethod
+    def _release_draft(draft: _Slot | None) -> None:
+        if draft is not None:
+            draft.leases -= 1
+            draft.last_used = time.monotonic()
 
     # ---- admin actions (the dashboard's buttons) -----------------------------------------------
 
@@ -398,6 +468,10 @@ class Registry:
         if slot.state in ("loading", "unloading"):
             raise ConflictError(f"model {what!r} is {slot.state}; retry when it is done", param=param,
                                 code="model_busy")
+        targets = [s.spec.name for s in self._slots.values() if s.draft is slot]
+        if targets:
+            raise ConflictError(f"model {what!r} drafts for {', '.join(map(repr, targets))}, which is loaded; unload "
+                                "that first", param=param, code="model_busy")
         if slot.state == "loaded" and slot.busy:
             raise ConflictError(f"model {what!r} is serving requests; retry when they are done", param=param,
                                 code="model_busy")
@@ -418,7 +492,11 @@ class Registry:
         return sum(s.budget_bytes for s in self._slots.values() if s.state in ("loaded", "unloading"))
 
     def _need_bytes(self, slot: _Slot) -> int:
-        return slot.role.budget_bytes(estimate_weights_bytes(local_dir(slot.spec.source)), slot.spec)
+        need = slot.role.budget_bytes(estimate_weights_bytes(local_dir(slot.spec.source)), slot.spec)
+        if self._draft_slot(slot) is not None:
+            # Its draft's KV for its rows, before the load tells: as if a draft token cost what one of its own does.
+            need += slot.spec.kv_budget_bytes
+        return need
 
     async def _make_room(self, slot: _Slot) -> None:
         """Unload least recently used idle models until ``slot`` fits; 503 if it cannot. The
@@ -464,6 +542,8 @@ class Registry:
         finally:
             slot.handle, slot.weights_bytes = None, 0
             slot.state = "unloaded"
+            self._release_draft(slot.draft)
+            slot.draft = None
             slot.transition.set_result(None)
             log.info("model %s: unloaded%s; %.0f of %.0f MB in use", name, f" ({reason})" if reason else "",
                      self.used_bytes / MB, self.limit_bytes / MB)
@@ -539,6 +619,7 @@ class Registry:
                               "kv_budget": round(slot.spec.kv_budget_bytes / MB, 1) if slot.state == "loaded" else 0.0,
                               "kv_used": round(kv_used, 1)},
                 "requests": {"running": running, "waiting": waiting + slot.waiting},
+                "draft": slot.draft.spec.name if slot.draft is not None else None,
                 "error": slot.error,
             }
         used = self.used_bytes

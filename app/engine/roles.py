@@ -2,7 +2,8 @@
 
     role       handle         loader                  memory                     serves
     chat       ChatEngine     mlx-lm (or mlx-vlm for   weights + KV budget        chat APIs, captions
-                              a native VLM)                                       (a native VLM)
+                              a native VLM)           (+ its draft model's KV    (a native VLM)
+                                                      for its rows)
     vision     ChatEngine     mlx-vlm                 weights + KV budget        captions (proxy mode)
     embedding  EncoderEngine  mlx-embeddings          weights x (1 + activ.)     /v1/embeddings, /v1/rerank
     rerank     EncoderEngine  mlx-embeddings          weights x (1 + activ.)     /v1/rerank
@@ -29,7 +30,7 @@ from typing import Literal
 
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
-from app.engine.models.loader import load_text_model_steps, model_source
+from app.engine.models.loader import LoadedModel, load_text_model_steps, model_source
 from app.engine.params import ModelSpec
 from app.engine.types import Engine, ModelHandle
 from app.engine.worker import MLXWorker
@@ -54,6 +55,9 @@ class LoadContext:
 
     worker: MLXWorker
     load_chat: ChatLoader | None = None
+    # The loaded draft model of a chat model whose spec names one (``speculative.draft``): the
+    # registry loads that entry first and keeps it loaded while this one is.
+    draft: LoadedModel | None = None
 
 
 Loader = Callable[[LoadContext, ModelSpec], Generator[None, None, Loaded]]
@@ -110,7 +114,15 @@ def _load_chat(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loade
     _require(spec, spec.load is not None and spec.engine is not None)
     assert spec.load is not None and spec.engine is not None
     loaded = yield from load_text_model_steps(spec.source, spec.load)
-    return TextEngine(ctx.worker, loaded, spec.engine), loaded.weights_bytes
+    if ctx.draft is None:
+        return TextEngine(ctx.worker, loaded, spec.engine), loaded.weights_bytes
+    from app.engine.speculative.draft_model import DraftModelSource
+
+    draft = DraftModelSource(ctx.draft, loaded)  # refuses a draft with another tokenizer
+    # The draft's KV for this model's rows counts with its weights: at most every token admitted,
+    # at the draft's bytes per token (the draft's own weights count in its own entry).
+    allowance = draft.budget(loaded.kv.budget_tokens(spec.engine.kv_mem_mb))
+    return TextEngine(ctx.worker, loaded, spec.engine, draft=draft), loaded.weights_bytes + allowance
 
 
 def _load_encoder(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded]:

@@ -30,7 +30,14 @@ from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.models.encoder_inputs import EncoderInputs
 from app.engine.prompt import TokenPrompt, completion_room
 from app.engine.registry import Lease, Registry
-from app.engine.types import Engine, GenerationRecord, GenerationRequest, ReasoningBlock, SamplingParams
+from app.engine.types import (
+    Engine,
+    GenerationRecord,
+    GenerationRequest,
+    ReasoningBlock,
+    SamplingParams,
+    SpeculationRequest,
+)
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
@@ -52,12 +59,13 @@ from app.pipeline.request import (
     Options,
     Priority,
     RerankRequest,
+    Speculation,
     TextRequest,
     Tool,
     merge_turns,
 )
 from app.pipeline.results import Completion, Step, Usage
-from app.pipeline.tokenizing import check_within
+from app.pipeline.tokenizing import check_within, encode_within
 from app.request_context import CLIENT, REQUEST_ID
 
 if TYPE_CHECKING:
@@ -290,7 +298,8 @@ class Pipeline:
                     if parser is not None:
                         events += parser.finish()
                     usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens,
-                                  delta.reasoning_tokens)
+                                  delta.reasoning_tokens, delta.accepted_prediction_tokens,
+                                  delta.rejected_prediction_tokens)
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
@@ -449,6 +458,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         logprobs=req.options.logprobs,
         constraint=_constraint(profile, req, tools, text, wanted),
         reasoning=reasoning_block(profile, req, text, wanted),
+        speculation=speculation_for(profile, req.options),
     )
     return _parsed_as(profile, req, gen, text, wanted, bool(tools))
 
@@ -519,7 +529,21 @@ def build_text(profile: ModelProfile, req: TextRequest) -> GenerationRequest:
         stop=req.options.stop,
         priority=req.options.priority,
         logprobs=req.options.logprobs,
+        speculation=speculation_for(profile, req.options),
     )
+
+
+def speculation_for(profile: ModelProfile, options: Options) -> SpeculationRequest | None:
+    """What the request asks of speculative decoding: its prediction as the model's tokens (no
+    special tokens: it is answer text), and its switches; None leaves the model's defaults."""
+    spec = options.speculation
+    if spec == Speculation():
+        return None
+    prediction: tuple[int, ...] = ()
+    if spec.prediction:
+        # A prediction longer than the context could never be the answer: refused like a prompt.
+        prediction = tuple(encode_within(profile.tokenizer, spec.prediction, profile.max_model_len, "prediction"))
+    return SpeculationRequest(prediction, spec.prompt_lookup, spec.draft)
 
 
 def _priority(req: ChatRequest) -> Priority:

@@ -25,8 +25,8 @@ from app.errors import InvalidRequestError
 from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
 
 __all__ = ["ChatRequest", "EmbedRequest", "EncoderInputs", "ImagePart", "Message", "Options", "OutputFormat", "Part",
-           "Priority", "RerankRequest", "Role", "Sampling", "TextPart", "TextRequest", "Tool", "ToolCall", "ToolChoice",
-           "merge_turns"]
+           "Priority", "RerankRequest", "Role", "Sampling", "Speculation", "TextPart", "TextRequest", "Tool",
+           "ToolCall", "ToolChoice", "merge_turns"]
 
 Priority = Literal["interactive", "background"]
 # A salt is a tenant's name or a random token, not a document.
@@ -89,6 +89,20 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """What one request asks of speculative decoding (``app.engine.speculative``): proposals
+    only change how fast the answer comes, never what it is."""
+
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat, proposed where the
+    # output so far matches it (None: no prediction).
+    prediction: str | None = None
+    # Tandem extension: switch the model's drafters off (or on) for this request; None keeps
+    # its models.yaml ``speculative`` setting.
+    prompt_lookup: bool | None = None
+    draft: bool | None = None
+
+
+@dataclass(frozen=True)
 class Options:
     """What any generation request may set, whatever its prompt."""
 
@@ -111,6 +125,7 @@ class Options:
     logprobs: int | None = None
     # Tandem extension: captions, warnings, parser chunks and the exact prompt in the answer.
     extensions: bool = False
+    speculation: Speculation = Speculation()
 
     def __post_init__(self) -> None:
         if self.cache_salt is not None and len(self.cache_salt) > CACHE_SALT_MAX_CHARS:

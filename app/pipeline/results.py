@@ -43,6 +43,10 @@ class Usage:
     cached_tokens: int = 0
     # Of completion_tokens, those the model spent inside its reasoning block (markers aside).
     reasoning_tokens: int = 0
+    # Of the prediction's tokens (OpenAI's Predicted Outputs), those the model kept and those
+    # it refused (proposed where the output matched, then not written).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -109,4 +113,5 @@ class Completion:
 def total_usage(usages: list[Usage]) -> Usage:
     """One request's usage over its choices: the prompt counted once, completions summed."""
     return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens,
-                 sum(u.reasoning_tokens for u in usages))
+                 sum(u.reasoning_tokens for u in usages), sum(u.accepted_prediction_tokens for u in usages),
+                 sum(u.rejected_prediction_tokens for u in usages))

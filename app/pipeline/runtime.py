@@ -26,6 +26,7 @@ from app.engine.batch.encoder_engine import EncoderStats
 from app.engine.distributed.distributed import Distributed
 from app.engine.params import ModelSpec
 from app.engine.registry import Registry
+from app.engine.speculative import DraftCounts
 from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationRecord
 from app.engine.worker import MLXWorker
 from app.pipeline.pipeline import Pipeline, VisionState
@@ -83,6 +84,8 @@ class Health:
     # The proxy caption cache's counters (hits, misses, evictions, bytes, entries), when the
     # default model has one; a native VLM's vision-feature cache is in ``engine``.
     captions: dict[str, int] | None = None
+    # Each loaded chat model's speculative decoding, per drafter: tokens proposed and accepted.
+    speculation: dict[str, dict[str, DraftCounts]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class ModelState:
     error: str | None
     # A loaded chat model's prefix-cache tiers ("memory", and "disk" when on).
     cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
+    # A loaded chat model's speculative decoding, per drafter: tokens proposed and accepted so far.
+    speculation: dict[str, DraftCounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -212,15 +217,21 @@ class Runtime:
     def health(self) -> Health:
         engine = self.registry.loaded_chat(self.default_model)
         dead = self.worker.dead
+        speculation = {name: dict(stats.speculation) for name, stats in self._chat_stats()}
         return Health(self.worker.alive, repr(dead) if dead else None, self.default_model, self.registry.snapshot(),
                       engine.stats() if engine is not None else None, VisionReport.of(self.vision),
                       self.distributed.health() if self.distributed is not None else None,
-                      self.vision.proxy.cache.stats() if self.vision.proxy is not None else None)
+                      self.vision.proxy.cache.stats() if self.vision.proxy is not None else None, speculation)
+
+    def _chat_stats(self) -> list[tuple[str, EngineStats]]:
+        """Every loaded chat model's engine stats."""
+        registry = self.registry
+        return [(e.name, e.stats()) for spec in registry.specs
+                if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
 
     def figures(self) -> Figures:
         registry = self.registry
-        chat = [(e.name, e.stats()) for spec in registry.specs
-                if registry.serves(spec.name, "chat") and (e := registry.loaded_chat(spec.name))]
+        chat = self._chat_stats()
         encoders = [(enc.name, enc.stats()) for spec in registry.specs
                     if (enc := registry.loaded_encoder(spec.name))]
         proxy = self.vision.proxy
@@ -236,12 +247,13 @@ class Runtime:
             row = snapshot["models"][spec.name]
             mem, requests = row["memory_mb"], row["requests"]
             engine = registry.loaded_chat(spec.name)
-            tiers = engine.stats().prompt_cache_tiers if engine is not None else {}
+            stats = engine.stats() if engine is not None else None
             on_disk = True if row["state"] == "loaded" else registry.on_disk(spec.name)
             models.append(ModelState(spec.name, spec.role, row["state"], spec.name == self.default_model,
                                      row["pinned"], on_disk, spec.name in public, row["idle_s"], mem["weights"],
                                      mem["kv_budget"], mem["kv_used"], requests["running"], requests["waiting"],
-                                     row["error"], dict(tiers)))
+                                     row["error"], dict(stats.prompt_cache_tiers) if stats else {},
+                                     dict(stats.speculation) if stats else {}))
         return Overview(self.worker.alive, self.default_model, snapshot["limit_mb"], snapshot["used_mb"],
                         snapshot["mlx"], models,
                         self.distributed.health() if self.distributed is not None else None)

@@ -203,3 +203,26 @@ def test_unload_never_cuts_off_a_running_request(served: Served) -> None:
         assert_openai_error(served.post("/v1/admin/models/unload", {"model": "tiny"}), 409, "model_busy")
         assert next(line for line in lines if line.startswith("data:"))  # and still is
     assert served.state.registry.loaded("tiny") is not None
+
+
+def test_samples_carry_each_models_speculative_acceptance_since_the_last() -> None:
+    """The live chart's "speculative acceptance": accepted / proposed tokens between two samples."""
+    from app.api.ui.activity import Activity
+    from app.engine.speculative import DraftCounts
+    from app.pipeline.runtime import ModelState, Overview
+
+    counts = {"prompt_lookup": DraftCounts(0, 0, 0)}
+
+    def overview() -> Overview:
+        model = ModelState("big", "chat", "loaded", True, False, True, True, 0.0, 1.0, 16.0, 0.0, 0, 0, None,
+                           speculation=dict(counts))
+        return Overview(True, "big", 100.0, 10.0, {}, [model], None)
+
+    activity = Activity(overview)
+    assert activity.sample()["models"]["big"]["acceptance"] is None  # nothing proposed yet
+    counts["prompt_lookup"] = DraftCounts(10, 4, 3)
+    counts["draft"] = DraftCounts(10, 8, 3)
+    assert activity.sample()["models"]["big"]["acceptance"] == 0.6
+    assert activity.sample()["models"]["big"]["acceptance"] is None  # nothing new this second
+    counts["draft"] = DraftCounts(20, 18, 6)
+    assert activity.sample()["models"]["big"]["acceptance"] == 1.0

@@ -11,9 +11,9 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from app.config import schema
-from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
+from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, param_field, resolve
 from app.config.schema import ROLE_ENTRIES, ChatEntry, ChatParams, EncoderParams, ModelsFile, VisionParams
-from app.engine.params import EncoderLimits, EngineParams, LoadParams, VisionSpec
+from app.engine.params import EncoderLimits, EngineParams, LoadParams, SpeculativeParams, VisionSpec
 from app.engine.types import SamplingParams
 from app.errors import ConfigError
 from app.specs import engine_params, load_params, model_spec
@@ -57,7 +57,7 @@ def test_every_engine_knob_has_a_default_in_one_place():
     internal = {f.name for f in fields(EngineParams) if f.default is not MISSING}
     assert internal == {"starvation_s", "prompt_cache_share", "prompt_cache_disk_queue_mb", "channel_max_pending"}
     assert mapped.prompt_cache_share == 0.25 and mapped.starvation_s == 5.0
-    for params_type in (LoadParams, EncoderLimits, VisionSpec, SamplingParams):
+    for params_type in (LoadParams, EncoderLimits, VisionSpec, SamplingParams, SpeculativeParams):
         assert all(f.default is MISSING for f in fields(params_type)), params_type
     # Renamed on the way: each engine field is a schema field, or says where it comes from.
     schema = set(ChatParams.model_fields)
@@ -128,6 +128,65 @@ def test_native_vision_is_accepted_and_image_token_is_gone(tmp_path):
     old = text.replace("{vision_mode: native}", "{vision_mode: native, image_token: '<image>'}")
     with pytest.raises(ConfigError, match="image_token: unknown key"):
         load_models_file(write(tmp_path, old))
+
+
+
+# ---- speculative decoding -------------------------------------------------------------------------
+
+SPEC_YAML = """models:
+  - name: big
+    builtin: smollm2-135m-instruct
+    params: {{speculative: {big}}}
+  - name: small
+    local_path: /tmp/small
+    params: {{speculative: {small}}}
+  - name: minilm
+    role: embedding
+    builtin: all-minilm-l6-v2
+  - name: eyes
+    local_path: /tmp/vlm
+    capabilities: {{vision_mode: native}}
+"""
+
+
+def test_speculative_defaults_and_a_draft_map_onto_engine_params(tmp_path):
+    mf = load_models_file(write(tmp_path, SPEC_YAML.format(big="{draft: small, tokens: 6, prompt_lookup: false}",
+                                                          small="{}")))
+    big = model_spec(mf.models[0], None)
+    assert big.engine is not None and big.engine.speculative == SpeculativeParams(False, "small", 6)
+    small = model_spec(mf.models[1], None)
+    assert small.engine is not None and small.engine.speculative == SpeculativeParams(True, None, 4)
+    assert "speculative=" in big.engine.to_log_string()
+
+
+@pytest.mark.parametrize("big, small, why", [
+    ("{draft: ghost}", "{}", "draft 'ghost' is not an entry (chat entries: small, eyes)"),
+    ("{draft: big}", "{}", "a model cannot draft for itself"),
+    ("{draft: minilm}", "{}", "draft 'minilm' has role embedding"),
+    ("{draft: eyes}", "{}", "draft 'eyes' is a native VLM"),
+    ("{draft: small}", "{draft: big}", "draft 'small' has a draft of its own ('big')"),
+    ("{tokens: -1}", "{}", "greater than or equal to 0"),
+    ("{tokens: 17}", "{}", "less than or equal to 16"),
+    ("{tokens: 4, drafter: x}", "{}", "unknown key"),
+])
+def test_a_bad_draft_stops_start_up_naming_file_and_key(tmp_path, big, small, why):
+    path = write(tmp_path, SPEC_YAML.format(big=big, small=small))
+    with pytest.raises(ConfigError) as info:
+        load_models_file(path)
+    msg = info.value.message
+    assert str(path) in msg and "models[0].params.speculative" in msg and why in msg, msg
+
+
+def test_draft_model_flag_is_validated_like_the_file(tmp_path):
+    mf = load_models_file(write(tmp_path, SPEC_YAML.format(big="{tokens: 3}", small="{}")))
+    cfg = resolve(mf, model="big", overrides={"draft_model": "small"})
+    assert cfg.primary.params.speculative.draft == "small"
+    assert cfg.primary.params.speculative.tokens == 3  # the file's, kept beside the flag's
+    assert resolve(mf, model="big", overrides={"speculative_tokens": 8}).primary.params.speculative.tokens == 8
+    with pytest.raises(ConfigError, match="draft 'minilm' has role embedding"):
+        resolve(mf, model="big", overrides={"draft_model": "minilm"})
+    with pytest.raises(ConfigError, match="speculative.tokens"):
+        resolve(mf, model="big", overrides={"speculative_tokens": 99})
 
 
 # ---- one entry type per role ------------------------------------------------------------------------
@@ -225,8 +284,7 @@ def test_cli_flags_are_generated_from_the_fields():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     actions = {a.dest: a for a in serve._actions}
     for flag, key in [*PARAM_FLAGS.items(), *((f, f) for f in SERVER_FLAGS)]:
-        model = ChatParams if flag in PARAM_FLAGS else schema.ServerSettings
-        field = model.model_fields[key]
+        field = param_field(key) if flag in PARAM_FLAGS else schema.ServerSettings.model_fields[key]
         assert actions[flag].help.startswith(field.description.replace("%", "%%")), flag
         assert actions[flag].default is None
     assert actions["dtype"].choices == list(get_args(schema.Dtype))
@@ -235,6 +293,9 @@ def test_cli_flags_are_generated_from_the_fields():
     assert actions["temperature"].type is float and actions["port"].type is int
     args = build_parser().parse_args(["serve", "--isq", "q4", "--kv-cache-bits", "8", "--temperature", "0.2"])
     assert (args.isq, args.kv_cache_bits, args.temperature, args.mem) == ("q4", 8, 0.2, None)
+    # A nested model's keys are flags too: params.speculative.draft is --draft-model.
+    args = build_parser().parse_args(["serve", "--draft-model", "small", "--speculative-tokens", "2"])
+    assert (args.draft_model, args.speculative_tokens) == ("small", 2)
 
 
 def test_vision_params_are_its_engines_keys_without_sampling_or_prefix_cache():

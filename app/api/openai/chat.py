@@ -41,7 +41,9 @@ def usage_dict(u: Usage) -> dict[str, Any]:
     """OpenAI's usage object."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens,
+                                          "accepted_prediction_tokens": u.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": u.rejected_prediction_tokens}}
 
 
 def tool_call_dict(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.pipeline import request as typed
@@ -158,6 +158,32 @@ class ResponseFormat(Lenient):
         return typed.OutputFormat("json_schema", js.schema_, js.name, bool(js.strict))
 
 
+class PredictionText(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Lenient):
+    """OpenAI's Predicted Outputs: text the answer is expected to be close to (a file being
+    rewritten). Tandem proposes it to the model, which keeps what it would have written anyway."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class SpeculativeSwitches(BaseModel):
+    """Tandem extension ``speculative``: the model's drafters (models.yaml ``speculative``) for this
+    request. Strict: a misspelt switch is a 400, not silently the default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_lookup: bool | None = None
+    draft: bool | None = None
+
+
 class StreamOptions(Lenient):
     include_usage: bool = False
 
@@ -191,6 +217,9 @@ class _SamplingFields(Lenient):
     # Tandem (and vLLM) extension: "background" work (titles, tags, follow-ups) yields to
     # interactive requests. Open WebUI's "### Task:" prompts are background without it.
     priority: Literal["interactive", "background"] = "interactive"
+    # Tandem extension: {"prompt_lookup": false, "draft": false} switches the model's drafters
+    # off for this request (speculation never changes the answer, only its speed).
+    speculative: SpeculativeSwitches | None = None
 
     @field_validator("seed")
     @classmethod
@@ -218,8 +247,9 @@ class _SamplingFields(Lenient):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def to_options(self, max_tokens: int | None = None, extensions: bool = False,
-                   logprobs: int | None = None) -> typed.Options:
+                   logprobs: int | None = None, prediction: str | None = None) -> typed.Options:
         """The pipeline's options for this request."""
+        switches = self.speculative or SpeculativeSwitches()
         sampling = typed.Sampling(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
@@ -228,7 +258,8 @@ class _SamplingFields(Lenient):
         )
         return typed.Options(self.model, sampling, max_tokens if max_tokens is not None else self.max_tokens,
                              stop=self.stop_list(), priority=self.priority, cache_salt=self.cache_salt,
-                             extensions=extensions, n=self.n, logprobs=logprobs)
+                             extensions=extensions, n=self.n, logprobs=logprobs,
+                             speculation=typed.Speculation(prediction, switches.prompt_lookup, switches.draft))
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -248,6 +279,10 @@ class ChatCompletionRequest(_SamplingFields):
     # The chosen tokens' log-probabilities, with top_logprobs alternatives each.
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's Predicted Outputs. OpenAI refuses it with n > 1, logprobs, tools, penalties and
+    # max_completion_tokens (limits of its implementation); here the verify step keeps the
+    # answer exactly what it would have been, so each of those works with it.
+    prediction: Prediction | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -275,7 +310,8 @@ class ChatCompletionRequest(_SamplingFields):
                                  bool(t.function.strict)) for t in self.tools or ())
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return typed.ChatRequest(
-            self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs),
+            self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs,
+                            self.prediction.text() if self.prediction is not None else None),
             tuple(m.to_message(i) for i, m in enumerate(self.messages)),
             tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
             output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),

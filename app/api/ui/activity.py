@@ -10,7 +10,8 @@ Two feeds, joined by request id:
 ``Activity.sample()`` runs once a second on the event loop (``run``): it reads the
 runtime's ``Overview`` and folds the generations that ended since the last sample into
 per-model decode speed (tokens after the first / the gaps between them), time to first
-token and the prefix-cache hit rate (cached / prompt tokens). ``SAMPLES`` of them are
+token, the prefix-cache hit rate (cached / prompt tokens) and each model's speculative
+acceptance (tokens its drafters proposed since the last sample that it kept). ``SAMPLES`` of them are
 kept, so a page opened now draws the last 15 minutes; ``/ui/events`` streams each new
 one. No prompt or answer text is kept: there is nothing to show without a
 ``--log-prompts`` switch, which Tandem does not have.
@@ -71,6 +72,8 @@ class Activity:
         self.samples: deque[dict[str, Any]] = deque(maxlen=SAMPLES)
         self.version = 0  # bumped when the request list changes
         self._tick: asyncio.Event | None = None
+        # Per model: its drafters' proposed and accepted tokens at the last sample.
+        self._drafted: dict[str, tuple[int, int]] = {}
 
     # ---- the two feeds ------------------------------------------------------------------------
 
@@ -141,7 +144,8 @@ class Activity:
         per_model: dict[str, dict[str, Any]] = {}
         for m in view.models:
             if m.state == "loaded":
-                per_model[m.name] = {"running": m.running, "waiting": m.waiting, "kv_used_mb": m.kv_used_mb}
+                per_model[m.name] = {"running": m.running, "waiting": m.waiting, "kv_used_mb": m.kv_used_mb,
+                                     "acceptance": self._acceptance(m.name, m.speculation.values())}
         prompt = cached = 0
         for name in {r.model for r in ended}:
             mine = [r for r in ended if r.model == name]
@@ -162,6 +166,18 @@ class Activity:
         }
         self.samples.append(sample)
         return sample
+
+    def _acceptance(self, model: str, counts: Any) -> float | None:
+        """The share of the tokens ``model``'s drafters proposed since the last sample that it
+        kept; None when none were proposed (or the model was loaded again, its counts reset)."""
+        proposed = accepted = 0
+        for c in counts:
+            proposed, accepted = proposed + c.proposed, accepted + c.accepted
+        last_proposed, last_accepted = self._drafted.get(model, (0, 0))
+        self._drafted[model] = (proposed, accepted)
+        if proposed <= last_proposed:
+            return None
+        return round((accepted - last_accepted) / (proposed - last_proposed), 4)
 
     async def run(self) -> None:
         """Sample every ``SAMPLE_S`` and wake the event streams (a task on the server's loop)."""

@@ -250,6 +250,7 @@ function renderCharts() {
   drawChart($('#chart-memory'), memory.map((l) =>
     ({ ...l, color: { 'budget used': PALETTE[0], 'MLX active': PALETTE[3], limit: PALETTE[1] }[l.name] })), {});
   drawChart($('#chart-hits'), series((s) => ({ 'hit rate': s.hit_rate })).map((l) => ({ ...l, color: PALETTE[5] })), { max: 1 });
+  drawChart($('#chart-spec'), series(perModel('acceptance')), { max: 1 });
   const names = Object.keys(state.colors);
   $('#legend').replaceChildren(...names.map((n) => {
     const swatch = el('i');
