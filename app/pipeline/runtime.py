@@ -30,6 +30,7 @@ from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationReco
 from app.engine.worker import MLXWorker
 from app.pipeline.pipeline import Pipeline, VisionState
 from app.pipeline.prompting import ModelProfile
+from app.request_context import note_model
 
 # What the API layer names of the layers below, through this module.
 __all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport",
@@ -247,6 +248,7 @@ class Runtime:
                         self.distributed.health() if self.distributed is not None else None)
 
     def _state(self, name: str) -> ModelState:
+        note_model(name)
         return next(m for m in self.overview().models if m.name == name)
 
     async def load(self, name: str) -> ModelState:

@@ -145,6 +145,28 @@ def test_admin_load_pin_unload_the_embedding_model(served: Served) -> None:
                        ).status_code == 200
 
 
+def test_every_request_that_names_a_model_lists_it(served: Served) -> None:
+    # Embeddings, rerank and the admin buttons generate nothing, so no GenerationRecord
+    # names their model: the pipeline notes it for the request log instead.
+    ids = {}
+    for what, path, body in (
+        ("load", "/v1/admin/models/load", {"model": "minilm"}),
+        ("embed", "/v1/embeddings", {"model": "minilm", "input": ["one two", "three"]}),
+        ("rerank", "/v1/rerank", {"model": "minilm", "query": "q", "documents": ["a", "b c"]}),
+        ("pin", "/v1/admin/models/pin", {"model": "tiny", "pinned": False}),
+        ("unload", "/v1/admin/models/unload", {"model": "minilm"}),
+    ):
+        r = served.post(path, body)
+        assert r.status_code == 200, (what, r.text)
+        ids[what] = r.headers["x-request-id"]
+    (_, history), = events(served, 1)
+    rows = {x["id"]: x for x in history["requests"]}
+    assert {what: rows[rid]["model"] for what, rid in ids.items()} == {
+        "load": "minilm", "embed": "minilm", "rerank": "minilm", "pin": "tiny", "unload": "minilm"}
+    assert rows[ids["embed"]]["prompt_tokens"] > 0 and rows[ids["rerank"]]["prompt_tokens"] > 0
+    assert rows[ids["embed"]]["route"] == "/v1/embeddings" and rows[ids["embed"]]["completion_tokens"] == 0
+
+
 @pytest.mark.parametrize(("body", "status"), [
     ({"model": "no-such-model"}, 404),
     ({}, 400),

@@ -5,7 +5,11 @@ Two feeds, joined by request id:
 - ``middleware`` sees every HTTP request: its route template, client, status and
   duration (a stream's duration runs to its last byte);
 - the registry's ``GenerationRecord`` listener (the MLX thread) adds the model, tokens
-  in, out and cached, and the time to first token of each generation that ended.
+  in, out and cached, and the time to first token of each generation that ended;
+- the request's ``RequestNote`` (``app.request_context``), which the middleware sets and
+  the pipeline fills in, gives the model of every request that named one, those that
+  generate nothing (embeddings, rerank, the admin buttons) included, and an encoder's
+  input tokens.
 
 ``Activity.sample()`` runs once a second on the event loop (``run``): it reads the
 runtime's ``Overview`` and folds the generations that ended since the last sample into
@@ -30,7 +34,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.request_id import request_id
 from app.pipeline.runtime import GenerationRecord, Overview
-from app.request_context import CLIENT
+from app.request_context import CLIENT, NOTE, RequestNote
 
 # One sample a second, 15 minutes of them.
 SAMPLE_S = 1.0
@@ -104,6 +108,7 @@ class Activity:
                 await app(scope, receive, send)
                 return
             started, wall = time.monotonic(), time.time()
+            note = RequestNote()
 
             async def sending(message: Message) -> None:
                 if message["type"] == "http.response.start" and scope.get("path_template"):
@@ -113,6 +118,8 @@ class Activity:
                         row.time = wall
                         row.method, row.route, row.client = str(scope.get("method", "")), scope["path_template"], client
                         row.status = message["status"]
+                        row.model = row.model or note.model
+                        row.prompt_tokens = row.prompt_tokens or note.input_tokens
                         self.version += 1
                 elif message["type"] == "http.response.body" and not message.get("more_body"):
                     with self._lock:
@@ -122,7 +129,11 @@ class Activity:
                             self.version += 1
                 await send(message)
 
-            await app(scope, receive, sending)
+            token = NOTE.set(note)
+            try:
+                await app(scope, receive, sending)
+            finally:
+                NOTE.reset(token)
 
         return logged
 
