@@ -22,6 +22,8 @@ is kept wired (as mlx-lm's ``wired_limit`` does for mlx_lm.server).
 
 The dashboard's buttons are ``load``, ``unload_idle`` and ``pin``: the same
 transitions, asked for by name (an unload never cuts off a request: 409 when busy).
+While a model loads, its slot's ``LoadProgress`` says how far (downloading, converting,
+loading weights: ``app/engine/models/progress.py``); ``snapshot`` shows its last step.
 
 Bookkeeping (states, leases, timestamps) happens on the event loop; every MLX
 call (loading, unloading) on the MLX thread.
@@ -35,7 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -44,6 +46,7 @@ import mlx.core as mx
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.batch.vlm_engine import VlmEngine
+from app.engine.models.progress import LoadProgress, LoadStep
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
 from app.engine.types import GenerationRecord, ModelHandle
@@ -82,6 +85,8 @@ class _Slot:
     last_used: float | None = None
     transition: asyncio.Future[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # How far the load in progress has got (None when not loading).
+    progress: LoadProgress | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -176,6 +181,7 @@ class Registry:
             for key in (spec.name, *spec.aliases):
                 self._by_name.setdefault(key, slot)
         self._listeners: list[Callable[[GenerationRecord], None]] = []
+        self._load_listeners: list[Callable[[str, LoadStep], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -248,6 +254,22 @@ class Registry:
             if (engine := slot.chat) is not None:
                 engine.add_listener(listener)
 
+    def add_load_listener(self, listener: Callable[[str, LoadStep], None]) -> None:
+        """Be told of each step of every load (model name, step), on the thread that made it
+        (the MLX thread, mostly): keep it short."""
+        self._load_listeners.append(listener)
+
+    def _start_loading(self, slot: _Slot) -> None:
+        name = slot.spec.name
+
+        def tell(step: LoadStep) -> None:
+            for listener in self._load_listeners:
+                listener(name, step)
+
+        slot.state = "loading"
+        slot.progress = LoadProgress(tell)
+        slot.progress.report(slot.progress.step.phase)
+
     # ---- leases and loading ---------------------------------------------------------------
 
     async def acquire(self, name: str, api: Api, handle: type[H], param: str = "model") -> Lease[H]:
@@ -301,7 +323,7 @@ class Registry:
             async with slot.lock:
                 if slot.state in ("unloaded", "failed"):
                     await self._make_room(slot)
-                    slot.state = "loading"
+                    self._start_loading(slot)
                     slot.transition = asyncio.ensure_future(self._load(slot))
             if slot.state == "failed":
                 raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
@@ -330,11 +352,12 @@ class Registry:
         stops); another's error is returned (None when it loaded)."""
         slot = self._slots[name]
         started = time.monotonic()
-        slot.state = "loading"
+        self._start_loading(slot)
         try:
             handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot)).result()
         except Exception as exc:
             slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
+            slot.progress = None
             if required:
                 raise
             log.error("model %s: preload failed: %s", name, slot.error)
@@ -347,17 +370,17 @@ class Registry:
         try:
             handle, weights = await asyncio.wrap_future(self.worker.submit_steps(lambda: self._load_steps(slot)))
         except AppError as exc:
-            slot.state, slot.error = "failed", exc.message
+            slot.state, slot.error, slot.progress = "failed", exc.message, None
             log.error("model %s: load failed: %s", slot.spec.name, exc.message)
             return
         except Exception as exc:  # noqa: BLE001 - a model that cannot load fails its requests, not the server
-            slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
+            slot.state, slot.error, slot.progress = "failed", f"{type(exc).__name__}: {exc}", None
             log.exception("model %s: load failed", slot.spec.name)
             return
         self._loaded(slot, handle, weights, started)
 
     def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float) -> None:
-        slot.handle, slot.weights_bytes, slot.error = handle, weights, None
+        slot.handle, slot.weights_bytes, slot.error, slot.progress = handle, weights, None, None
         slot.state = "loaded"
         if (engine := slot.chat) is not None:
             for listener in self._listeners:
@@ -368,7 +391,8 @@ class Registry:
 
     def _load_steps(self, slot: _Slot) -> Generator[None, None, Loaded]:
         """Load one model on the MLX thread, in slices, by its role's loader."""
-        handle, weights = yield from slot.role.load(self._load_ctx, slot.spec)
+        assert slot.progress is not None
+        handle, weights = yield from slot.role.load(replace(self._load_ctx, progress=slot.progress), slot.spec)
         if not isinstance(handle, slot.role.handle):
             handle.close()
             raise TypeError(f"model {slot.spec.name}: role {slot.spec.role} loaded a {type(handle).__name__}")
@@ -540,6 +564,8 @@ class Registry:
                               "kv_used": round(kv_used, 1)},
                 "requests": {"running": running, "waiting": waiting + slot.waiting},
                 "error": slot.error,
+                # While loading: {"phase", "done", "total", "unit"} (``LoadStep``).
+                "progress": asdict(slot.progress.step) if slot.progress is not None else None,
             }
         used = self.used_bytes
         return {

@@ -24,6 +24,7 @@ from app.config.loader import ResolvedConfig
 from app.config.schema import ServerSettings
 from app.engine.batch.encoder_engine import EncoderStats
 from app.engine.distributed.distributed import Distributed
+from app.engine.models.progress import LoadStep
 from app.engine.params import ModelSpec
 from app.engine.registry import Registry
 from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationRecord
@@ -33,8 +34,8 @@ from app.pipeline.prompting import ModelProfile
 from app.request_context import note_model
 
 # What the API layer names of the layers below, through this module.
-__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport",
-           "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
+__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "LoadStep",
+           "ModelReport", "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class ModelState:
     error: str | None
     # A loaded chat model's prefix-cache tiers ("memory", and "disk" when on).
     cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
+    # While loading: how far (downloading, converting, loading weights, starting engine).
+    progress: LoadStep | None = None
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,8 @@ class Runtime:
             models.append(ModelState(spec.name, spec.role, row["state"], spec.name == self.default_model,
                                      row["pinned"], on_disk, spec.name in public, row["idle_s"], mem["weights"],
                                      mem["kv_budget"], mem["kv_used"], requests["running"], requests["waiting"],
-                                     row["error"], dict(tiers)))
+                                     row["error"], dict(tiers),
+                                     LoadStep(**row["progress"]) if row["progress"] else None))
         return Overview(self.worker.alive, self.default_model, snapshot["limit_mb"], snapshot["used_mb"],
                         snapshot["mlx"], models,
                         self.distributed.health() if self.distributed is not None else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,8 +85,23 @@ def test_dashboard_in_chromium(browser, served: Served) -> None:  # type: ignore
     assert answer.locator(".answer").inner_text().strip(), answer.inner_text()
     expect(answer.locator(".meta")).to_contain_text("3 out")
 
-    # The buttons: load the embedding model, then unload it.
+    # The buttons: load the embedding model (held midway by a load listener on the MLX
+    # thread, so the page shows the load in progress), then unload it.
+    reading, release = threading.Event(), threading.Event()
+
+    def hold(name: str, step) -> None:  # type: ignore[no-untyped-def]
+        if name == "minilm" and step.phase == "loading weights" and not reading.is_set():
+            reading.set()
+            release.wait(30)
+
+    served.state.registry.add_load_listener(hold)
     minilm.locator('button[data-action="load"]').click()
+    try:
+        assert reading.wait(30)
+        expect(minilm.locator(".state")).to_have_text("loading: loading weights", timeout=10_000)
+        expect(minilm.locator('button[data-action="load"]')).to_be_disabled()
+    finally:
+        release.set()
     expect(minilm.locator(".state")).to_have_text("loaded", timeout=60_000)
     assert served.state.registry.loaded("minilm") is not None
     minilm.locator('button[data-action="unload"]').click()

@@ -134,9 +134,29 @@ function renderOverview(view) {
   renderDistributed(view.distributed);
 }
 
+// "loading weights 40% (38 MB of 96 MB)", "converting GGUF (weights) 12%", or the phase alone.
+function progressText(p) {
+  if (!p.total) return p.phase;
+  const pct = Math.round((100 * Math.min(p.done, p.total)) / p.total) + '%';
+  return p.unit === 'bytes' ? `${p.phase} ${pct} (${mb(p.done / 1048576)} of ${mb(p.total / 1048576)})` : `${p.phase} ${pct}`;
+}
+
+function stateCell(m) {
+  let text = m.state;
+  if (text === 'unloaded') text = m.on_disk === false ? 'not downloaded' : m.on_disk ? 'on disk' : 'unloaded';
+  const cell = el('td', { class: 'state state-' + m.state, title: m.error || '' }, text, m.error ? ' ⚠' : '');
+  if (m.state === 'loading' && m.progress) {
+    cell.append(el('span', { class: 'progress' }, ': ' + progressText(m.progress)));
+    if (m.progress.total) {
+      const bar = el('span', { class: 'bar' }, el('span'));
+      bar.firstChild.style.width = ((100 * Math.min(m.progress.done, m.progress.total)) / m.progress.total).toFixed(0) + '%';
+      cell.append(bar);
+    }
+  }
+  return cell;
+}
+
 function modelRow(m) {
-  let state = m.state;
-  if (state === 'unloaded') state = m.on_disk === false ? 'not downloaded' : m.on_disk ? 'on disk' : 'unloaded';
   const kvShare = m.kv_budget_mb ? Math.min(1, m.kv_used_mb / m.kv_budget_mb) : 0;
   const bar = el('span', { class: 'bar' }, el('span'));
   bar.firstChild.style.width = (kvShare * 100).toFixed(0) + '%';
@@ -155,7 +175,7 @@ function modelRow(m) {
   return el('tr', { 'data-model': m.name },
     el('td', {}, m.name, m.default ? el('span', { class: 'muted' }, ' (default)') : null),
     el('td', {}, m.role),
-    el('td', { class: 'state state-' + m.state, title: m.error || '' }, state, m.error ? ' ⚠' : ''),
+    stateCell(m),
     el('td', { class: 'num' }, m.weights_mb ? mb(m.weights_mb) : '–'),
     el('td', { class: 'num' }, m.kv_budget_mb ? `${mb(m.kv_used_mb)} / ${mb(m.kv_budget_mb)}` : '–', m.kv_budget_mb ? bar : null),
     el('td', { class: 'tiers' }, tiers || '–'),
