@@ -303,8 +303,16 @@ function renderDistributed(d) {
   const panel = $('#distributed-panel');
   if (!d) { panel.classList.add('hidden'); return; }
   panel.classList.remove('hidden');
-  $('#distributed tbody').replaceChildren(...Object.entries(d).map(([k, v]) =>
-    el('tr', {}, el('th', {}, k), el('td', { class: k === 'error' && v ? 'error' : '' }, v === null ? 'none' : String(v)))));
+  $('#distributed-launch').textContent = `${d.world_size} ranks, ${d.backend} backend, ${d.mode} parallel` +
+    (d.error ? ` · stopped: ${d.error}` : '');
+  $('#distributed-launch').className = d.error ? 'error' : 'muted';
+  $('#distributed tbody').replaceChildren(...(d.ranks || []).map((r) => el('tr', { 'data-rank': r.rank },
+    el('td', { class: 'num' }, r.rank),
+    el('td', {}, r.host || '–'),
+    el('td', {}, r.address || '–'),
+    el('td', { class: 'rank-state rank-' + r.state, title: r.error || '' }, r.state, r.error ? ': ' + r.error : ''),
+    el('td', { class: 'num' }, r.rank === 0 ? 'serves HTTP' : fmt(r.last_heard_s, 1) + ' s ago'),
+    el('td', { class: 'num' }, r.ping_ms === null ? '–' : fmt(r.ping_ms, 1) + ' ms'))));
 }
 
 // ---- playground ------------------------------------------------------------------------------------------
