@@ -16,8 +16,13 @@ runtime's ``Overview`` and folds the generations that ended since the last sampl
 per-model decode speed (tokens after the first / the gaps between them), time to first
 token and the prefix-cache hit rate (cached / prompt tokens). ``SAMPLES`` of them are
 kept, so a page opened now draws the last 15 minutes; ``/ui/events`` streams each new
-one. No prompt or answer text is kept: there is nothing to show without a
-``--log-prompts`` switch, which Tandem does not have.
+one, with the ``Overview`` read for it (``view``) and its JSON built once for every open
+page (``once_per_sample``): a page costs the server the bytes it is sent, not another
+read of the registry and another encoding. No prompt or answer text is kept: there is
+nothing to show without a ``--log-prompts`` switch, which Tandem does not have.
+
+The samples are the live charts' data: a new series is a field of the sample (or of
+each model's row in ``models``) here, and one ``drawChart`` call in ``static/app.js``.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,6 +48,7 @@ SAMPLES = 900
 REQUESTS = 100
 # Paths that are the dashboard, probes or docs: not client requests worth listing.
 _QUIET = ("/ui", "/health", "/metrics", "/docs")
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,6 +81,9 @@ class Activity:
         self.samples: deque[dict[str, Any]] = deque(maxlen=SAMPLES)
         self.version = 0  # bumped when the request list changes
         self._tick: asyncio.Event | None = None
+        # The runtime as the last sample read it, and what was built from it for the pages.
+        self.view: Overview | None = None
+        self._memo: dict[Hashable, Any] = {}
 
     # ---- the two feeds ------------------------------------------------------------------------
 
@@ -172,7 +181,14 @@ class Activity:
             "models": per_model,
         }
         self.samples.append(sample)
+        self.view, self._memo = view, {}
         return sample
+
+    def once_per_sample(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()`` for the current sample, built once however many pages ask (event loop)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     async def run(self) -> None:
         """Sample every ``SAMPLE_S`` and wake the event streams (a task on the server's loop)."""
