@@ -101,7 +101,8 @@ def test_dashboard_in_chromium(browser, served: Served) -> None:  # type: ignore
     minilm.locator('button[data-action="load"]').click()
     try:
         assert reading.wait(30)
-        expect(minilm.locator(".state")).to_have_text("loading: loading weights", timeout=10_000)
+        expect(minilm.locator(".state .progress")).to_have_text("loading weights", timeout=10_000)
+        expect(minilm.locator(".state")).to_contain_text("loading")
         expect(minilm.locator('button[data-action="load"]')).to_be_disabled()
     finally:
         release.set()

@@ -134,11 +134,11 @@ function renderOverview(view) {
   renderDistributed(view.distributed);
 }
 
-// "loading weights 40% (38 MB of 96 MB)", "converting GGUF (weights) 12%", or the phase alone.
+// "loading weights 40% of 96 MB", "converting GGUF (weights) 12%", or the phase alone.
 function progressText(p) {
   if (!p.total) return p.phase;
   const pct = Math.round((100 * Math.min(p.done, p.total)) / p.total) + '%';
-  return p.unit === 'bytes' ? `${p.phase} ${pct} (${mb(p.done / 1048576)} of ${mb(p.total / 1048576)})` : `${p.phase} ${pct}`;
+  return p.unit === 'bytes' ? `${p.phase} ${pct} of ${mb(p.total / 1048576)}` : `${p.phase} ${pct}`;
 }
 
 function stateCell(m) {
@@ -146,12 +146,13 @@ function stateCell(m) {
   if (text === 'unloaded') text = m.on_disk === false ? 'not downloaded' : m.on_disk ? 'on disk' : 'unloaded';
   const cell = el('td', { class: 'state state-' + m.state, title: m.error || '' }, text, m.error ? ' ⚠' : '');
   if (m.state === 'loading' && m.progress) {
-    cell.append(el('span', { class: 'progress' }, ': ' + progressText(m.progress)));
+    const line = el('span', { class: 'progress' }, progressText(m.progress));
     if (m.progress.total) {
       const bar = el('span', { class: 'bar' }, el('span'));
       bar.firstChild.style.width = ((100 * Math.min(m.progress.done, m.progress.total)) / m.progress.total).toFixed(0) + '%';
-      cell.append(bar);
+      line.append(bar);
     }
+    cell.append(line);
   }
   return cell;
 }
