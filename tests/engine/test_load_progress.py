@@ -73,3 +73,18 @@ def test_the_text_loader_reports_weights_read_slice_by_slice(demo_model_dir: Pat
     # One step per slice read, in between the loader gives the MLX thread back.
     assert len(weights) - 1 == -(-loaded.weights_bytes // LOAD_SLICE_BYTES) and yields >= len(weights) - 1
     assert [s.phase for s in steps][-1] == "starting engine"
+
+
+def test_a_gguf_conversion_reports_its_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.engine.models.demo_model import demo_gguf_path
+    from app.engine.models.loader import model_source
+    from app.engine.params import ModelSource
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # converted here, not into the user's cache
+    progress, steps = recorder()
+    path = model_source(ModelSource("g", weight_file=str(demo_gguf_path())), progress=progress)
+    assert Path(path) == tmp_path / "converted" / "g" and (Path(path) / "config.json").is_file()
+    assert [s.phase for s in steps][0] == "converting GGUF (reading)" and steps[-1].phase == "converting GGUF (done)"
+    assert {s.phase for s in steps} >= {"converting GGUF (weights)", "converting GGUF (saving)"}
+    fractions = [s.fraction for s in steps]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0  # type: ignore[type-var]
