@@ -27,6 +27,8 @@ KV for the target's rows counts with the target (``roles._load_chat``).
 
 The dashboard's buttons are ``load``, ``unload_idle`` and ``pin``: the same
 transitions, asked for by name (an unload never cuts off a request: 409 when busy).
+While a model loads, its slot's ``LoadProgress`` says how far (downloading, converting,
+loading weights: ``app/engine/models/progress.py``); ``snapshot`` shows its last step.
 
 Bookkeeping (states, leases, timestamps) happens on the event loop; every MLX
 call (loading, unloading) on the MLX thread.
@@ -40,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -50,6 +52,7 @@ from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.batch.engine import TextEngine
 from app.engine.batch.vlm_engine import VlmEngine
+from app.engine.models.progress import LoadProgress, LoadStep
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
 from app.engine.types import GenerationRecord, ModelHandle
@@ -90,6 +93,8 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The draft model this one loaded with (``speculative.draft``), leased while this one is loaded.
     draft: _Slot | None = None
+    # How far the load in progress has got (None when not loading).
+    progress: LoadProgress | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -188,6 +193,7 @@ class Registry:
             if draft is not None and draft not in self._slots:
                 log.warning("model %s: draft model %s is not served here; decoding without it", slot.spec.name, draft)
         self._listeners: list[Callable[[GenerationRecord], None]] = []
+        self._load_listeners: list[Callable[[str, LoadStep], None]] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -260,6 +266,22 @@ class Registry:
             if (engine := slot.chat) is not None:
                 engine.add_listener(listener)
 
+    def add_load_listener(self, listener: Callable[[str, LoadStep], None]) -> None:
+        """Be told of each step of every load (model name, step), on the thread that made it
+        (the MLX thread, mostly): keep it short."""
+        self._load_listeners.append(listener)
+
+    def _start_loading(self, slot: _Slot) -> None:
+        name = slot.spec.name
+
+        def tell(step: LoadStep) -> None:
+            for listener in self._load_listeners:
+                listener(name, step)
+
+        slot.state = "loading"
+        slot.progress = LoadProgress(tell)
+        slot.progress.report(slot.progress.step.phase)
+
     # ---- leases and loading ---------------------------------------------------------------
 
     async def acquire(self, name: str, api: Api, handle: type[H], param: str = "model") -> Lease[H]:
@@ -318,7 +340,7 @@ class Registry:
                     except BaseException:
                         self._release_draft(draft)
                         raise
-                    slot.state = "loading"
+                    self._start_loading(slot)
                     slot.transition = asyncio.ensure_future(self._load(slot, draft))
             if slot.state == "failed":
                 raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
@@ -355,12 +377,13 @@ class Registry:
         if draft is not None:
             draft.leases += 1
         started = time.monotonic()
-        slot.state = "loading"
+        self._start_loading(slot)
         try:
             handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot, draft)).result()
         except Exception as exc:
             self._release_draft(draft)
             slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
+            slot.progress = None
             if required:
                 raise
             log.error("model %s: preload failed: %s", name, slot.error)
@@ -375,19 +398,19 @@ class Registry:
                 self.worker.submit_steps(lambda: self._load_steps(slot, draft)))
         except AppError as exc:
             self._release_draft(draft)
-            slot.state, slot.error = "failed", exc.message
+            slot.state, slot.error, slot.progress = "failed", exc.message, None
             log.error("model %s: load failed: %s", slot.spec.name, exc.message)
             return
         except Exception as exc:  # noqa: BLE001 - a model that cannot load fails its requests, not the server
             self._release_draft(draft)
-            slot.state, slot.error = "failed", f"{type(exc).__name__}: {exc}"
+            slot.state, slot.error, slot.progress = "failed", f"{type(exc).__name__}: {exc}", None
             log.exception("model %s: load failed", slot.spec.name)
             return
         self._loaded(slot, handle, weights, started, draft)
 
     def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float,
                 draft: _Slot | None = None) -> None:
-        slot.handle, slot.weights_bytes, slot.error = handle, weights, None
+        slot.handle, slot.weights_bytes, slot.error, slot.progress = handle, weights, None, None
         slot.state, slot.draft = "loaded", draft
         if (engine := slot.chat) is not None:
             for listener in self._listeners:
@@ -398,7 +421,8 @@ class Registry:
 
     def _load_steps(self, slot: _Slot, draft: _Slot | None = None) -> Generator[None, None, Loaded]:
         """Load one model on the MLX thread, in slices, by its role's loader (with its loaded draft model)."""
-        ctx = self._load_ctx
+        assert slot.progress is not None
+        ctx = replace(self._load_ctx, progress=slot.progress)
         if draft is not None:
             engine = draft.as_(TextEngine)
             if engine is None:
@@ -621,6 +645,8 @@ class Registry:
                 "requests": {"running": running, "waiting": waiting + slot.waiting},
                 "draft": slot.draft.spec.name if slot.draft is not None else None,
                 "error": slot.error,
+                # While loading: {"phase", "done", "total", "unit"} (``LoadStep``).
+                "progress": asdict(slot.progress.step) if slot.progress is not None else None,
             }
         used = self.used_bytes
         return {

@@ -25,12 +25,13 @@ HandleClass)``); tests/engine/test_roles.py registers such a role to keep it so.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.models.loader import LoadedModel, load_text_model_steps, model_source
+from app.engine.models.progress import LoadProgress
 from app.engine.params import ModelSpec
 from app.engine.types import Engine, ModelHandle
 from app.engine.worker import MLXWorker
@@ -58,6 +59,8 @@ class LoadContext:
     # The loaded draft model of a chat model whose spec names one (``speculative.draft``): the
     # registry loads that entry first and keeps it loaded while this one is.
     draft: LoadedModel | None = None
+    # Where this load reports its phases (the registry gives each load its own).
+    progress: LoadProgress = field(default_factory=LoadProgress)
 
 
 Loader = Callable[[LoadContext, ModelSpec], Generator[None, None, Loaded]]
@@ -93,11 +96,13 @@ def _load_vlm(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded
 
     _require(spec, spec.load is not None and spec.engine is not None and spec.vision is not None)
     assert spec.load is not None and spec.engine is not None and spec.vision is not None
-    path = model_source(spec.source, "vision")
+    path = model_source(spec.source, "vision", ctx.progress)
+    ctx.progress.report("loading weights and profiling images")
     yield
     v = spec.vision
     vlm = load_vlm(path, spec.load, name=spec.name, max_pixels=v.max_pixels, min_pixels=v.min_pixels,
                    max_images=v.max_images)
+    ctx.progress.report("starting engine")
     # The worst-case images' peak through the vision tower, and the cap on cached
     # image features, count with the weights.
     engine = VlmEngine(ctx.worker, vlm, spec.engine, feature_cache_bytes=v.feature_cache_bytes)
@@ -108,12 +113,14 @@ def _load_chat(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loade
     if spec.vision is not None:  # a native VLM
         return (yield from _load_vlm(ctx, spec))
     if ctx.load_chat is not None:
+        ctx.progress.report("loading this rank's shard on every rank")
+        yield
         return ctx.load_chat(spec)
     from app.engine.batch.engine import TextEngine
 
     _require(spec, spec.load is not None and spec.engine is not None)
     assert spec.load is not None and spec.engine is not None
-    loaded = yield from load_text_model_steps(spec.source, spec.load)
+    loaded = yield from load_text_model_steps(spec.source, spec.load, ctx.progress)
     if ctx.draft is None:
         return TextEngine(ctx.worker, loaded, spec.engine), loaded.weights_bytes
     from app.engine.speculative.draft_model import DraftModelSource
@@ -130,9 +137,11 @@ def _load_encoder(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Lo
 
     _require(spec, spec.encoder is not None)
     assert spec.encoder is not None
-    path = model_source(spec.source, "embedding")  # the files mlx-embeddings loads, whatever the role
+    path = model_source(spec.source, "embedding", ctx.progress)  # the files mlx-embeddings loads, whatever the role
+    ctx.progress.report("loading weights")
     yield
     encoder = load_encoder(path, name=spec.name, limits=spec.encoder.limits, dtype=spec.encoder.dtype)
+    ctx.progress.report("starting engine")
     if spec.role == "embedding" and encoder.kind != "embedding":
         raise InvalidRequestError(f"model {spec.name!r} is a cross-encoder: serve it with role: rerank")
     engine = EncoderEngine(ctx.worker, encoder, max_queue=spec.max_queue, queue_timeout_s=spec.queue_timeout_s)

@@ -66,7 +66,7 @@ from app.pipeline.request import (
 )
 from app.pipeline.results import Completion, Step, Usage
 from app.pipeline.tokenizing import check_within, encode_within
-from app.request_context import CLIENT, REQUEST_ID
+from app.request_context import CLIENT, REQUEST_ID, note_model
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -156,6 +156,7 @@ class Pipeline:
         """The chat model ``name`` (or an alias), loaded, with a lease the caller releases;
         404 for an unknown model, 400 for one that is not a chat model."""
         lease = await self.registry.acquire_chat(name, param=param)
+        note_model(lease.name)
         try:
             return self._served(lease.name, lease.handle), lease
         except BaseException:
@@ -360,6 +361,7 @@ class Pipeline:
     async def embed(self, req: EmbedRequest) -> tuple[Embeddings, int]:
         """The vectors of ``req.input`` from an embedding model, and their dimension."""
         lease = await self.registry.acquire_encoder(req.model)
+        note_model(lease.name)
         try:
             engine = lease.handle
             encoder = engine.encoder
@@ -368,6 +370,7 @@ class Pipeline:
                                           f"dimensions {req.dimensions} cannot be served", param="dimensions")
             encoder.check_size(req.input)
             tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(req.input, truncate=req.truncate))
+            note_model(lease.name, sum(len(t) for t in tokens))
             return Embeddings(vectors, [len(t) for t in tokens]), encoder.dim
         finally:
             lease.release()
@@ -376,12 +379,14 @@ class Pipeline:
         """Relevance of each document to ``req.query``: cosine with an embedding model, the
         classifier's score with a cross-encoder (``role: rerank``)."""
         lease = await self.registry.acquire_encoder(req.model, rerank=True)
+        note_model(lease.name)
         try:
             engine = lease.handle
             encoder = engine.encoder
             encoder.check_size(EncoderInputs(req.documents, "documents"))
             tokens, result = await engine.encode(
                 lambda: encoder.prepare_rerank(req.query, req.documents, truncate=req.truncate))
+            note_model(lease.name, sum(len(t) for t in tokens))
             return encoder.ranking(tokens, result)
         finally:
             lease.release()

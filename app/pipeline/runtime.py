@@ -24,6 +24,7 @@ from app.config.loader import ResolvedConfig
 from app.config.schema import ServerSettings
 from app.engine.batch.encoder_engine import EncoderStats
 from app.engine.distributed.distributed import Distributed
+from app.engine.models.progress import LoadStep
 from app.engine.params import ModelSpec
 from app.engine.registry import Registry
 from app.engine.speculative import DraftCounts
@@ -31,10 +32,11 @@ from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationReco
 from app.engine.worker import MLXWorker
 from app.pipeline.pipeline import Pipeline, VisionState
 from app.pipeline.prompting import ModelProfile
+from app.request_context import note_model
 
 # What the API layer names of the layers below, through this module.
-__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "ModelReport",
-           "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
+__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "LoadStep",
+           "ModelReport", "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ModelState:
     cache_tiers: dict[str, CacheTierStats] = field(default_factory=dict)
     # A loaded chat model's speculative decoding, per drafter: tokens proposed and accepted so far.
     speculation: dict[str, DraftCounts] = field(default_factory=dict)
+    # While loading: how far (downloading, converting, loading weights, starting engine).
+    progress: LoadStep | None = None
 
 
 @dataclass(frozen=True)
@@ -253,12 +257,14 @@ class Runtime:
                                      row["pinned"], on_disk, spec.name in public, row["idle_s"], mem["weights"],
                                      mem["kv_budget"], mem["kv_used"], requests["running"], requests["waiting"],
                                      row["error"], dict(stats.prompt_cache_tiers) if stats else {},
-                                     dict(stats.speculation) if stats else {}))
+                                     dict(stats.speculation) if stats else {},
+                                     LoadStep(**row["progress"]) if row["progress"] else None))
         return Overview(self.worker.alive, self.default_model, snapshot["limit_mb"], snapshot["used_mb"],
                         snapshot["mlx"], models,
                         self.distributed.health() if self.distributed is not None else None)
 
     def _state(self, name: str) -> ModelState:
+        note_model(name)
         return next(m for m in self.overview().models if m.name == name)
 
     async def load(self, name: str) -> ModelState:

@@ -145,6 +145,72 @@ def test_admin_load_pin_unload_the_embedding_model(served: Served) -> None:
                        ).status_code == 200
 
 
+def test_every_request_that_names_a_model_lists_it(served: Served) -> None:
+    # Embeddings, rerank and the admin buttons generate nothing, so no GenerationRecord
+    # names their model: the pipeline notes it for the request log instead.
+    ids = {}
+    for what, path, body in (
+        ("load", "/v1/admin/models/load", {"model": "minilm"}),
+        ("embed", "/v1/embeddings", {"model": "minilm", "input": ["one two", "three"]}),
+        ("rerank", "/v1/rerank", {"model": "minilm", "query": "q", "documents": ["a", "b c"]}),
+        ("pin", "/v1/admin/models/pin", {"model": "tiny", "pinned": False}),
+        ("unload", "/v1/admin/models/unload", {"model": "minilm"}),
+    ):
+        r = served.post(path, body)
+        assert r.status_code == 200, (what, r.text)
+        ids[what] = r.headers["x-request-id"]
+    (_, history), = events(served, 1)
+    rows = {x["id"]: x for x in history["requests"]}
+    assert {what: rows[rid]["model"] for what, rid in ids.items()} == {
+        "load": "minilm", "embed": "minilm", "rerank": "minilm", "pin": "tiny", "unload": "minilm"}
+    assert rows[ids["embed"]]["prompt_tokens"] > 0 and rows[ids["rerank"]]["prompt_tokens"] > 0
+    assert rows[ids["embed"]]["route"] == "/v1/embeddings" and rows[ids["embed"]]["completion_tokens"] == 0
+
+
+def test_a_load_in_progress_shows_its_phase_and_bytes(tmp_path: Path, tiny_model_dir: Path,
+                                                      demo_model_dir: Path) -> None:
+    # The demo model's ~100 MB of weights are read in 64 MB slices: the load stops (its
+    # listener holds the MLX thread) after the first, and the dashboard must say so.
+    models = {"server": {"shutdown_grace_s": 1}, "models": [
+        {"name": "tiny", "local_path": str(tiny_model_dir), "params": {"mem": 16, "max_tokens": 2}},
+        {"name": "demo", "local_path": str(demo_model_dir), "params": {"mem": 16}},
+    ]}
+    with serving(tmp_path, yaml.safe_dump(models)) as s:
+        steps: list = []
+        midway, release = threading.Event(), threading.Event()
+
+        def hold(name: str, step) -> None:  # type: ignore[no-untyped-def]
+            steps.append((name, step))
+            if name == "demo" and step.phase == "loading weights" and 0 < step.done < step.total:
+                midway.set()
+                release.wait(30)
+
+        s.state.registry.add_load_listener(hold)
+        loaded: list[httpx.Response] = []
+        loader = threading.Thread(target=lambda: loaded.append(s.post("/v1/admin/models/load", {"model": "demo"})))
+        loader.start()
+        try:
+            assert midway.wait(60), steps
+            (_, history), = events(s, 1)
+            row = next(m for m in history["overview"]["models"] if m["name"] == "demo")
+            assert row["state"] == "loading", row
+            p = row["progress"]
+            assert p["phase"] == "loading weights" and p["unit"] == "bytes" and 0 < p["done"] < p["total"], p
+            assert p["total"] > 90 * 2**20  # the demo model's weights
+            assert s.get("/health").json()["models"]["demo"]["progress"]["done"] == p["done"]
+        finally:
+            release.set()
+            loader.join(60)
+        assert loaded[0].status_code == 200 and loaded[0].json()["state"] == "loaded"
+        assert loaded[0].json()["progress"] is None
+        # Every phase in order, the bytes only ever growing, to the whole.
+        mine = [st for name, st in steps if name == "demo"]
+        phases = [st.phase for st in mine]
+        assert phases[0] == "waiting for the engine thread" and phases[-1] == "starting engine", phases
+        weights = [st for st in mine if st.phase == "loading weights"]
+        assert [st.done for st in weights] == sorted(st.done for st in weights) and weights[-1].done == p["total"]
+
+
 @pytest.mark.parametrize(("body", "status"), [
     ({"model": "no-such-model"}, 404),
     ({}, 400),

@@ -7,8 +7,12 @@ buttons, and breaks no rule of its Content-Security-Policy. The screenshot is ke
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,8 +88,24 @@ def test_dashboard_in_chromium(browser, served: Served) -> None:  # type: ignore
     assert answer.locator(".answer").inner_text().strip(), answer.inner_text()
     expect(answer.locator(".meta")).to_contain_text("3 out")
 
-    # The buttons: load the embedding model, then unload it.
+    # The buttons: load the embedding model (held midway by a load listener on the MLX
+    # thread, so the page shows the load in progress), then unload it.
+    reading, release = threading.Event(), threading.Event()
+
+    def hold(name: str, step) -> None:  # type: ignore[no-untyped-def]
+        if name == "minilm" and step.phase == "loading weights" and not reading.is_set():
+            reading.set()
+            release.wait(30)
+
+    served.state.registry.add_load_listener(hold)
     minilm.locator('button[data-action="load"]').click()
+    try:
+        assert reading.wait(30)
+        expect(minilm.locator(".state .progress")).to_have_text("loading weights", timeout=10_000)
+        expect(minilm.locator(".state")).to_contain_text("loading")
+        expect(minilm.locator('button[data-action="load"]')).to_be_disabled()
+    finally:
+        release.set()
     expect(minilm.locator(".state")).to_have_text("loaded", timeout=60_000)
     assert served.state.registry.loaded("minilm") is not None
     minilm.locator('button[data-action="unload"]').click()
@@ -117,3 +137,50 @@ def test_dashboard_asks_for_the_key_when_one_is_set(browser, tmp_path: Path, tin
         expect(page.locator("#status")).to_have_text("live")
         assert page.evaluate("sessionStorage.getItem('tandem-api-key')") == "page-key"
         page.close()
+
+
+def test_the_distributed_panel_shows_each_rank_host_and_health(browser, served: Served) -> None:  # type: ignore[no-untyped-def]
+    # What rank 0 reports (a real control channel on loopback: rank 1 connected and
+    # answering, rank 2 gone), drawn by the page's own renderer. A launch of three ranks
+    # serving HTTP is tests/api/test_distributed_e2e.py's; its /health carries the same report.
+    from app.engine.distributed.control import ControlClient, ControlServer
+    from app.engine.distributed.distributed import Distributed, DistributedInfo
+    from app.engine.worker import MLXWorker
+
+    server = ControlServer("127.0.0.1", 3, "secret")
+    clients: dict[int, ControlClient] = {}
+    joining = [threading.Thread(target=lambda r=r: clients.__setitem__(
+        r, ControlClient("127.0.0.1", server.port, r, "secret", timeout_s=10))) for r in (1, 2)]
+    for t in joining:
+        t.start()
+    server.accept_all(10)
+    for t in joining:
+        t.join()
+    dist = Distributed(DistributedInfo(3, 0, "ring", "tensor"), MLXWorker(), timeout_s=30, server=server)
+    try:
+        clients[2].close()
+        deadline = time.monotonic() + 10
+        while server.ranks()[1]["state"] != "lost" or server.ranks()[0]["ping_ms"] is None:
+            assert time.monotonic() < deadline, server.ranks()
+            time.sleep(0.05)
+        report = json.loads(json.dumps(dist.health()))
+    finally:
+        dist.close()
+        for c in clients.values():
+            c.close()
+    page = browser.new_page()
+    page.goto(served.base_url + "/")
+    page.locator('tr[data-model="demo"]').wait_for()
+    # Drawn and read in one go: the next tick (no launch here) hides the panel again.
+    shown = page.evaluate("""(d) => { renderDistributed(d);
+        return { panel: !document.querySelector('#distributed-panel').classList.contains('hidden'),
+                 launch: document.querySelector('#distributed-launch').innerText,
+                 rows: [...document.querySelectorAll('#distributed tbody tr')].map((tr) =>
+                   [...tr.children].map((td) => td.innerText)) }; }""", report)
+    host = socket.gethostname()
+    assert shown["panel"] and shown["launch"] == "3 ranks, ring backend, tensor parallel", shown
+    assert [row[:4] for row in shown["rows"]] == [
+        ["0", host, "127.0.0.1", "ok"], ["1", host, "127.0.0.1", "ok"],
+        ["2", host, "127.0.0.1", "lost: rank 2 closed its control connection (its process ended)"]], shown
+    assert shown["rows"][0][4] == "serves HTTP" and shown["rows"][1][5].endswith(" ms")
+    page.close()

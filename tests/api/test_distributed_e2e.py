@@ -167,8 +167,13 @@ def health(base: str) -> dict[str, Any]:
 
 
 def test_health_names_the_launch(two_ranks, one_rank):
-    assert health(two_ranks)["distributed"] == {"world_size": 2, "rank": 0, "backend": "ring", "mode": "tensor",
-                                                "error": None}
+    launch = health(two_ranks)["distributed"]
+    ranks = launch.pop("ranks")
+    assert launch == {"world_size": 2, "rank": 0, "backend": "ring", "mode": "tensor", "error": None}
+    # Every rank with its host (a follower says its own in its hello) and health (rank 1 answers pings).
+    assert [(r["rank"], r["host"], r["state"], r["error"]) for r in ranks] == [
+        (0, socket.gethostname(), "ok", None), (1, socket.gethostname(), "ok", None)]
+    assert ranks[1]["address"] == "127.0.0.1" and ranks[1]["last_heard_s"] < 3
     assert health(one_rank.base_url)["distributed"] is None
 
 
@@ -339,6 +344,9 @@ def test_a_lost_rank_is_reported_and_requests_get_503(tmp_path, tiny_model_dir, 
             time.sleep(0.1)
         assert r.status_code == 503
         assert "rank 1" in r.json()["distributed"]["error"], r.json()
+        # The dashboard's ranks: a killed rank is lost (its connection ended), a hung one silent.
+        follower = r.json()["distributed"]["ranks"][1]
+        assert follower["state"] == ("lost" if how == signal.SIGKILL else "silent"), follower
         assert "rank 1" in r.json()["engine"]["error"]
         refused = httpx.post(base + "/v1/chat/completions", timeout=10,
                              json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})

@@ -5,7 +5,11 @@ Two feeds, joined by request id:
 - ``middleware`` sees every HTTP request: its route template, client, status and
   duration (a stream's duration runs to its last byte);
 - the registry's ``GenerationRecord`` listener (the MLX thread) adds the model, tokens
-  in, out and cached, and the time to first token of each generation that ended.
+  in, out and cached, and the time to first token of each generation that ended;
+- the request's ``RequestNote`` (``app.request_context``), which the middleware sets and
+  the pipeline fills in, gives the model of every request that named one, those that
+  generate nothing (embeddings, rerank, the admin buttons) included, and an encoder's
+  input tokens.
 
 ``Activity.sample()`` runs once a second on the event loop (``run``): it reads the
 runtime's ``Overview`` and folds the generations that ended since the last sample into
@@ -13,8 +17,13 @@ per-model decode speed (tokens after the first / the gaps between them), time to
 token, the prefix-cache hit rate (cached / prompt tokens) and each model's speculative
 acceptance (tokens its drafters proposed since the last sample that it kept). ``SAMPLES`` of them are
 kept, so a page opened now draws the last 15 minutes; ``/ui/events`` streams each new
-one. No prompt or answer text is kept: there is nothing to show without a
-``--log-prompts`` switch, which Tandem does not have.
+one, with the ``Overview`` read for it (``view``) and its JSON built once for every open
+page (``once_per_sample``): a page costs the server the bytes it is sent, not another
+read of the registry and another encoding. No prompt or answer text is kept: there is
+nothing to show without a ``--log-prompts`` switch, which Tandem does not have.
+
+The samples are the live charts' data: a new series is a field of the sample (or of
+each model's row in ``models``) here, and one ``drawChart`` call in ``static/app.js``.
 """
 
 from __future__ import annotations
@@ -23,15 +32,15 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.request_id import request_id
 from app.pipeline.runtime import GenerationRecord, Overview
-from app.request_context import CLIENT
+from app.request_context import CLIENT, NOTE, RequestNote
 
 # One sample a second, 15 minutes of them.
 SAMPLE_S = 1.0
@@ -40,6 +49,7 @@ SAMPLES = 900
 REQUESTS = 100
 # Paths that are the dashboard, probes or docs: not client requests worth listing.
 _QUIET = ("/ui", "/health", "/metrics", "/docs")
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,6 +84,9 @@ class Activity:
         self._tick: asyncio.Event | None = None
         # Per model: its drafters' proposed and accepted tokens at the last sample.
         self._drafted: dict[str, tuple[int, int]] = {}
+        # The runtime as the last sample read it, and what was built from it for the pages.
+        self.view: Overview | None = None
+        self._memo: dict[Hashable, Any] = {}
 
     # ---- the two feeds ------------------------------------------------------------------------
 
@@ -107,6 +120,7 @@ class Activity:
                 await app(scope, receive, send)
                 return
             started, wall = time.monotonic(), time.time()
+            note = RequestNote()
 
             async def sending(message: Message) -> None:
                 if message["type"] == "http.response.start" and scope.get("path_template"):
@@ -116,6 +130,8 @@ class Activity:
                         row.time = wall
                         row.method, row.route, row.client = str(scope.get("method", "")), scope["path_template"], client
                         row.status = message["status"]
+                        row.model = row.model or note.model
+                        row.prompt_tokens = row.prompt_tokens or note.input_tokens
                         self.version += 1
                 elif message["type"] == "http.response.body" and not message.get("more_body"):
                     with self._lock:
@@ -125,7 +141,11 @@ class Activity:
                             self.version += 1
                 await send(message)
 
-            await app(scope, receive, sending)
+            token = NOTE.set(note)
+            try:
+                await app(scope, receive, sending)
+            finally:
+                NOTE.reset(token)
 
         return logged
 
@@ -165,6 +185,7 @@ class Activity:
             "models": per_model,
         }
         self.samples.append(sample)
+        self.view, self._memo = view, {}
         return sample
 
     def _acceptance(self, model: str, counts: Any) -> float | None:
@@ -178,6 +199,11 @@ class Activity:
         if proposed <= last_proposed:
             return None
         return round((accepted - last_accepted) / (proposed - last_proposed), 4)
+    def once_per_sample(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()`` for the current sample, built once however many pages ask (event loop)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     async def run(self) -> None:
         """Sample every ``SAMPLE_S`` and wake the event streams (a task on the server's loop)."""

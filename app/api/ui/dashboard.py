@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,14 @@ def overview_json(view: Overview) -> dict[str, Any]:
             "distributed": view.distributed}
 
 
+def tick_text(sample: dict[str, Any] | None, view: Overview, activity: Activity, requests: bool) -> str:
+    """A tick's JSON: the sample, the overview read with it, and the request list when asked."""
+    tick: dict[str, Any] = {"sample": sample, "overview": overview_json(view)}
+    if requests:
+        tick["requests"] = activity.requests()
+    return to_json(tick)
+
+
 @get("/ui/events", summary="The dashboard's live data (SSE): models, memory, speed, requests")
 async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
     state: AppState = request.app.state.tandem
@@ -80,11 +89,16 @@ async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
         seen = activity.version
         while not state.closing:
             sample = await activity.next_sample()
-            tick: dict[str, Any] = {"sample": sample, "overview": overview_json(state.overview())}
-            if activity.version != seen:
-                seen = activity.version
-                tick["requests"] = activity.requests()
-            yield Event(to_json(tick), "tick")
+            # The request list only when it changed since this page's last tick; each
+            # variant's JSON is built once per sample for all the pages open.
+            changed = activity.version if activity.version != seen else None
+            seen = activity.version
+            if sample is None or activity.view is None:  # no sample within the timeout: read now
+                text = tick_text(sample, state.overview(), activity, changed is not None)
+            else:
+                text = activity.once_per_sample(("tick", changed), partial(
+                    tick_text, sample, activity.view, activity, changed is not None))
+            yield Event(text, "tick")
 
     return EventStream(events())
 

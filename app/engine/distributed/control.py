@@ -9,9 +9,12 @@ socket blocks without spinning, says at once when a peer's process ends (EOF), a
 with deadlines tell a hung peer from a slow step.
 
 Frames: a 4-byte big-endian length, then one JSON object (never pickle: nothing a peer
-sends is executed). A follower's first frame is ``{"t": "hello", "rank", "secret"}``; the
-secret reaches the followers through an MLX collective at start-up, so only the launched
-ranks can join. No MLX calls here: any thread may use this module.
+sends is executed). A follower's first frame is ``{"t": "hello", "rank", "secret", "host"}``
+(its host name, for /health and the dashboard); the secret reaches the followers through an
+MLX collective at start-up, so only the launched ranks can join. ``ControlServer.ranks()``
+says how each follower is doing: its host and address, when it last answered a ping and
+how long the answer took, and why it was lost, if it was. No MLX calls here: any thread
+may use this module.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ log = logging.getLogger("tandem.distributed")
 _HEADER = struct.Struct(">I")
 # A frame larger than this is a protocol error (a prompt of a million tokens is ~7 MB of JSON).
 MAX_FRAME = 256 * 2**20
+# A follower that has not answered a ping for this long is shown as "silent" (the watchdog
+# declares it lost only after ``distributed_timeout_s``).
+SILENT_S = 3.0
 
 
 class ControlError(Exception):
@@ -74,11 +80,15 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 
 class _Peer:
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, rank: int, sock: socket.socket, host: str | None, address: str) -> None:
         self.rank = rank
         self.sock = sock
+        self.host = host
+        self.address = address
         self.send_lock = threading.Lock()
         self.last_pong = time.monotonic()
+        self.ping_s: float | None = None  # the last ping's round trip
+        self.lost: str | None = None
 
 
 class ControlServer:
@@ -97,6 +107,7 @@ class ControlServer:
         self.lost: str | None = None
         self.on_lost: Any = None
         self._closing = False
+        self._pinged: float | None = None
 
     @property
     def port(self) -> int:
@@ -129,6 +140,7 @@ class ControlServer:
             hello = None
         rank = hello.get("rank") if hello and hello.get("t") == "hello" else None
         secret = str(hello.get("secret", "")) if hello else ""
+        host = hello.get("host") if hello else None
         if (not isinstance(rank, int) or not 0 < rank < self.world_size or rank in self._peers
                 or not hmac.compare_digest(secret, self.secret)):
             log.warning("control channel: refused a connection from %s (not a rank of this launch)", addr)
@@ -136,8 +148,8 @@ class ControlServer:
             return
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._peers[rank] = _Peer(rank, sock)
-        log.info("control channel: rank %d connected from %s", rank, addr[0])
+        self._peers[rank] = _Peer(rank, sock, str(host)[:255] if isinstance(host, str) else None, str(addr[0]))
+        log.info("control channel: rank %d (%s) connected from %s", rank, host, addr[0])
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` to every follower; ControlError if one cannot take it."""
@@ -147,12 +159,29 @@ class ControlServer:
                     send_frame(peer.sock, msg)
             except OSError as exc:
                 reason = f"rank {peer.rank} is unreachable: {exc}"
-                self._lose(reason)
+                self._lose(reason, peer)
                 raise ControlError(reason) from exc
 
     def ping(self) -> None:
+        self._pinged = time.monotonic()
         with contextlib.suppress(ControlError):
             self.send({"t": "ping"})
+
+    def ranks(self, silent_s: float = SILENT_S) -> list[dict[str, Any]]:
+        """Each follower as /health and the dashboard show it: rank, host, address, state
+        ("ok", "silent" past ``silent_s`` without a pong, "lost" with ``error``), seconds
+        since it last answered, and its last ping's round trip in ms."""
+        now = time.monotonic()
+        out = []
+        for rank in sorted(self._peers):
+            peer = self._peers[rank]
+            silent = now - peer.last_pong
+            state = "lost" if peer.lost else "silent" if silent > silent_s else "ok"
+            out.append({"rank": rank, "host": peer.host, "address": peer.address, "state": state,
+                        "last_heard_s": round(silent, 1),
+                        "ping_ms": round(peer.ping_s * 1000, 1) if peer.ping_s is not None else None,
+                        "error": peer.lost})
+        return out
 
     def start_silence_clocks(self) -> None:
         """Count the followers' silence from now (rank 0's engine exists): pongs that a
@@ -175,19 +204,23 @@ class ControlServer:
                     break
                 if msg["t"] == "pong":
                     peer.last_pong = time.monotonic()
+                    if self._pinged is not None:
+                        peer.ping_s = peer.last_pong - self._pinged
                 elif msg["t"] == "error":
-                    self._lose(f"rank {peer.rank} failed: {msg.get('message', 'no reason given')}")
+                    self._lose(f"rank {peer.rank} failed: {msg.get('message', 'no reason given')}", peer)
                     return
         except ConnectionResetError:
             pass  # a killed process resets its connections: the same end as a close
         except (OSError, ControlError, ValueError) as exc:
             if not self._closing:
-                self._lose(f"rank {peer.rank}'s control connection broke: {exc}")
+                self._lose(f"rank {peer.rank}'s control connection broke: {exc}", peer)
             return
         if not self._closing:
-            self._lose(f"rank {peer.rank} closed its control connection (its process ended)")
+            self._lose(f"rank {peer.rank} closed its control connection (its process ended)", peer)
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, peer: _Peer | None = None) -> None:
+        if peer is not None and peer.lost is None:
+            peer.lost = reason
         if self.lost is not None:
             return
         self.lost = reason
@@ -233,7 +266,7 @@ class ControlClient:
         self.gone: str | None = None
         self.gone_at: float | None = None
         self.last_heard = time.monotonic()
-        self._send({"t": "hello", "rank": rank, "secret": secret})
+        self._send({"t": "hello", "rank": rank, "secret": secret, "host": socket.gethostname()})
         threading.Thread(target=self._read, name="tandem-control", daemon=True).start()
 
     def _send(self, msg: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -198,8 +199,14 @@ class Distributed:
         self.worker.kill(EngineDeadError(f"distributed serving stopped: {reason}"))
 
     def health(self) -> dict[str, Any]:
-        """/health's ``distributed`` field."""
-        return {**self.info.as_dict(), "error": self.error}
+        """/health's ``distributed`` field: the launch, why it broke (if it did), and on rank 0
+        every rank with its host and health (``ControlServer.ranks``)."""
+        report: dict[str, Any] = {**self.info.as_dict(), "error": self.error}
+        if self.server is not None:
+            me = {"rank": 0, "host": socket.gethostname(), "address": self.server.address[0],
+                  "state": "stopped" if self.error else "ok", "last_heard_s": 0.0, "ping_ms": None, "error": None}
+            report["ranks"] = [me, *self.server.ranks()]
+        return report
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop and close the channel. A follower: close it."""

@@ -30,11 +30,12 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.engine.models.progress import LoadProgress
 from app.errors import CommandError, ConfigError
 
 log = logging.getLogger("tandem.engine")
@@ -155,10 +156,10 @@ def cached_snapshot(repo_id: str, role: str, revision: str | None = None) -> Pat
 
 
 def download(repo_id: str, *, role: str = "chat", revision: str | None = None, stream: Any = None,
-             mininterval: float = 0.2) -> Path:
+             mininterval: float = 0.2, progress: LoadProgress | None = None) -> Path:
     """Fetch what the loader of ``role`` needs from ``repo_id`` into the Hugging Face cache, with a
-    progress bar on ``stream`` (stderr) redrawn at most every ``mininterval`` seconds; returns the
-    snapshot directory."""
+    progress bar on ``stream`` (stderr) redrawn at most every ``mininterval`` seconds (and each
+    chunk's bytes told to ``progress``: the server's dashboard); returns the snapshot directory."""
     from huggingface_hub import constants
 
     check_repo_id(repo_id, revision)
@@ -169,11 +170,11 @@ def download(repo_id: str, *, role: str = "chat", revision: str | None = None, s
             return path
     with hub_errors(repo_id):
         commit, files = list_files(repo_id, role, revision)
-        fetch(repo_id, files, stream=stream, mininterval=mininterval)
+        fetch(repo_id, files, stream=stream, mininterval=mininterval, progress=progress)
         return _record_snapshot(repo_id, role, revision, commit, files)
 
 
-def local_snapshot(name: str, repo_id: str, role: str) -> Path:
+def local_snapshot(name: str, repo_id: str, role: str, progress: LoadProgress | None = None) -> Path:
     """The server's way to a hub model: the verified snapshot directory of ``repo_id`` for the
     loader of ``role``, from the cache when it is complete there, else downloaded by ``download``
     (progress in the log, a line every few seconds). Anything refused or unreachable is the
@@ -183,7 +184,7 @@ def local_snapshot(name: str, repo_id: str, role: str) -> Path:
         if (path := cached_snapshot(repo_id, role)) is not None:
             return path
         log.info("model %s: downloading %s from %s", name, repo_id, _endpoint())
-        return download(repo_id, role=role, stream=_LogLines(name), mininterval=5.0)
+        return download(repo_id, role=role, stream=_LogLines(name), mininterval=5.0, progress=progress)
     except CommandError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
 
@@ -258,7 +259,8 @@ def _hub_file(repo_id: str, commit: str, sibling: Any) -> HubFile:
     return HubFile(name, hf_hub_url(repo_id, name, revision=commit), size, str(etag))
 
 
-def fetch(repo_id: str, files: Sequence[HubFile], *, stream: Any, mininterval: float = 0.2) -> None:
+def fetch(repo_id: str, files: Sequence[HubFile], *, stream: Any, mininterval: float = 0.2,
+          progress: LoadProgress | None = None) -> None:
     """Download ``files`` into the cache's blobs under one bar, resuming partial files.
 
     A file goes to ``blobs/<hash>.incomplete`` (locked, so a second pull waits), is checked against
@@ -279,8 +281,24 @@ def fetch(repo_id: str, files: Sequence[HubFile], *, stream: Any, mininterval: f
     print(f"pulling {repo_id} ({len(files)} files, {total / 2**20:.1f} MiB{resumed})", file=stream, flush=True)
     with tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=repo_id,
               file=stream, dynamic_ncols=True, mininterval=mininterval) as bar:
+        advance = progress.bytes("downloading", total) if progress is not None else None
+        if advance is not None:
+            advance(done)  # what earlier pulls left
+        meter = _Meter(bar, advance)
         for f in todo:
-            _fetch_file(f, blobs, bar)
+            _fetch_file(f, blobs, meter)
+
+
+class _Meter:
+    """The bar ``_fetch_file`` updates, also telling a load's ``progress`` (bytes, may be negative)."""
+
+    def __init__(self, bar: Any, advance: Callable[[int], None] | None) -> None:
+        self.bar, self.advance = bar, advance
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.advance is not None:
+            self.advance(n)
 
 
 def cache_folder(repo_id: str) -> Path:

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from app.engine.models.progress import LoadProgress
 from app.engine.params import LoadParams, ModelSource
 from app.errors import ConfigError
 
@@ -32,10 +33,11 @@ QUANT_BITS = {"q4": 4, "q8": 8}
 KV_GROUP_SIZE = 64
 
 
-def model_source(entry: ModelSource, role: str = "chat") -> str:
+def model_source(entry: ModelSource, role: str = "chat", progress: LoadProgress | None = None) -> str:
     """The local directory mlx-lm / mlx-vlm / mlx-embeddings load ``entry`` from. A hub id is
     resolved here to its verified snapshot (``app.engine.models.hub``: the cache, else a checked
-    download of what the loader of ``role`` needs), so no loader ever downloads by itself."""
+    download of what the loader of ``role`` needs), so no loader ever downloads by itself.
+    A download or a GGUF conversion reports its progress to ``progress``."""
     if entry.builtin:
         from app.engine.models.builtin_models import ensure_builtin
 
@@ -54,12 +56,13 @@ def model_source(entry: ModelSource, role: str = "chat") -> str:
             raise ConfigError(f"model {entry.name!r}: weight_file {gguf} does not exist")
         out = cache_root() / "converted" / entry.name
         if not (out / "config.json").exists():
-            convert_gguf(gguf, out)
+            convert_gguf(gguf, out, progress=None if progress is None else
+                         lambda stage, fraction: progress.report(f"converting GGUF ({stage})", fraction, 1.0))
         return str(out)
     assert entry.hf_id is not None
     from app.engine.models.hub import local_snapshot
 
-    return str(local_snapshot(entry.name, entry.hf_id, role))
+    return str(local_snapshot(entry.name, entry.hf_id, role, progress))
 
 
 @dataclass(frozen=True)
@@ -177,13 +180,16 @@ def load_text_model(entry: ModelSource, params: LoadParams) -> LoadedModel:
             return loaded
 
 
-def load_text_model_steps(entry: ModelSource, params: LoadParams) -> Generator[None, None, LoadedModel]:
+def load_text_model_steps(entry: ModelSource, params: LoadParams, progress: LoadProgress | None = None
+                          ) -> Generator[None, None, LoadedModel]:
     """Load a chat model in slices (``MLXWorker.submit_steps``): the weights are mapped
     lazily, then read ``LOAD_SLICE_BYTES`` at a time, so the batches of models already
-    loaded take their steps in between. MLX thread only."""
+    loaded take their steps in between; ``progress`` hears of each slice. MLX thread only."""
     from mlx_lm import load
 
-    source = model_source(entry)
+    progress = progress or LoadProgress()
+    source = model_source(entry, progress=progress)
+    progress.report("reading the model's config")
     yield
     try:
         loaded: Any = load(source, return_config=True, lazy=True)
@@ -192,16 +198,21 @@ def load_text_model_steps(entry: ModelSource, params: LoadParams) -> Generator[N
         raise ConfigError(f"model {entry.name!r}: cannot load {source}: {exc}") from exc
     yield
     apply_params(model, params, evaluate=False)
+    arrays = _arrays(model)
+    read = progress.bytes("loading weights", sum(a.nbytes for a in arrays))
     batch: list[Any] = []
     size = 0
-    for array in _arrays(model):
+    for array in arrays:
         batch.append(array)
         size += array.nbytes
         if size >= LOAD_SLICE_BYTES:
             mx.eval(batch)
+            read(size)
             batch, size = [], 0
             yield
     mx.eval(batch)
+    read(size)
+    progress.report("starting engine")
     return loaded_model(entry, params, source, model, tokenizer, config)
 
 

@@ -134,9 +134,30 @@ function renderOverview(view) {
   renderDistributed(view.distributed);
 }
 
+// "loading weights 40% of 96 MB", "converting GGUF (weights) 12%", or the phase alone.
+function progressText(p) {
+  if (!p.total) return p.phase;
+  const pct = Math.round((100 * Math.min(p.done, p.total)) / p.total) + '%';
+  return p.unit === 'bytes' ? `${p.phase} ${pct} of ${mb(p.total / 1048576)}` : `${p.phase} ${pct}`;
+}
+
+function stateCell(m) {
+  let text = m.state;
+  if (text === 'unloaded') text = m.on_disk === false ? 'not downloaded' : m.on_disk ? 'on disk' : 'unloaded';
+  const cell = el('td', { class: 'state state-' + m.state, title: m.error || '' }, text, m.error ? ' ⚠' : '');
+  if (m.state === 'loading' && m.progress) {
+    const line = el('span', { class: 'progress' }, progressText(m.progress));
+    if (m.progress.total) {
+      const bar = el('span', { class: 'bar' }, el('span'));
+      bar.firstChild.style.width = ((100 * Math.min(m.progress.done, m.progress.total)) / m.progress.total).toFixed(0) + '%';
+      line.append(bar);
+    }
+    cell.append(line);
+  }
+  return cell;
+}
+
 function modelRow(m) {
-  let state = m.state;
-  if (state === 'unloaded') state = m.on_disk === false ? 'not downloaded' : m.on_disk ? 'on disk' : 'unloaded';
   const kvShare = m.kv_budget_mb ? Math.min(1, m.kv_used_mb / m.kv_budget_mb) : 0;
   const bar = el('span', { class: 'bar' }, el('span'));
   bar.firstChild.style.width = (kvShare * 100).toFixed(0) + '%';
@@ -155,7 +176,7 @@ function modelRow(m) {
   return el('tr', { 'data-model': m.name },
     el('td', {}, m.name, m.default ? el('span', { class: 'muted' }, ' (default)') : null),
     el('td', {}, m.role),
-    el('td', { class: 'state state-' + m.state, title: m.error || '' }, state, m.error ? ' ⚠' : ''),
+    stateCell(m),
     el('td', { class: 'num' }, m.weights_mb ? mb(m.weights_mb) : '–'),
     el('td', { class: 'num' }, m.kv_budget_mb ? `${mb(m.kv_used_mb)} / ${mb(m.kv_budget_mb)}` : '–', m.kv_budget_mb ? bar : null),
     el('td', { class: 'tiers' }, tiers || '–'),
@@ -284,8 +305,16 @@ function renderDistributed(d) {
   const panel = $('#distributed-panel');
   if (!d) { panel.classList.add('hidden'); return; }
   panel.classList.remove('hidden');
-  $('#distributed tbody').replaceChildren(...Object.entries(d).map(([k, v]) =>
-    el('tr', {}, el('th', {}, k), el('td', { class: k === 'error' && v ? 'error' : '' }, v === null ? 'none' : String(v)))));
+  $('#distributed-launch').textContent = `${d.world_size} ranks, ${d.backend} backend, ${d.mode} parallel` +
+    (d.error ? ` · stopped: ${d.error}` : '');
+  $('#distributed-launch').className = d.error ? 'error' : 'muted';
+  $('#distributed tbody').replaceChildren(...(d.ranks || []).map((r) => el('tr', { 'data-rank': r.rank },
+    el('td', { class: 'num' }, r.rank),
+    el('td', {}, r.host || '–'),
+    el('td', {}, r.address || '–'),
+    el('td', { class: 'rank-state rank-' + r.state, title: r.error || '' }, r.state, r.error ? ': ' + r.error : ''),
+    el('td', { class: 'num' }, r.rank === 0 ? 'serves HTTP' : fmt(r.last_heard_s, 1) + ' s ago'),
+    el('td', { class: 'num' }, r.ping_ms === null ? '–' : fmt(r.ping_ms, 1) + ' ms'))));
 }
 
 // ---- playground ------------------------------------------------------------------------------------------
