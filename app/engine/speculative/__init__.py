@@ -65,6 +65,49 @@ class Drafter(Protocol):
         """The row ended: give back what the drafter holds."""
 
 
+class DraftSource(Protocol):
+    """Where a row's Drafter comes from when it is not the request's own data: a draft model
+    (``draft_model``), shared by every row of the target it drafts for.
+
+    The engine (``TextEngine``, MLX thread) calls ``open`` once per row, when the row is first
+    inserted into the batch (``_insert``; not again when a paused row resumes: the Drafter
+    lives with the row's sequence), for every request that does not switch the source off
+    (``SpeculationRequest.draft is False``). The Drafter it returns is then, for that row:
+
+    - asked ``propose(tokens, k)`` before a decode step, ``tokens`` being the row's whole
+      sequence so far (the prompt, then every token generated, the last of which is the one
+      the target feeds next: not yet in the target's KV), and ``k`` at most the ``k`` given
+      to ``open`` (the adaptive rule asks for fewer, and some steps not at all). Between two
+      calls ``tokens`` grows by the accepted tokens plus the target's own next token, but a
+      drafter must not rely on it: it keeps the tokens it has fed itself, and when ``tokens``
+      does not extend them (a row resumed, a grammar cut) it rolls its own state back to the
+      common prefix and feeds the rest. It returns at most ``k`` tokens, or None;
+    - told ``verified(proposal, accepted)`` after the step that verified ``proposal``
+      (0 <= accepted <= len(proposal.tokens)); a proposal cut short before verifying (a
+      grammar refused its tail) is reported with the tokens actually verified;
+    - ``close()``d once when the row ends however it ends (finished, stopped, cancelled,
+      failed): the drafter gives back its KV and reservation there.
+
+    Proposals may be greedy (``Proposal.logprobs`` None: the target accepts token d with
+    probability p(d), or when it is the argmax at temperature 0) or sampled, with the
+    drafter's log-probabilities over the whole vocabulary at each proposed position
+    (``logprobs``: (len(tokens), vocab), its distribution after its own temperature): the
+    verify step then accepts with min(1, p/q) and resamples the residual, so any q is exact.
+    Sampled proposals only pay when q is close to the row's p; a greedy draft is simplest.
+
+    A Drafter that raises is switched off for its row (logged); the row decodes on. Distributed
+    serving: only rank 0 opens and asks drafters; the other ranks replay the verify step from
+    the proposals rank 0 sends."""
+
+    @property
+    def name(self) -> str:
+        """One of ``DRAFTERS`` (``"draft"`` for a draft model)."""
+
+    def open(self, prompt_tokens: Sequence[int], k: int) -> Drafter:
+        """A Drafter for one row whose prompt is ``prompt_tokens``, asked for at most ``k``
+        tokens a step. It may prefill the prompt now or on its first ``propose``."""
+
+
 @dataclass
 class DraftCounts:
     """Proposed and accepted tokens, for one drafter of one model (/metrics, /health)."""
