@@ -262,13 +262,22 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             return
         rows = {uid: s.drafts for uid, s in self._running.items() if s.drafts is not None and not s.prefilling}
         if rows:
-            self.speculator.propose(self._verify, rows)
+            try:
+                self.speculator.propose(self._verify, rows)
+            except Exception:  # noqa: BLE001 - a drafter's failure must not fail the step: it decodes plainly
+                log.exception("model %s: speculative proposals failed; this step decodes without them", self.name)
+                self.speculator.drop_in_flight()
+                self._verify.propose({})
 
     def _on_batch_next(self, prompt_responses: list[Any]) -> None:
         """After the batch step, before its tokens are handled: what the proposals came to."""
         if self.speculator is None or self._verify is None:
             return
-        self.speculator.settle(self._verify, self._clock() - self._step_start, timed=not prompt_responses)
+        try:
+            self.speculator.settle(self._verify, self._clock() - self._step_start, timed=not prompt_responses)
+        except Exception:  # noqa: BLE001 - bookkeeping only: the tokens are right whatever happens here
+            log.exception("model %s: speculative bookkeeping failed", self.name)
+            self.speculator.drop_in_flight()
         for seq in self._running.values():
             if seq.drafts is not None and seq.drafts.prediction_size:
                 seq.accepted_prediction_tokens = seq.drafts.accepted_prediction

@@ -31,7 +31,7 @@ from app.engine.params import SpeculativeParams
 from app.engine.speculative import DraftCounts, Drafter, DraftSource, Proposal
 from app.engine.speculative.adaptive import Adaptive, RowRate, StepCosts
 from app.engine.speculative.lookup import PredictionLookup, PromptLookup
-from app.engine.types import GenerationRequest
+from app.engine.types import GenerationRequest, SpeculableConstraint
 
 log = logging.getLogger("tandem.engine")
 
@@ -70,7 +70,7 @@ class Speculator:
     def open(self, req: GenerationRequest, budget: BudgetProcessor | None, constraint: Any) -> RowDrafts | None:
         """The drafters for a new row, or None when it has none."""
         spec, k = req.speculation, self.params.tokens
-        if k <= 0:
+        if k <= 0 or (constraint is not None and not isinstance(constraint, SpeculableConstraint)):
             return None
         drafters: list[Drafter] = []
         prediction = spec.prediction if spec is not None else ()
@@ -169,6 +169,12 @@ class Speculator:
                     log.exception("request %s: drafter %s failed; off for this request", row.request_id,
                                   drafter.name)
                     row.drafters.remove(drafter)
+
+    def drop_in_flight(self) -> None:
+        """Forget this step's proposals (after a failure around them)."""
+        for row in self._in_flight.values():
+            row.in_flight = None
+        self._in_flight = {}
 
     def close(self, row: RowDrafts) -> None:
         if row.closed:
