@@ -257,3 +257,39 @@ def test_sampled_tokens_follow_the_models_distribution(engine):
         table = [[a[t] for t in keys], [b[t] for t in keys]]
         assert chi2_contingency(table).pvalue > 0.001, (pos, table)
     assert engine.stats().speculation["prediction"].accepted > 0
+
+
+def test_speculating_rows_paused_for_interactive_work_resume_exactly(tiny_model_dir):
+    """Background rows that speculate leave the batch with their KV when an interactive
+    request arrives (a verify step's rollback left it exact) and come back to the output
+    they have alone."""
+    eng = free_engine(tiny_model_dir, max_num_seqs=4, prompt_cache="off")
+    try:
+        background = [request(eng, f"Background task number {i} writes a title", 60, priority="background")
+                      for i in range(3)]
+        alone = [asyncio.run(run(eng, replace(r, speculation=OFF)))[0] for r in background]
+        background = [replace(r, speculation=SpeculationRequest(corrupted(eng.tokenizer.encode(t), 6), False))
+                      for r, t in zip(background, alone)]
+        chat = request(eng, "An interactive question " * 40, 4)
+
+        async def rest(req, started):
+            parts = []
+            async for delta in eng.stream(req):
+                parts.append(delta.text)
+                started.set()
+            return "".join(parts)
+
+        async def mixed():
+            events = [asyncio.Event() for _ in background]
+            tasks = [asyncio.create_task(rest(r, e)) for r, e in zip(background, events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            await run(eng, chat)
+            return await asyncio.gather(*tasks)
+
+        before = eng.stats().background_pauses
+        assert asyncio.run(mixed()) == alone
+        assert eng.stats().background_pauses - before >= 2
+        assert eng.stats().speculation["prediction"].accepted > 0
+        assert eng.admission.reserved == 0 and not eng._running
+    finally:
+        eng.worker.stop()
