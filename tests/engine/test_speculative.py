@@ -293,3 +293,77 @@ def test_speculating_rows_paused_for_interactive_work_resume_exactly(tiny_model_
         assert eng.admission.reserved == 0 and not eng._running
     finally:
         eng.worker.stop()
+
+
+class HotterSelf:
+    """A draft source at the Protocol seam: the target model itself, sampled hotter (top 8
+    at temperature 2), proposing with its log-probabilities, so rejection sampling (accept
+    with min(1, p/q), else a draw from the residual) decides."""
+
+    name = "draft"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def open(self, prompt_tokens, k):
+        return _HotterDrafter(self.model)
+
+
+class _HotterDrafter:
+    name = "draft"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def propose(self, tokens, k):
+        from mlx_lm.sample_utils import apply_top_k
+
+        from app.engine.speculative import Proposal
+
+        seq, logprobs = list(tokens), []
+        for _ in range(k):
+            logits = self.model(mx.array([seq]))[0, -1:]
+            q = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), 8) / 2.0
+            q = q - mx.logsumexp(q, keepdims=True)
+            seq.append(int(mx.random.categorical(q).item()))
+            logprobs.append(q[0])
+        return Proposal(self.name, tuple(seq[len(tokens):]), mx.stack(logprobs))
+
+    def verified(self, proposal, accepted):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow  # its drafter recomputes the model over the whole sequence per token: a minute or two here
+def test_a_sampled_draft_is_verified_by_rejection_sampling(tiny_model_dir):
+    """A drafter that samples from its own q: the first tokens' distribution is still the
+    target's (two-sample chi-square per position, fixed PRNG seeds)."""
+    from scipy.stats import chi2_contingency
+
+    from app.engine.batch.engine import TextEngine
+
+    plain_eng = make_engine(tiny_model_dir)
+    eng = TextEngine(plain_eng.worker, plain_eng.loaded, plain_eng.params, draft=HotterSelf(plain_eng.loaded.model))
+    eng.speculator.adaptive.costs = FreeVerify()
+    try:
+        sampling = replace(GREEDY, temperature=1.0, top_k=4)
+        req = request(eng, PROMPTS[1], max_tokens=4, sampling=sampling)
+
+        def sample(engine, r, n, seed):
+            mx.random.seed(seed)
+            return [tuple(engine.tokenizer.encode(asyncio.run(run(engine, r))[0]))[:4] for _ in range(n)]
+
+        n = 150
+        plain = sample(plain_eng, replace(req, speculation=OFF), n, 3)
+        spec = sample(eng, replace(req, speculation=SpeculationRequest(prompt_lookup=False)), n, 4)
+        for pos in range(1, 3):
+            a, b = Counter(s[pos] for s in plain if len(s) > pos), Counter(s[pos] for s in spec if len(s) > pos)
+            keys = sorted(set(a) | set(b))
+            assert chi2_contingency([[a[t] for t in keys], [b[t] for t in keys]]).pvalue > 0.001, (pos, a, b)
+        counts = eng.stats().speculation["draft"]
+        assert 0 < counts.accepted < counts.proposed  # some kept, some refused: both paths ran
+    finally:
+        eng.close()
+        plain_eng.worker.stop()

@@ -78,6 +78,37 @@ class RowSampler:
             noise.append(mx.random.gumbel(shaped.shape[1:], key=sub))
         return mx.argmax(shaped + mx.stack(noise), axis=-1), keys
 
+    def verify_sampled(self, logprobs: mx.array, draft: list[int], q: mx.array) -> tuple[int, int] | None:
+        """Rejection sampling of a drafter's sampled tokens ``draft``, drawn from ``q`` (their
+        log-probabilities, (len(draft), vocab)), against this row's distribution p at each
+        of ``logprobs``' positions (len(draft) + 1 of them): each is kept with probability
+        min(1, p(d) / q(d)); the first refused is replaced by a draw from the residual
+        max(0, p - q), renormalised; all kept, the next token is drawn from p. Returns (kept,
+        next token). None for a greedy or seeded row: those keep a proposed token when it is
+        their own draw (exact too, and a seeded row's output then never depends on proposals)."""
+        if self.greedy or self._key is not None:
+            return None
+        n = len(draft)
+        shaped = self.shape(logprobs)
+        p = mx.softmax(shaped, axis=-1)
+        vocab = p.shape[-1]
+        if q.shape[-1] < vocab:
+            q = mx.concatenate([q, mx.full((n, vocab - q.shape[-1]), -mx.inf, dtype=q.dtype)], axis=-1)
+        q = mx.exp(q[:, :vocab].astype(p.dtype))
+        ids = mx.array(draft)[:, None]
+        pd = mx.take_along_axis(p[:n], ids, axis=-1).reshape(-1)
+        qd = mx.take_along_axis(q, ids, axis=-1).reshape(-1)
+        keep = mx.random.uniform(shape=(n,)) * qd < pd
+        residual = mx.maximum(p[:n] - q, 0)
+        # Where p <= q everywhere (only when p == q) a refusal cannot happen; guard the log anyway.
+        fixes = mx.random.categorical(mx.log(residual + 1e-30), axis=-1)
+        last = mx.random.categorical(shaped[n:n + 1], axis=-1)
+        mx.eval(keep, fixes, last)
+        kept_list: list[bool] = keep.tolist()  # type: ignore[assignment]
+        accepted = next((j for j, k in enumerate(kept_list) if not k), n)
+        token: list[int] = fixes.tolist() if accepted < n else last.tolist()  # type: ignore[assignment]
+        return accepted, token[accepted if accepted < n else 0]
+
     def commit(self, keys: list[Any], kept: int) -> None:
         """``kept`` tokens of a ``draw`` were emitted: a seeded row's key moves past them."""
         if self._key is not None and kept:

@@ -137,7 +137,8 @@ class Speculator:
                 continue
             row.in_flight = (drafter, proposal, len(run))
             rewind = row.constraint.rewind if row.constraint is not None else None
-            return RowProposal(tuple(run), rewind)
+            q = proposal.logprobs[:len(run)] if proposal.logprobs is not None else None
+            return RowProposal(tuple(run), rewind, q)
         return None
 
     def settle(self, batch: VerifyBatch, seconds: float, timed: bool) -> None:

@@ -53,6 +53,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from app.engine.batch.sampling import RowSampler
 from app.engine.kv.kv_quant import BatchQuantizedKVCache
 from app.engine.mlx_internals import BatchKVCache, GenerationBatch, TokenBuffer
 
@@ -64,6 +65,9 @@ class RowProposal:
     tokens: tuple[int, ...]
     # The row's context length after the step: how its constraint rolls back what was rejected.
     rewind: Callable[[int], None] | None = None
+    # The drafter's log-probabilities at each proposed position, when it sampled them
+    # (``Proposal.logprobs``): a sampling row then verifies by rejection sampling.
+    logprobs: Any = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,10 @@ class VerifyBatch(GenerationBatch):
             accepted = 0
             while accepted < len(drafts[i]) and drafts[i][accepted] == drawn[accepted]:
                 accepted += 1
+            sampled = self._rejection(i, rows.get(i), logprobs[i])
+            if sampled is not None:  # a sampled draft: rejection sampling decides
+                accepted = sampled[0]
+                drawn[accepted] = sampled[1]
             emit = [xs[i], *drafts[i][:accepted]]
             emit_lp = [prev_logprobs[i], *(logprobs[i][j] for j in range(accepted))]
             row_responses, finish = self._respond(i, emit, emit_lp)
@@ -208,6 +216,15 @@ class VerifyBatch(GenerationBatch):
                 row = processor(ctx, row)
             out.append(row)
         return mx.concatenate(out, axis=0)
+
+    def _rejection(self, i: int, proposal: RowProposal | None, logprobs: mx.array) -> tuple[int, int] | None:
+        """(kept, next token) by rejection sampling, for a sampling row whose drafter sampled."""
+        if proposal is None or proposal.logprobs is None:
+            return None
+        sampler = self.samplers[i] if self.samplers else None
+        if not isinstance(sampler, RowSampler):
+            return None
+        return sampler.verify_sampled(logprobs, list(proposal.tokens), proposal.logprobs)
 
     def _draw(self, i: int, logprobs: mx.array) -> tuple[mx.array, list[Any]]:
         sampler = self.samplers[i] if self.samplers else None
