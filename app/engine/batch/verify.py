@@ -28,7 +28,10 @@ token by token, so a row ends inside its run exactly where a plain step would en
 This is exact: the tokens emitted are the tokens plain decoding draws, and for an
 unseeded row each is a fresh draw from the same distribution (the acceptance rule of
 rejection sampling for a point-mass proposal, p(d), and on a miss a draw from p without
-d). Logprobs come from the target's processed distribution at each position.
+d). A drafter that sampled its tokens and gives their distribution q is verified, for an
+unseeded sampling row, by rejection sampling proper (``RowSampler.verify_sampled``: keep
+with min(1, p/q), else a draw from the residual max(0, p - q)). Logprobs come from the
+target's processed distribution at each position.
 
 The KV: the pass wrote k+1 positions for every row; row i keeps ``kept_i`` of them (x
 and its accepted run, or up to its finishing token). mlx-lm's batch caches are

@@ -88,12 +88,14 @@ class DraftSource(Protocol):
     - ``close()``d once when the row ends however it ends (finished, stopped, cancelled,
       failed): the drafter gives back its KV and reservation there.
 
-    Proposals may be greedy (``Proposal.logprobs`` None: the target accepts token d with
-    probability p(d), or when it is the argmax at temperature 0) or sampled, with the
-    drafter's log-probabilities over the whole vocabulary at each proposed position
-    (``logprobs``: (len(tokens), vocab), its distribution after its own temperature): the
-    verify step then accepts with min(1, p/q) and resamples the residual, so any q is exact.
-    Sampled proposals only pay when q is close to the row's p; a greedy draft is simplest.
+    Proposals may be greedy (``Proposal.logprobs`` None: the target keeps token d when it is
+    the token the row draws there: probability p(d), or d the argmax at temperature 0) or
+    sampled, with the drafter's log-probabilities over the whole vocabulary at each proposed
+    position (``logprobs``: (len(tokens), vocab), its distribution after its own
+    temperature): an unseeded sampling row then keeps d with min(1, p/q) and draws a refused
+    one's replacement from the residual max(0, p - q); greedy and seeded rows verify it as a
+    greedy proposal. Either way the output is exact. Sampled proposals only pay when q is
+    close to the row's p; a greedy draft is simplest.
 
     A Drafter that raises is switched off for its row (logged); the row decodes on. Distributed
     serving: only rank 0 opens and asks drafters; the other ranks replay the verify step from
