@@ -260,7 +260,11 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         """Before a step: the decoding rows' proposals to the verify batch (``speculation``)."""
         if self.speculator is None or self._verify is None:
             return
-        rows = {uid: s.drafts for uid, s in self._running.items() if s.drafts is not None and not s.prefilling}
+        rows = {}
+        for uid, seq in self._running.items():
+            if seq.drafts is not None and not seq.prefilling:
+                seq.drafts.remaining = seq.req.max_tokens - seq.generated - 1
+                rows[uid] = seq.drafts
         if rows:
             try:
                 self.speculator.propose(self._verify, rows)

@@ -47,6 +47,8 @@ class RowDrafts:
     constraint: Any = None
     prediction_size: int = 0
     accepted_prediction: int = 0
+    # Tokens the row may still emit after its next one (max_tokens): no proposal runs past them.
+    remaining: int = 1 << 30
     # The proposal in this step: its drafter, the proposal, how many of its tokens went in.
     in_flight: tuple[Drafter, Proposal, int] | None = None
     closed: bool = field(default=False)
@@ -97,7 +99,7 @@ class Speculator:
             if row.budget is not None and not row.budget.settled:
                 continue
             wanted = [(d, self.adaptive.tokens(row.rates[d.name], d.name, row.request_id)) for d in row.drafters]
-            wanted = [(d, k) for d, k in wanted if k]
+            wanted = [(d, min(k, row.remaining)) for d, k in wanted if k and row.remaining > 0]
             if wanted:
                 asks[uid] = wanted
         if not asks:
