@@ -42,7 +42,7 @@ mlx-lm
   order, then the sampler once for the whole batch when every row has the same sampler
   object (otherwise once per row), in the same step; ``mirror.TokenSync`` relies on it
   (one all_sum per step, and a DesyncError if the counts ever disagree).
-- The speculative verify step (``batch/verify``) owns ``GenerationBatch``'s step for rows
+- The speculative verify step (``speculative/verify``) owns ``GenerationBatch``'s step for rows
   with proposals: it subclasses ``GenerationBatch`` (``empty(model, fallback_sampler)``,
   ``next() -> [Response(uid, token, logprobs, finish_reason, prompt_cache, all_tokens)]``,
   ``extract_cache``, ``filter``) and installs it as ``BatchGenerator._generation_batch``,

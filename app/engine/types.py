@@ -54,7 +54,7 @@ class ConstraintProcessor(Protocol):
 
 @runtime_checkable
 class SpeculableConstraint(ConstraintProcessor, Protocol):
-    """A constraint a speculating row can carry (``app.engine.batch.verify``): it cuts a
+    """A constraint a speculating row can carry (``app.engine.speculative.verify``): it cuts a
     proposal where it would refuse it, and gives back what a verify step rejected. A row
     whose constraint lacks these does not speculate."""
 

@@ -123,7 +123,7 @@ def test_contract_prefill_step_size_sets_each_steps_chunk(tiny_model_dir):
 def _generators(tiny_model_dir):
     from mlx_lm import load
 
-    from app.engine.batch.verify import install
+    from app.engine.speculative.verify import install
 
     model, tokenizer = load(str(tiny_model_dir))
     make = lambda: new_batch_generator(model, tokenizer, max_tokens=64, completion_batch_size=4,  # noqa: E731
@@ -168,7 +168,7 @@ def test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept(tiny_m
     """Rows of different lengths keeping different runs of their proposals: each row's KV and
     tokens at the end are plain decoding's (trim, right-padding roll, the shared left
     padding and ``_idx`` shifted off)."""
-    from app.engine.batch.verify import RowProposal
+    from app.engine.speculative.verify import RowProposal
 
     plain, spec, vb = _generators(tiny_model_dir)
     prompts = [[5, 6, 7] * 9, [8, 9] * 20, [11] * 7]

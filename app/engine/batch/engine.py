@@ -60,9 +60,7 @@ from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.pacing import PrefillPacer
 from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.batch.sampling import build_logits_processors, build_sampler
-from app.engine.batch.speculation import RowDrafts, Speculator
 from app.engine.batch.stops import StopMatcher
-from app.engine.batch.verify import VerifyBatch, install
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import probe_layout
@@ -72,6 +70,8 @@ from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
+from app.engine.speculative.rows import RowDrafts, Speculator
+from app.engine.speculative.verify import VerifyBatch, install
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -141,7 +141,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self._progress: dict[int, int] = {}
         self._prefilled = 0
         self._last_wait_log = 0.0
-        # Speculative decoding (``speculation``); None where this model cannot roll its KV back.
+        # Speculative decoding (``app.engine.speculative.rows``); None where this model cannot roll its KV back.
         self.speculator = self._speculator(draft)
         self._verify: VerifyBatch | None = None
         self._step_start = 0.0
@@ -257,7 +257,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         return busy
 
     def _propose(self) -> None:
-        """Before a step: the decoding rows' proposals to the verify batch (``speculation``)."""
+        """Before a step: the decoding rows' proposals to the verify batch (``app.engine.speculative.rows``)."""
         if self.speculator is None or self._verify is None:
             return
         rows = {}

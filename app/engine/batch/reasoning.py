@@ -135,7 +135,7 @@ class BudgetProcessor:
     @property
     def settled(self) -> bool:
         """Whether the block is behind the row (closed): from then on this processor changes
-        nothing and keeps no state, so the row may speculate (``app.engine.batch.verify``)."""
+        nothing and keeps no state, so the row may speculate (``app.engine.speculative.verify``)."""
         return self._tracker.phase is Phase.AFTER
 
     @property

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.batch.reasoning import BudgetProcessor
-from app.engine.batch.verify import RowProposal, VerifyBatch
 from app.engine.params import SpeculativeParams
 from app.engine.speculative import DraftCounts, Drafter, DraftSource, Proposal
 from app.engine.speculative.adaptive import Adaptive, RowRate, StepCosts
 from app.engine.speculative.lookup import PredictionLookup, PromptLookup
+from app.engine.speculative.verify import RowProposal, VerifyBatch
 from app.engine.types import GenerationRequest, SpeculableConstraint
 
 log = logging.getLogger("tandem.engine")
