@@ -38,10 +38,17 @@ def test_expected_tokens():
 def test_step_costs_are_measured_per_proposal_length():
     costs = StepCosts()
     assert costs.ratio(4) == pytest.approx(1.4)  # the prior until measured
+    costs.observe(4, 0.030)  # no plain step to compare with yet: not counted
+    assert costs.ratio(4) == pytest.approx(1.4)
     for _ in range(3):
         costs.observe(0, 0.010)
         costs.observe(4, 0.030)
     assert costs.ratio(4) == pytest.approx(3.0)
+    # The machine gets busier: plain and verify steps both slow down; the ratio holds.
+    for _ in range(40):
+        costs.observe(0, 0.020)
+        costs.observe(4, 0.060)
+    assert costs.ratio(4) == pytest.approx(3.0, rel=0.05)
 
 
 def test_a_good_drafter_runs_long_where_verifying_is_free():

@@ -71,26 +71,36 @@ class FreeVerify:
 
 
 class StepCosts:
-    """Seconds per decode step of one model, by proposal length (0: a plain step)."""
+    """What a verify step costs on this model, in plain steps, by proposal length.
+
+    A plain step's seconds are a running mean; each verify step is measured against the
+    plain mean of its moment, so a machine whose load changes (other work on a shared CPU)
+    does not compare a verify timed under load with a plain step timed without."""
 
     def __init__(self) -> None:
-        self._t: dict[int, float] = {}
+        self._plain: float | None = None
+        self._ratio: dict[int, float] = {}
 
     def observe(self, k: int, seconds: float) -> None:
-        old = self._t.get(k)
-        self._t[k] = seconds if old is None else old + TIME_ALPHA * (seconds - old)
+        if k == 0:
+            old = self._plain
+            self._plain = seconds if old is None else old + TIME_ALPHA * (seconds - old)
+            return
+        if self._plain is None or self._plain <= 0:
+            return
+        ratio, old = seconds / self._plain, self._ratio.get(k)
+        self._ratio[k] = ratio if old is None else old + TIME_ALPHA * 2 * (ratio - old)
 
     def ratio(self, k: int) -> float:
         """t(k) / t(0): what a k-token verify step costs in plain steps."""
         if k == 0:
             return 1.0
-        plain, verify = self._t.get(0), self._t.get(k)
-        if plain is None or verify is None or plain <= 0:
-            return 1.0 + PRIOR_SLOPE * k
-        return max(verify / plain, 1e-3)
+        measured = self._ratio.get(k)
+        return max(measured, 1e-3) if measured is not None else 1.0 + PRIOR_SLOPE * k
 
     def measured(self) -> dict[int, float]:
-        return dict(self._t)
+        """The plain step's seconds (0) and each measured k's ratio to it."""
+        return {**({0: self._plain} if self._plain is not None else {}), **self._ratio}
 
 
 def expected_tokens(rate: float, k: int) -> float:
