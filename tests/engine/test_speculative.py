@@ -367,3 +367,28 @@ def test_a_sampled_draft_is_verified_by_rejection_sampling(tiny_model_dir):
     finally:
         eng.close()
         plain_eng.worker.stop()
+
+
+def test_a_reasoning_budget_closes_where_it_would_without_speculation(tiny_ministral, demo_model_dir):
+    """A row with a budget does not speculate while its budget could still force the closer
+    (the budget processor reads its context token by token); its prediction is the model's
+    unbudgeted thought, which the forced closer then departs from."""
+    from tests.engine.test_reasoning_budget import ANSWER, THOUGHT_TOKENS, ministral_block
+    from tests.fixtures.tiny_ministral import distinct_words
+
+    words = distinct_words(demo_model_dir, THOUGHT_TOKENS, skip=("sunny",))
+    script = f"[THINK]{''.join(words)}[/THINK]{ANSWER}"
+    eng = free_engine(tiny_ministral(script), mem=256)
+    try:
+        tokens = eng.tokenizer.encode("<s>[INST]Weather in Paris?[/INST]", add_special_tokens=False)
+        prediction = tuple(eng.tokenizer.encode(f"[THINK]{''.join(words[:30])}[/THINK]{ANSWER}",
+                                                add_special_tokens=False))
+        for budget in (3, 5, 8, 13, None):
+            req = GenerationRequest(TokenPrompt(tokens), max_tokens=30, reasoning=ministral_block(eng, budget))
+            plain, p_last = asyncio.run(run(eng, replace(req, speculation=OFF)))
+            text, last = asyncio.run(run(eng, replace(req, speculation=SpeculationRequest(prediction, False))))
+            assert text == plain and last.reasoning_tokens == p_last.reasoning_tokens
+            if budget is None:  # no budget: nothing holds the row back
+                assert last.accepted_prediction_tokens > 10
+    finally:
+        eng.worker.stop()
