@@ -94,3 +94,10 @@ def test_probes_cost_little_where_verifying_is_dear():
             surplus += costs.ratio(k) - 1.0
             row.update(k, 0)
     assert surplus / steps < 0.05
+
+
+def test_an_unmeasured_length_is_guessed_from_the_measured_ones():
+    costs = StepCosts()
+    costs.observe(0, 0.010)
+    costs.observe(2, 0.030)  # 1.0 plain step per proposed token
+    assert costs.ratio(1) == pytest.approx(2.0) and costs.ratio(4) == pytest.approx(5.0)

@@ -11,8 +11,9 @@ the row (a debug log says why) and is probed again after a pause that doubles ea
 time it still does not pay.
 
 ``StepCosts`` measures t(k) per model: the engine times each decode step (steps that
-also prefill are not counted) under the k it ran with. Until a k is measured it is
-guessed from t(0) with ``PRIOR_SLOPE`` per token, optimistic enough that it gets tried.
+also prefill are not counted) under the k it ran with, against the plain steps of the
+moment. A k not measured yet is guessed from the measured ones' cost per token (before
+any, ``PRIOR_SLOPE`` per token: optimistic enough that speculation gets tried).
 ``RowRate`` keeps one row's acceptance for one drafter: each verified position is a
 trial (the accepted run, and the miss that ended it), decayed so it follows the text.
 A probe of an off drafter costs its verify step's surplus over a plain step, so the pause
@@ -96,7 +97,11 @@ class StepCosts:
         if k == 0:
             return 1.0
         measured = self._ratio.get(k)
-        return max(measured, 1e-3) if measured is not None else 1.0 + PRIOR_SLOPE * k
+        if measured is not None:
+            return max(measured, 1e-3)
+        # Not measured at this k: the slope the measured ones show (the dearest), else the prior's.
+        slopes = [(r - 1.0) / j for j, r in self._ratio.items()]
+        return 1.0 + max(slopes, default=PRIOR_SLOPE) * k
 
     def measured(self) -> dict[int, float]:
         """The plain step's seconds (0) and each measured k's ratio to it."""
