@@ -38,6 +38,8 @@ def test_expected_tokens():
 def test_step_costs_are_measured_per_proposal_length():
     costs = StepCosts()
     assert costs.ratio(4) == pytest.approx(1.4)  # the prior until measured
+    costs.observe(0, 5.0)
+    costs.observe(4, 9.0)  # the first step of each length sets it up: not a measure
     costs.observe(4, 0.030)  # no plain step to compare with yet: not counted
     assert costs.ratio(4) == pytest.approx(1.4)
     for _ in range(3):
@@ -98,6 +100,7 @@ def test_probes_cost_little_where_verifying_is_dear():
 
 def test_an_unmeasured_length_is_guessed_from_the_measured_ones():
     costs = StepCosts()
-    costs.observe(0, 0.010)
-    costs.observe(2, 0.030)  # 1.0 plain step per proposed token
+    for _ in range(2):
+        costs.observe(0, 0.010)
+        costs.observe(2, 0.030)  # 1.0 plain step per proposed token
     assert costs.ratio(1) == pytest.approx(2.0) and costs.ratio(4) == pytest.approx(5.0)

@@ -81,8 +81,12 @@ class StepCosts:
     def __init__(self) -> None:
         self._plain: float | None = None
         self._ratio: dict[int, float] = {}
+        self._seen: set[int] = set()
 
     def observe(self, k: int, seconds: float) -> None:
+        if k not in self._seen:  # the first step of a shape pays for setting it up: not a measure
+            self._seen.add(k)
+            return
         if k == 0:
             old = self._plain
             self._plain = seconds if old is None else old + TIME_ALPHA * (seconds - old)
