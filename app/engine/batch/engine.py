@@ -218,7 +218,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             prompt_cache_tokens_saved=self.cache_tokens_saved,
             kv_cache_bytes=self._kv_bytes,
             prompt_cache_tiers=self.prompt_cache.stats(),
-            speculation={name: replace(c) for name, c in self.speculator.counts.items()} if self.speculator else {},
+            # Read from the event loop while the MLX thread counts: a snapshot of the items, copied.
+            speculation={name: replace(c) for name, c in list(self.speculator.counts.items())}
+            if self.speculator else {},
         )
 
     # ---- the MLX thread -------------------------------------------------------------

@@ -85,7 +85,8 @@ class DraftSource(Protocol):
       calls ``tokens`` grows by the accepted tokens plus the target's own next token, but a
       drafter must not rely on it: it keeps the tokens it has fed itself, and when ``tokens``
       does not extend them (a row resumed, a grammar cut) it rolls its own state back to the
-      common prefix and feeds the rest. It returns at most ``k`` tokens, or None;
+      common prefix and feeds the rest. ``tokens`` is the engine's own list, valid during the
+      call only: copy what is kept. It returns at most ``k`` tokens, or None;
     - told ``verified(proposal, accepted)`` after the step that verified ``proposal``
       (0 <= accepted <= len(proposal.tokens)); a proposal cut short before verifying (a
       grammar refused its tail) is reported with the tokens actually verified;
