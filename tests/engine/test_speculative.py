@@ -392,3 +392,35 @@ def test_a_reasoning_budget_closes_where_it_would_without_speculation(tiny_minis
                 assert last.accepted_prediction_tokens > 10
     finally:
         eng.worker.stop()
+
+
+@pytest.mark.slow  # two 1,000-token rows, alone and together: about a minute here
+def test_a_speculating_row_paused_for_memory_resumes_exactly(tmp_path_factory, demo_model_dir):
+    """Two long rows that outgrow the KV budget while speculating: the newer one is paused
+    (its KV, rolled back exact, to the prefix cache) and resumes to the output it has alone;
+    the caches never hold more than the admission figure (``test_kv_accounting``'s check)."""
+    from tests.engine.test_kv_accounting import CONFIG, MEM_MB, Sampler, prompt
+    from tests.fixtures.tiny_llama import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv"), demo_model_dir, CONFIG, seed=1)
+    eng = free_engine(model_dir, mem=MEM_MB, max_num_seqs=4, prefill_chunk_size=128, prompt_cache="off",
+                      prompt_cache_mem=8)
+    try:
+        reqs = [GenerationRequest(TokenPrompt(prompt(40 + i, 1 + i)), max_tokens=1000, speculation=OFF)
+                for i in range(2)]
+        alone = [asyncio.run(run(eng, r))[0] for r in reqs]
+        specs = [replace(r, speculation=SpeculationRequest(corrupted(eng.tokenizer.encode(t), 9), False))
+                 for r, t in zip(reqs, alone)]
+
+        async def both():
+            return await asyncio.gather(*(run(eng, r) for r in specs))
+
+        with Sampler(eng) as sampler:
+            out = asyncio.run(both())
+        assert eng.memory_pauses >= 1
+        assert [t for t, _ in out] == alone
+        assert all(last.accepted_prediction_tokens > 0 for _, last in out)
+        for held, figure, rows in sampler.samples:
+            assert held <= figure <= MEM_MB * 2**20, (held, figure, rows)
+    finally:
+        eng.worker.stop()
