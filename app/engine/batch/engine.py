@@ -22,6 +22,10 @@ What is this engine's own:
                      included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
+    speculation      each row's drafters opened in ``_insert``, asked before a step
+                     (``_propose``) and told after it (``_on_batch_next``); the verify
+                     step is the BatchGenerator's own generation batch
+                     (``app.engine.speculative``: ``verify``, ``rows``)
 
 Memory: when the rows' growth does not fit the KV budget, the prefix cache is
 evicted first, then the lowest-priority row (background first, then the widest,
