@@ -42,6 +42,17 @@ mlx-lm
   order, then the sampler once for the whole batch when every row has the same sampler
   object (otherwise once per row), in the same step; ``mirror.TokenSync`` relies on it
   (one all_sum per step, and a DesyncError if the counts ever disagree).
+- The speculative verify step (``speculative/verify``) owns ``GenerationBatch``'s step for rows
+  with proposals: it subclasses ``GenerationBatch`` (``empty(model, fallback_sampler)``,
+  ``next() -> [Response(uid, token, logprobs, finish_reason, prompt_cache, all_tokens)]``,
+  ``extract_cache``, ``filter``) and installs it as ``BatchGenerator._generation_batch``,
+  into which the generator ``extend``s every new generation batch; it reads and sets its
+  fields ``model, uids, tokens, samplers, fallback_sampler, logits_processors, max_tokens,
+  prompt_cache, _next_tokens`` (the sampled token not yet in the KV), ``_next_logprobs``,
+  ``_current_tokens, _current_logprobs, _token_context`` (a ``TokenBuffer`` per row: the
+  context its processors see), ``_num_tokens`` and ``_matchers`` (stop-token matchers,
+  ``advance(token) -> bool``); and rolls batch caches back with ``trim``, ``prepare(
+  right_padding=)``, ``finalize`` and their ``keys, values, left_padding, _idx`` fields.
 - ``utils.sharded_load(path, pipeline_group=, tensor_group=, return_config=)``: loads
   this rank's shard (tensor parallel through ``Model.shard(group)``, pipeline through
   ``Model.model.pipeline(group)``, which needs ``model.safetensors.index.json``) and ends
@@ -123,6 +134,10 @@ list and the contract tests in step):
     mlx_lm.generate.BatchGenerator.prompt_cache_nbytes
     mlx_lm.generate.BatchGenerator.prefill_step_size
     mlx_lm.generate.GenerationBatch._step
+    mlx_lm.generate.GenerationBatch
+    mlx_lm.generate.BatchGenerator._generation_batch
+    mlx_lm.models.cache.TokenBuffer
+    mlx_lm.models.cache.BatchKVCache._idx
     mlx_lm.models.cache.LRUPromptCache
     mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache
     mlx_lm.models.cache.LRUPromptCache.insert_cache
@@ -175,12 +190,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
+    BatchKVCache,
     KVCache,
     LRUPromptCache,
     QuantizedKVCache,
+    TokenBuffer,
     _BaseCache,
     dynamic_roll,
     make_prompt_cache,
@@ -189,6 +206,9 @@ from mlx_lm.models.cache import (
 
 __all__ = [
     "BatchGenerator",
+    "BatchKVCache",
+    "GenerationBatch",
+    "TokenBuffer",
     "KVCache",
     "LRUPromptCache",
     "QuantizedKVCache",

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from app.engine.prompt import Prompt, PromptBuilder
 from app.engine.speculative import DraftCounts
@@ -49,6 +49,21 @@ class ConstraintProcessor(Protocol):
         """Why the constraint stopped holding (a grammar limit hit mid-run), or None. The
         processor then allows only EOS; the engine ends the sequence with this error, never
         as a normal stop, since the text so far does not follow the constraint."""
+        ...
+
+
+@runtime_checkable
+class SpeculableConstraint(ConstraintProcessor, Protocol):
+    """A constraint a speculating row can carry (``app.engine.speculative.verify``): it cuts a
+    proposal where it would refuse it, and gives back what a verify step rejected. A row
+    whose constraint lacks these does not speculate."""
+
+    def allowed(self, tokens: Sequence[int], draft: Sequence[int]) -> int:
+        """How many of ``draft``'s tokens it accepts after ``tokens`` (the row's context)."""
+        ...
+
+    def rewind(self, context_len: int) -> None:
+        """The row's context is ``context_len`` tokens again: forget what came after."""
         ...
 
 

@@ -37,6 +37,10 @@ CONTRACTS: dict[str, Contract] = {
     "mlx_lm.generate.BatchGenerator.remove": _c("uids return_prompt_caches"),
     "mlx_lm.generate.BatchGenerator.prompt_cache_nbytes": _c(),
     "mlx_lm.generate.GenerationBatch._step": _c(),
+    "mlx_lm.generate.GenerationBatch": _c(
+        "model uids inputs prompt_cache tokens samplers fallback_sampler logits_processors stop_sequences max_tokens",
+        "empty next extract_cache filter extend Response"),
+    "mlx_lm.models.cache.TokenBuffer": _c("tokens", "update_and_fetch"),
     "mlx_lm.models.cache.LRUPromptCache": _c("max_size max_bytes"),
     "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache": _c("model tokens"),
     "mlx_lm.models.cache.LRUPromptCache.insert_cache": _c("model tokens prompt_cache cache_type"),
@@ -85,6 +89,10 @@ M = test_mlx_internals
 BEHAVIOUR = {
     "mlx_lm.generate.BatchGenerator.prefill_step_size": (test_mlx_lm_internals,
                                                          "test_contract_prefill_step_size_sets_each_steps_chunk"),
+    "mlx_lm.generate.BatchGenerator._generation_batch": (test_mlx_lm_internals,
+                                                         "test_contract_generation_batch_is_the_generators_own"),
+    "mlx_lm.models.cache.BatchKVCache._idx": (
+        test_mlx_lm_internals, "test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),

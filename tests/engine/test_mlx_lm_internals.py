@@ -118,3 +118,86 @@ def test_contract_prefill_step_size_sets_each_steps_chunk(tiny_model_dir):
         prompts, _ = bg.next()
         progress.append(prompts[0].progress)
     assert progress == [(64, 150), (84, 150), (117, 150)]
+
+
+def _generators(tiny_model_dir):
+    from mlx_lm import load
+
+    from app.engine.speculative.verify import install
+
+    model, tokenizer = load(str(tiny_model_dir))
+    make = lambda: new_batch_generator(model, tokenizer, max_tokens=64, completion_batch_size=4,  # noqa: E731
+                                       prefill_batch_size=4, prefill_step_size=64)
+    plain, spec = make(), make()
+    return plain, spec, install(spec)
+
+
+def _run(bg, prompts, max_tokens, before_step=lambda: None):
+    """Each row's finishing response, by uid, stepping until every row finished."""
+    uids = bg.insert_segments([[p] for p in prompts], max_tokens=[max_tokens] * len(prompts))
+    done = {}
+    while len(done) < len(uids):
+        before_step()
+        for r in bg.next()[1]:
+            if r.finish_reason is not None:
+                done[r.uid] = r
+    return [done[u] for u in uids]
+
+
+def test_contract_generation_batch_is_the_generators_own(tiny_model_dir):
+    """BatchGenerator extends new generation batches into its ``_generation_batch``: an
+    installed VerifyBatch holds every decoding row, and without proposals its step is
+    mlx-lm's own (same tokens, same KV)."""
+    plain, spec, vb = _generators(tiny_model_dir)
+    prompts = [[5, 6, 7] * 9, [8, 9] * 20]
+    a, b = _run(plain, prompts, 6), _run(spec, prompts, 6)
+    assert spec._generation_batch is vb
+    assert [r.all_tokens for r in a] == [r.all_tokens for r in b]
+    for ra, rb in zip(a, b):
+        assert all(mx.array_equal(x.state[0], y.state[0]).item() for x, y in zip(ra.prompt_cache, rb.prompt_cache))
+    # The fields the verify step reads and sets (a row decoding: one sampled token ahead of its KV).
+    spec.insert_segments([[[5, 6, 7] * 9]], max_tokens=[8])
+    while not vb.uids:
+        spec.next()
+    assert vb._next_tokens.shape == (1,) and len(vb._next_logprobs) == 1 and len(vb._token_context) == 1
+    assert vb._num_tokens == [0] and vb.max_tokens == [8] and len(vb._matchers) == 1
+    assert vb.tokens[0] == [5, 6, 7] * 9 and isinstance(vb.prompt_cache[0], BatchKVCache)
+
+
+def test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept(tiny_model_dir):
+    """Rows of different lengths keeping different runs of their proposals: each row's KV and
+    tokens at the end are plain decoding's (trim, right-padding roll, the shared left
+    padding and ``_idx`` shifted off)."""
+    from app.engine.speculative.verify import RowProposal
+
+    plain, spec, vb = _generators(tiny_model_dir)
+    prompts = [[5, 6, 7] * 9, [8, 9] * 20, [11] * 7]
+    n = 14
+    expected = _run(plain, prompts, n)
+    outputs = [r.all_tokens[len(p):] for r, p in zip(expected, prompts)]
+    for r, p in zip(expected, prompts):
+        assert r.all_tokens[:len(p)] == p
+
+    seen: set[int] = set()
+
+    def propose():
+        seen.update(vb.outcomes)
+        pending = vb.pending()
+        props = {}
+        for uid in pending:  # uid: the row's index (a fresh generator)
+            done = len(vb.context(uid)) - len(prompts[uid]) + 1  # output tokens so far, x included
+            truth = outputs[uid][done:done + 4]
+            if uid == 1:  # wrong from its third token on
+                truth = [*truth[:2], *(t + 1 for t in truth[2:])]
+            if uid != 2 and truth:  # row 2 never proposes
+                props[uid] = RowProposal(tuple(truth))
+        vb.propose(props)
+
+    got = _run(spec, prompts, n, propose)
+    assert sorted(seen) == [0, 1]  # both proposing rows were verified: kept runs of 2 (row 1), up to 4 (row 0)
+    assert [r.all_tokens for r in got] == [r.all_tokens for r in expected]
+    for rg, re in zip(got, expected):
+        for cg, ce in zip(rg.prompt_cache, re.prompt_cache):
+            assert cg.offset == ce.offset
+            assert mx.allclose(cg.state[0], ce.state[0], atol=1e-4).item()
+            assert mx.allclose(cg.state[1], ce.state[1], atol=1e-4).item()

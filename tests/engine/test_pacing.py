@@ -18,7 +18,7 @@ from app.engine.batch.pacing import MIN_CHUNK, PrefillPacer
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
-from app.engine.types import GenerationRequest
+from app.engine.types import GenerationRequest, SpeculationRequest
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from tests.engine.engines import run
@@ -85,8 +85,10 @@ def test_beside_a_decoding_stream_chunks_are_sized_to_the_step_budget(tiny_model
                                                        load_params(p))).result()
         metered = Metered(loaded.model, per_token=0.005, per_decode=0.04)
         engine = TextEngine(worker, replace(loaded, model=metered), engine_params(p), clock=lambda: metered.now)
-        stream = GenerationRequest(TokenPrompt([1000 + i for i in range(300)]), max_tokens=80)
-        prompt = GenerationRequest(TokenPrompt([2000 + i for i in range(400)]), max_tokens=2)
+        # No speculation: the metered model takes every multi-token call for a prefill chunk.
+        plain = SpeculationRequest(prompt_lookup=False)
+        stream = GenerationRequest(TokenPrompt([1000 + i for i in range(300)]), max_tokens=80, speculation=plain)
+        prompt = GenerationRequest(TokenPrompt([2000 + i for i in range(400)]), max_tokens=2, speculation=plain)
 
         async def main() -> None:
             deltas = engine.stream(stream)

@@ -88,6 +88,9 @@ class Seq:
     constraint: ConstraintProcessor | None = None
     # Its reasoning block, as emitted (``GenerationRequest.reasoning``): what it spent there.
     reasoning: ReasoningTracker | None = None
+    # Its prediction's tokens kept and refused so far (speculative decoding's Predicted Outputs).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def background(self) -> bool:
@@ -287,6 +290,9 @@ class BatchingEngine(Generic[S, L]):
         assert seq.uid is not None
         self._drop_row(seq.uid)
 
+    def _on_batch_next(self, prompt_responses: list[Any]) -> None:
+        """The batch step just returned; its responses are handled next."""
+
     def _on_prompt_progress(self, responses: list[Any]) -> None:
         """The batch step's prompt responses (prefill progress)."""
 
@@ -329,6 +335,7 @@ class BatchingEngine(Generic[S, L]):
             log.exception("model %s: batch step failed; failing %d requests", self.name, len(self._running))
             self._fail_batch(exc)
             return True
+        self._on_batch_next(prompt_responses)
         self._on_prompt_progress(prompt_responses)
         for r in gen_responses:
             seq = self._running.get(r.uid)
@@ -429,6 +436,8 @@ class BatchingEngine(Generic[S, L]):
             delta.cached_tokens = seq.cached_tokens
             delta.completion_tokens = seq.generated
             delta.reasoning_tokens = seq.reasoning.spent if seq.reasoning is not None else 0
+            delta.accepted_prediction_tokens = seq.accepted_prediction_tokens
+            delta.rejected_prediction_tokens = seq.rejected_prediction_tokens
             self._release(seq)
             self._end(seq, finish)
         seq.channel.put(delta)

@@ -22,6 +22,10 @@ What is this engine's own:
                      included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
+    speculation      each row's drafters opened in ``_insert``, asked before a step
+                     (``_propose``) and told after it (``_on_batch_next``); the verify
+                     step is the BatchGenerator's own generation batch
+                     (``app.engine.speculative``: ``verify``, ``rows``)
 
 Memory: when the rows' growth does not fit the KV budget, the prefix cache is
 evicted first, then the lowest-priority row (background first, then the widest,
@@ -58,16 +62,20 @@ import mlx.core as mx
 from app.engine.batch.admission import KV_STEP, prefill_span, reservation, sequence_width
 from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.pacing import PrefillPacer
+from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import probe_layout
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
-from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, new_detokenizer
+from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, make_prompt_cache, new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
+from app.engine.speculative import DraftSource
+from app.engine.speculative.rows import RowDrafts, Speculator
+from app.engine.speculative.verify import VerifyBatch, install
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -89,6 +97,8 @@ class _Seq(Seq):
     prefilling: bool = True
     # Paused for memory: its KV went to the prefix cache under these tokens, and it waits to resume.
     requeued: list[int] | None = None
+    # Its drafters (speculative decoding), when it has any.
+    drafts: RowDrafts | None = None
 
     @property
     def suspended(self) -> bool:
@@ -99,7 +109,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     """Continuous batching for one loaded chat model."""
 
     def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
-                 ops: BatchOps = LOCAL_OPS, clock: Callable[[], float] = time.perf_counter) -> None:
+                 ops: BatchOps = LOCAL_OPS, clock: Callable[[], float] = time.perf_counter,
+                 draft: DraftSource | None = None) -> None:
         super().__init__(worker, loaded, params)
         # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
         # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
@@ -132,6 +143,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self._progress: dict[int, int] = {}
         self._prefilled = 0
         self._last_wait_log = 0.0
+        # Speculative decoding (``app.engine.speculative.rows``); None where this model cannot roll its KV back.
+        self.speculator = self._speculator(draft)
+        self._verify: VerifyBatch | None = None
+        self._step_start = 0.0
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
@@ -142,10 +157,27 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _new_batch(self) -> BatchGenerator:
         p = self.params
-        return self.ops.new_batch(
+        bg = self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
+        if self.speculator is not None:
+            self._verify = install(bg)
+        return bg
+
+    def _speculator(self, draft: DraftSource | None) -> Speculator | None:
+        spec = self.params.speculative
+        if spec.tokens <= 0:
+            return None
+        if self.ops.replicated:
+            log.info("model %s: no speculative decoding in distributed serving yet", self.loaded.name)
+            return None
+        kinds = {type(c).__name__ for c in make_prompt_cache(self.loaded.model)}
+        if kinds != {"KVCache"}:
+            log.info("model %s: no speculative decoding: its KV caches (%s) cannot be rolled back",
+                     self.loaded.name, ", ".join(sorted(kinds)))
+            return None
+        return Speculator(self.loaded.name, spec, draft)
 
     # ---- called from the event loop -------------------------------------------------
 
@@ -188,6 +220,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             prompt_cache_tokens_saved=self.cache_tokens_saved,
             kv_cache_bytes=self._kv_bytes,
             prompt_cache_tiers=self.prompt_cache.stats(),
+            # Read from the event loop while the MLX thread counts: a snapshot of the items, copied.
+            speculation={name: replace(c) for name, c in list(self.speculator.counts.items())}
+            if self.speculator else {},
         )
 
     # ---- the MLX thread -------------------------------------------------------------
@@ -219,10 +254,42 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if chunk != self._bg.prefill_step_size:
             self._bg.prefill_step_size = chunk
         self._prefilled = 0
-        start = self._clock()
+        start = self._step_start = self._clock()
+        self._propose()
         busy = super()._batch_step()
         self.pacer.observe(prefilled=self._prefilled, decoding=decoding, seconds=self._clock() - start)
         return busy
+
+    def _propose(self) -> None:
+        """Before a step: the decoding rows' proposals to the verify batch (``app.engine.speculative.rows``)."""
+        if self.speculator is None or self._verify is None:
+            return
+        rows = {}
+        for uid, seq in self._running.items():
+            if seq.drafts is not None and not seq.prefilling:
+                seq.drafts.remaining = seq.req.max_tokens - seq.generated - 1
+                rows[uid] = seq.drafts
+        if rows:
+            try:
+                self.speculator.propose(self._verify, rows)
+            except Exception:  # noqa: BLE001 - a drafter's failure must not fail the step: it decodes plainly
+                log.exception("model %s: speculative proposals failed; this step decodes without them", self.name)
+                self.speculator.drop_in_flight()
+                self._verify.propose({})
+
+    def _on_batch_next(self, prompt_responses: list[Any]) -> None:
+        """After the batch step, before its tokens are handled: what the proposals came to."""
+        if self.speculator is None or self._verify is None:
+            return
+        try:
+            self.speculator.settle(self._verify, self._clock() - self._step_start, timed=not prompt_responses)
+        except Exception:  # noqa: BLE001 - bookkeeping only: the tokens are right whatever happens here
+            log.exception("model %s: speculative bookkeeping failed", self.name)
+            self.speculator.drop_in_flight()
+        for seq in self._running.values():
+            if seq.drafts is not None and seq.drafts.prediction_size:
+                seq.accepted_prediction_tokens = seq.drafts.accepted_prediction
+                seq.rejected_prediction_tokens = seq.drafts.rejected_prediction
 
     def _settle(self) -> None:
         """After a step: the memory tier within what the reservations leave of the budget
@@ -418,6 +485,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             seq.processors.append(seq.constraint)
         seq.detok = new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
+        if self.speculator is not None:
+            budget = next((p for p in seq.processors if isinstance(p, BudgetProcessor)), None)
+            seq.drafts = self.speculator.open(req, budget, seq.constraint)
         self._start(seq, segments, cache, prompt[:cached], req.max_tokens)
 
     def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int) -> None:
@@ -494,3 +564,5 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     def _release(self, seq: _Seq) -> None:
         super()._release(seq)
         seq.paused = seq.requeued = None  # a paused sequence's KV goes with it
+        if seq.drafts is not None and self.speculator is not None:
+            self.speculator.close(seq.drafts)

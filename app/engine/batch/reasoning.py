@@ -133,6 +133,12 @@ class BudgetProcessor:
         return force(logits, self._close[self._forced])
 
     @property
+    def settled(self) -> bool:
+        """Whether the block is behind the row (closed): from then on this processor changes
+        nothing and keeps no state, so the row may speculate (``app.engine.speculative.verify``)."""
+        return self._tracker.phase is Phase.AFTER
+
+    @property
     def forcing(self) -> bool:
         """Whether the budget ran out (the closer is being, or was, forced)."""
         return self._forced is not None

@@ -30,7 +30,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -127,6 +127,26 @@ class GrammarProcessor:
         elif generated < self._fed:
             self._matcher.rollback(self._fed - generated)
         self._fed = generated
+
+    def allowed(self, tokens: Sequence[int], draft: Sequence[int]) -> int:
+        """How many of ``draft``'s tokens the grammar accepts after ``tokens`` (the row's
+        context, its last token not yet fed): the speculative verify step cuts a proposal
+        there, so the matcher is never fed a token it refuses. EOS is never proposed."""
+        if self._ended or self.error is not None:
+            return 0
+        pending = list(tokens[self._start + self._fed:])
+        cut = next((i for i, t in enumerate(draft) if t in self._eos), len(draft))
+        if any(t in self._eos for t in pending) or not cut:
+            return 0
+        return max(0, self._matcher.validate_tokens(pending + list(draft[:cut])) - len(pending))
+
+    def rewind(self, context_len: int) -> None:
+        """The row's context is now ``context_len`` tokens (a verify step rejected the
+        rest of what it fed): the matcher gives back what it consumed beyond them."""
+        generated = context_len - self._start
+        if generated < self._fed and not self._ended:
+            self._matcher.rollback(self._fed - generated)
+            self._fed = generated
 
     def _logit_bias(self, width: int) -> np.ndarray:
         """0 for each token the grammar allows next, -inf for the others; ids past the

@@ -4,7 +4,7 @@ Decoding is bound by memory bandwidth: scoring k proposed tokens in one forward 
 costs about what producing one does (on a GPU or Metal; on a small CPU it does not,
 and the adaptive rule below keeps speculation from costing a row speed). Each
 decoding row of the batch may carry a ``Proposal``; the verify step
-(``app.engine.batch.verify``, behind the private-API fence) scores every row's
+(``app.engine.speculative.verify``, behind the private-API fence) scores every row's
 proposal in one forward pass, keeps each row's longest accepted run plus the model's
 own next token, and rolls the rejected positions back out of the KV cache. Rows
 without a proposal decode as before in the same step.
@@ -16,6 +16,10 @@ Who proposes (``Drafter``), per model (models.yaml ``speculative``) and per requ
                     against the output so far (``lookup``)
     prompt_lookup   n-gram matching against the prompt and the output so far (``lookup``)
     draft           another chat model of models.yaml, run ahead k tokens (``draft_model``)
+
+The package: ``lookup`` (the prediction and prompt-lookup drafters), ``draft_model`` (a
+draft model), ``adaptive`` (how many tokens pay), ``verify`` (the verify step, mlx-lm's
+generation step owned), ``rows`` (the text engine's per-row drafters around each step).
 
 Exactness: at temperature 0 the output is token for token the output without
 speculation; with sampling, rejection sampling (accept a proposed token with
@@ -81,19 +85,22 @@ class DraftSource(Protocol):
       calls ``tokens`` grows by the accepted tokens plus the target's own next token, but a
       drafter must not rely on it: it keeps the tokens it has fed itself, and when ``tokens``
       does not extend them (a row resumed, a grammar cut) it rolls its own state back to the
-      common prefix and feeds the rest. It returns at most ``k`` tokens, or None;
+      common prefix and feeds the rest. ``tokens`` is the engine's own list, valid during the
+      call only: copy what is kept. It returns at most ``k`` tokens, or None;
     - told ``verified(proposal, accepted)`` after the step that verified ``proposal``
       (0 <= accepted <= len(proposal.tokens)); a proposal cut short before verifying (a
       grammar refused its tail) is reported with the tokens actually verified;
     - ``close()``d once when the row ends however it ends (finished, stopped, cancelled,
       failed): the drafter gives back its KV and reservation there.
 
-    Proposals may be greedy (``Proposal.logprobs`` None: the target accepts token d with
-    probability p(d), or when it is the argmax at temperature 0) or sampled, with the
-    drafter's log-probabilities over the whole vocabulary at each proposed position
-    (``logprobs``: (len(tokens), vocab), its distribution after its own temperature): the
-    verify step then accepts with min(1, p/q) and resamples the residual, so any q is exact.
-    Sampled proposals only pay when q is close to the row's p; a greedy draft is simplest.
+    Proposals may be greedy (``Proposal.logprobs`` None: the target keeps token d when it is
+    the token the row draws there: probability p(d), or d the argmax at temperature 0) or
+    sampled, with the drafter's log-probabilities over the whole vocabulary at each proposed
+    position (``logprobs``: (len(tokens), vocab), its distribution after its own
+    temperature): an unseeded sampling row then keeps d with min(1, p/q) and draws a refused
+    one's replacement from the residual max(0, p - q); greedy and seeded rows verify it as a
+    greedy proposal. Either way the output is exact. Sampled proposals only pay when q is
+    close to the row's p; a greedy draft is simplest.
 
     A Drafter that raises is switched off for its row (logged); the row decodes on. Distributed
     serving: only rank 0 opens and asks drafters; the other ranks replay the verify step from
