@@ -4,18 +4,13 @@ the draft's proposals."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
-from app.engine.batch.engine import TextEngine
 from tests.api.serving import serving
 from tests.fixtures.tiny_llama import TINY_LLAMA, build_tiny_llama
-
-pytestmark = pytest.mark.xfail("draft" not in inspect.signature(TextEngine.__init__).parameters, strict=True,
-                               reason="needs TextEngine(draft=...) (branch a-verify)")
 
 PROMPTS = ["Hello there", "Write a list of fruits", "1 2 3 4"]
 

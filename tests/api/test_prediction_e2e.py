@@ -52,7 +52,6 @@ def test_a_prediction_leaves_the_answer_as_it_was_and_fills_usage(client_module,
     assert off.choices[0].message.content == text
 
 
-@pytest.mark.xfail(strict=False, reason="needs the verify step (branch a-verify)")
 def test_a_prediction_equal_to_the_answer_is_accepted(client_module, plain):
     text = plain.choices[0].message.content
     predicted = client_module.chat.completions.create(**KW, prediction={"type": "content", "content": text})

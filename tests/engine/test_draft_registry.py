@@ -5,7 +5,6 @@ draft with another tokenizer refused at load."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from app.config.loader import load_models_file
-from app.engine.batch.engine import TextEngine
 from app.engine.registry import MB, Registry
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ConflictError, ModelLoadError
@@ -54,8 +52,6 @@ def registry(worker: MLXWorker, tmp_path: Path, target: Path, small: Path, **kw)
     return Registry(worker, [model_spec(e, None) for e in files.models], **kw)
 
 
-@pytest.mark.xfail("draft" not in inspect.signature(TextEngine.__init__).parameters, strict=True,
-                   reason="needs TextEngine(draft=...) (branch a-verify)")
 def test_the_draft_loads_first_and_stays_while_its_target_is_loaded(worker, tmp_path, tiny_model_dir, small_dir):
     reg = registry(worker, tmp_path, tiny_model_dir, small_dir)
 
