@@ -46,6 +46,12 @@ implements the same protocol.
 
 Rows whose caches are not plain or quantized batch KV (rotating windows, SSM state)
 cannot be rolled back: the step ignores proposals for such a batch.
+
+Distributed serving (``app.engine.distributed.mirror``): every rank runs this step with
+rank 0's proposals (``planned``, replayed by ``propose``). Rank 0 alone draws with the
+rows' samplers; ``agree`` then hands every rank rank 0's table of draws and acceptances
+(one ``all_sum``, after the forward pass's own collectives), and everything after it
+(the emitted tokens, the rollback, ``tokens``) follows from that table on every rank.
 """
 
 from __future__ import annotations
