@@ -227,6 +227,18 @@ def test_speculation_on_two_ranks_gives_the_plain_answers(two_ranks, one_rank):
     after = health(two_ranks)["models"]["tiny"]["speculation"]
     assert after["prediction"]["accepted"] > before.get("prediction", {}).get("accepted", 0)
     assert after["prompt_lookup"]["proposed"] > before.get("prompt_lookup", {}).get("proposed", 0)
+    # A seeded sampling row: rank 0 draws with the row's own key at every position, as one process does.
+    # (A seed whose answer's text tokenizes back to the tokens drawn, so some of it is kept.)
+    seeded = {"temperature": 0.3, "seed": 1, "max_tokens": 16}
+    want = chat_all(one_rank.base_url, prompts[:1], **seeded)[0]
+    predicted = {"model": "tiny", "messages": [{"role": "user", "content": prompts[0]}],
+                 "prediction": {"type": "content", "content": want}, **seeded}
+    with client(two_ranks) as c:
+        got = c.chat.completions.create(**predicted)
+    assert got.choices[0].message.content == want
+    # (How many are kept depends on the proposal lengths, which each server's timings choose.)
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0  # type: ignore[union-attr]
+    assert health(two_ranks)["engine"]["error"] is None
 
 
 def test_eight_concurrent_streams(two_ranks, one_rank):
