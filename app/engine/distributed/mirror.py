@@ -143,6 +143,10 @@ class TokenSync:
     and, as its last logits processor, ``row(sampler)``: mlx-lm runs the rows' processors in
     row order just before sampling, in the same step, so the batch call finds the rows'
     samplers in order. One collective per step, whatever the batch size.
+
+    A speculative verify step (``VerifyBatch``) runs each row's processors once per position,
+    then draws that row's tokens (``draw``: the marks name the row's sampler), row by row, and
+    hands its decisions to every rank in one collective (``agree``).
     """
 
     def __init__(self) -> None:
@@ -319,10 +323,10 @@ class _MirroredBatch:
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
-                                        samplers=[self._ops.token_sync] * len(samplers),
-                                        logits_processors=[[*procs, self._ops.token_sync.row(sample)]
-                                                           for procs, sample in zip(logits_processors, samplers,
-                                                                                    strict=True)])
+                                       samplers=[self._ops.token_sync] * len(samplers),
+                                       logits_processors=[[*procs, self._ops.token_sync.row(sample)]
+                                                          for procs, sample in zip(logits_processors, samplers,
+                                                                                   strict=True)])
         self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids])
         return list(uids)
 
