@@ -204,6 +204,43 @@ def test_logprobs_n_and_stop_strings_equal_one_process(two_ranks, one_rank):
         assert got == pytest.approx(want, abs=1e-3)  # tensor parallel sums in another order
 
 
+def test_speculation_on_two_ranks_gives_the_plain_answers(two_ranks, one_rank):
+    """Rank 0's drafters propose, every rank verifies the same tokens (a follower out of step
+    would stop the launch: the health check at the end), and nothing changes in the answers."""
+    repetitive = "one two three four five six seven eight " * 6
+    prompts = [PROMPTS[3], repetitive, PROMPTS[6]]
+    off = {"max_tokens": 24, "extra_body": {"speculative": {"prompt_lookup": False}}}
+    plain = chat_all(one_rank.base_url, prompts, **off)
+    assert chat_all(two_ranks, prompts, **off) == plain
+    before = health(two_ranks)["models"]["tiny"].get("speculation", {})
+
+    def ask(i: int) -> Any:
+        with client(two_ranks) as c:
+            kw: dict[str, Any] = {"prediction": {"type": "content", "content": plain[i]}} if i == 0 else {}
+            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                             max_tokens=24, **kw)
+
+    with cf.ThreadPoolExecutor(3) as pool:  # one batch: a predicted row, a prompt-lookup row, and one more
+        answers = list(pool.map(ask, range(3)))
+    assert [a.choices[0].message.content for a in answers] == plain
+    assert answers[0].usage.completion_tokens_details.accepted_prediction_tokens > 0  # type: ignore[union-attr]
+    after = health(two_ranks)["models"]["tiny"]["speculation"]
+    assert after["prediction"]["accepted"] > before.get("prediction", {}).get("accepted", 0)
+    assert after["prompt_lookup"]["proposed"] > before.get("prompt_lookup", {}).get("proposed", 0)
+    # A seeded sampling row: rank 0 draws with the row's own key at every position, as one process does.
+    # (A seed whose answer's text tokenizes back to the tokens drawn, so some of it is kept.)
+    seeded = {"temperature": 0.3, "seed": 1, "max_tokens": 16}
+    want = chat_all(one_rank.base_url, prompts[:1], **seeded)[0]
+    predicted = {"model": "tiny", "messages": [{"role": "user", "content": prompts[0]}],
+                 "prediction": {"type": "content", "content": want}, **seeded}
+    with client(two_ranks) as c:
+        got = c.chat.completions.create(**predicted)
+    assert got.choices[0].message.content == want
+    # (How many are kept depends on the proposal lengths, which each server's timings choose.)
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0  # type: ignore[union-attr]
+    assert health(two_ranks)["engine"]["error"] is None
+
+
 def test_eight_concurrent_streams(two_ranks, one_rank):
     def stream(p: str) -> tuple[str, str | None]:
         with client(two_ranks) as c:
@@ -296,6 +333,13 @@ def test_pipeline_parallel_with_a_quantized_kv_cache_answers_as_one_process(tmp_
         assert health(base)["distributed"]["mode"] == "pipeline"
         assert chat_all(base, prompts[:3]) + chat_all(base, prompts[3:]) == want
         assert health(base)["engine"]["prompt_cache_hits"] >= 1
+        # Speculation over pipeline stages, the quantized KV rolled back on each: the same answer.
+        with client(base) as c:
+            predicted = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[0]}],
+                                                  prediction={"type": "content", "content": want[0]})
+        assert predicted.choices[0].message.content == want[0]
+        assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0  # type: ignore[union-attr]
+        assert chat_all(base, prompts[1:3]) == want[1:3]  # still in step
 
 
 def test_embeddings_are_served_by_rank_0_alone(two_ranks, one_rank):

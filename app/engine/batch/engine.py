@@ -75,7 +75,7 @@ from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
-from app.engine.speculative.verify import VerifyBatch, install
+from app.engine.speculative.verify import VerifyBatch
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -162,15 +162,12 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
         )
         if self.speculator is not None:
-            self._verify = install(bg)
+            self._verify = self.ops.verify_batch(bg)
         return bg
 
     def _speculator(self, draft: DraftSource | None) -> Speculator | None:
         spec = self.params.speculative
         if spec.tokens <= 0:
-            return None
-        if self.ops.replicated:
-            log.info("model %s: no speculative decoding in distributed serving yet", self.loaded.name)
             return None
         kinds = {type(c).__name__ for c in make_prompt_cache(self.loaded.model)}
         if kinds != {"KVCache"}:

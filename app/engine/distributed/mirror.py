@@ -20,6 +20,16 @@ Tokens: every rank samples the same token because rank 0 chooses it and an
 0; ``TokenSync``). Followers need no sampler, logits processor or random state of their own, and a
 different chip's rounding on another Mac cannot make them drift.
 
+Speculative decoding: rank 0's drafters propose (they run there alone, as does the
+adaptive rule that says how many tokens); the step's record carries the proposals
+(``propose``), which each follower hands its own verify batch
+(``app.engine.speculative.verify``) before replaying the step, so every rank runs the same
+verify forward pass. Rank 0 draws each row's token at each position with the row's own
+sampler (``TokenSync.draw``), decides what each row keeps, and one ``all_sum`` of that
+(rows, k + 2) table (``TokenSync.agree``; followers add zeros) gives every rank the same
+acceptance, emitted tokens, KV rollback and context. The step's ``check`` then compares
+every emitted token, as for a plain step.
+
 Prefix cache eviction: a rank's cache holds its own shard, so byte counts differ between
 ranks (pipeline stages hold different layer counts); rank 0 sends how many entries its
 cache keeps after each change, and the follower (unbounded otherwise) trims to that
@@ -40,6 +50,7 @@ import mlx.core as mx
 
 from app.engine.kv.kv_quant import make_quantized_prompt_cache
 from app.engine.mlx_internals import LRUPromptCache, new_batch_generator, trim_prompt_cache
+from app.engine.speculative.verify import RowProposal, VerifyBatch, install
 
 log = logging.getLogger("tandem.distributed")
 
@@ -66,6 +77,10 @@ class BatchOps(Protocol):
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         """An empty quantized per-sequence cache."""
 
+    def verify_batch(self, batch: Any) -> VerifyBatch:
+        """``batch``'s (a ``new_batch``) generation batch made a speculative ``VerifyBatch``, whose
+        proposals each step carries (``app.engine.speculative.verify.install``)."""
+
 
 class StepWatch(Protocol):
     """Who times each step on rank 0 (the distributed watchdog)."""
@@ -91,6 +106,9 @@ class LocalOps:
 
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         return make_quantized_prompt_cache(model, bits, group_size)
+
+    def verify_batch(self, batch: Any) -> VerifyBatch:
+        return install(batch)
 
 
 LOCAL_OPS = LocalOps()
@@ -125,6 +143,10 @@ class TokenSync:
     and, as its last logits processor, ``row(sampler)``: mlx-lm runs the rows' processors in
     row order just before sampling, in the same step, so the batch call finds the rows'
     samplers in order. One collective per step, whatever the batch size.
+
+    A speculative verify step (``VerifyBatch``) runs each row's processors once per position,
+    then draws that row's tokens (``draw``: the marks name the row's sampler), row by row, and
+    hands its decisions to every rank in one collective (``agree``).
     """
 
     def __init__(self) -> None:
@@ -145,11 +167,56 @@ class TokenSync:
         tokens = [sample(logprobs[e:e + 1]).reshape(-1) for e, sample in enumerate(rows)]
         return mx.distributed.all_sum(mx.concatenate(tokens).astype(mx.uint32))
 
+    # ---- the speculative verify step (``VerifyBatch``) ---------------------------------------
 
-def follower_sampler(logprobs: mx.array) -> mx.array:
+    def draw(self, logprobs: mx.array) -> tuple[mx.array, list[Any]]:
+        """One row's tokens at each of its positions in a verify step, by the row's own sampler,
+        on rank 0 only: ``agree`` hands them on once for the whole step. The verify step runs a
+        row's processors once per position, then draws: its marks are all that was recorded."""
+        rows, self._rows = self._rows, []
+        if len(rows) != logprobs.shape[0] or any(r is not rows[0] for r in rows):
+            raise DesyncError(f"{len(rows)} row samplers for {logprobs.shape[0]} positions of one row in a verify "
+                              "step")
+        sampler = rows[0]
+        draw = getattr(sampler, "draw", None)
+        if draw is not None:
+            tokens, keys = draw(logprobs)
+            return tokens, [sampler, keys]
+        tokens = mx.concatenate([sampler(logprobs[j:j + 1]).reshape(-1) for j in range(logprobs.shape[0])])
+        return tokens, [sampler, []]
+
+    def commit(self, keys: list[Any], kept: int) -> None:
+        """``kept`` of a ``draw``'s tokens were emitted: the row's sampler told (a seeded row's key)."""
+        sampler, inner = keys
+        commit = getattr(sampler, "commit", None)
+        if commit is not None:
+            commit(inner, kept)
+
+    @staticmethod
+    def agree(table: mx.array) -> mx.array:
+        """Rank 0's verify table to every rank (the followers add zeros: ``follower_agree``)."""
+        return mx.distributed.all_sum(table)
+
+
+class FollowerSampler:
     """A follower's part of ``TokenSync``: 0 for every row, computed from the logits so that
-    this all_sum comes after the model's own collectives in the step, as on rank 0."""
-    return mx.distributed.all_sum(mx.argmax(logprobs, axis=-1).astype(mx.uint32) * 0)
+    the all_sum comes after the model's own collectives in the step, as on rank 0."""
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.distributed.all_sum(mx.argmax(logprobs, axis=-1).astype(mx.uint32) * 0)
+
+    def draw(self, logprobs: mx.array) -> tuple[mx.array, list[Any]]:
+        """A verify step's draws: zeros, and no collective (``follower_agree`` is the step's one)."""
+        return mx.argmax(logprobs, axis=-1).astype(mx.uint32) * 0, []
+
+
+follower_sampler = FollowerSampler()
+
+
+def follower_agree(table: mx.array) -> mx.array:
+    """A follower's part of ``TokenSync.agree``: zeros, so the sum is rank 0's table. The verify
+    step evaluated its forward pass before (the model's collectives come first, as on rank 0)."""
+    return mx.distributed.all_sum(table * 0)
 
 
 class MirrorOps:
@@ -187,6 +254,13 @@ class MirrorOps:
         cache = self.track(make_quantized_prompt_cache(model, bits, group_size))
         self._ops.append(["qcache", cache.handle, bits, group_size])
         return cache
+
+    def verify_batch(self, batch: Any) -> VerifyBatch:
+        if not isinstance(batch, _MirroredBatch):
+            raise DesyncError("a batch that did not come through MirrorOps.new_batch")
+        batch.verify = install(batch.bg, agree=self.token_sync.agree)
+        self._ops.append(["verify"])
+        return batch.verify
 
     # ---- recording and sending -----------------------------------------------------------
 
@@ -239,37 +313,43 @@ class _MirroredBatch:
 
     def __init__(self, ops: MirrorOps, bg: Any) -> None:
         self._ops = ops
-        self._bg = bg
+        self.bg = bg
+        # Its speculative verify batch (``MirrorOps.verify_batch``): each step sends its proposals.
+        self.verify: VerifyBatch | None = None
 
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
                         logits_processors: list[Any]) -> list[int]:
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
-        uids = self._bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
-                                        samplers=[self._ops.token_sync] * len(samplers),
-                                        logits_processors=[[*procs, self._ops.token_sync.row(sample)]
-                                                           for procs, sample in zip(logits_processors, samplers,
-                                                                                    strict=True)])
+        uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
+                                       samplers=[self._ops.token_sync] * len(samplers),
+                                       logits_processors=[[*procs, self._ops.token_sync.row(sample)]
+                                                          for procs, sample in zip(logits_processors, samplers,
+                                                                                   strict=True)])
         self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids])
         return list(uids)
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
-        caches = self._bg.remove(uids, return_prompt_caches=return_prompt_caches)
+        caches = self.bg.remove(uids, return_prompt_caches=return_prompt_caches)
         tracked = self._track(caches)
         self._ops.record(["remove", uids, [[uid, c.handle] for uid, (c, _) in tracked.items()]
                           if return_prompt_caches else None])
         return tracked
 
     def extract_cache(self, uids: list[int]) -> dict[int, Any]:
-        tracked = self._track(self._bg.extract_cache(uids))
+        tracked = self._track(self.bg.extract_cache(uids))
         self._ops.record(["extract", [[uid, c.handle] for uid, (c, _) in tracked.items()]])
         return tracked
 
     def next(self) -> tuple[list[Any], list[Any]]:
         """One batch step on every rank."""
         ops = self._ops
-        prompt_responses, gen_responses = ops.step(self._bg)
+        # A batch that cannot roll back ignores its proposals (``VerifyBatch.next``): none sent.
+        planned = self.verify.planned() if self.verify is not None and self.verify.speculable() else {}
+        if planned:
+            ops.record(["propose", [[uid, list(tokens)] for uid, tokens in planned.items()]])
+        prompt_responses, gen_responses = ops.step(self.bg)
         finished = []
         for r in gen_responses:
             if r.finish_reason is not None and r.prompt_cache is not None:
@@ -281,20 +361,20 @@ class _MirroredBatch:
         return prompt_responses, gen_responses
 
     def close(self) -> None:
-        self._bg.close()
+        self.bg.close()
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return int(self._bg.prompt_cache_nbytes)
+        return int(self.bg.prompt_cache_nbytes)
 
     @property
     def prefill_step_size(self) -> int:
-        return int(self._bg.prefill_step_size)
+        return int(self.bg.prefill_step_size)
 
     @prefill_step_size.setter
     def prefill_step_size(self, chunk: int) -> None:
         """The next steps' prefill chunk (``pacing``), on every rank: the ranks must prefill alike."""
-        self._bg.prefill_step_size = chunk
+        self.bg.prefill_step_size = chunk
         self._ops.record(["chunk", chunk])
 
     def _track(self, caches: dict[int, Any]) -> dict[int, Any]:
@@ -335,12 +415,14 @@ class _MirroredPromptCache:
 class Follower:
     """A follower rank's batch and prompt cache, replaying rank 0's record. MLX thread only."""
 
-    def __init__(self, model: Any, tokenizer: Any,
-                 sampler: Sampler = follower_sampler) -> None:
+    def __init__(self, model: Any, tokenizer: Any, sampler: Sampler = follower_sampler,
+                 agree: Callable[[mx.array], mx.array] = follower_agree) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self._sampler = sampler  # every row's: one call, one all_sum per step (TokenSync)
+        self._agree = agree  # a verify step's one all_sum (TokenSync.agree)
         self.batch: Any = None
+        self.verify: VerifyBatch | None = None
         # Unbounded: rank 0 says how many entries to keep.
         self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
         self.caches: dict[int, list[Any]] = {}
@@ -367,6 +449,18 @@ class Follower:
         if self.batch is not None:
             self.batch.close()
         self.batch = new_batch_generator(self.model, self.tokenizer, **settings)
+        self.verify = None
+
+    def _op_verify(self) -> None:
+        self.verify = install(self.batch, agree=self._agree)
+
+    def _op_propose(self, rows: list[list[Any]]) -> None:
+        if self.verify is None:
+            raise DesyncError("rank 0 sent proposals for a batch that does not speculate here")
+        missing = {uid for uid, _ in rows} - set(self.verify.uids)
+        if missing or not self.verify.speculable():
+            raise DesyncError(f"rank 0 proposed for rows this rank cannot verify ({sorted(missing)} not decoding)")
+        self.verify.propose({uid: RowProposal(tuple(tokens)) for uid, tokens in rows})
 
     def _op_chunk(self, chunk: int) -> None:
         self.batch.prefill_step_size = chunk

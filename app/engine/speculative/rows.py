@@ -16,7 +16,8 @@
 A row does not speculate while its reasoning budget could still force the closer (the
 budget processor reads its context token by token and cannot be rolled back); a row
 with a grammar does, the grammar rolled back over what the step rejected. Distributed
-serving does not speculate yet (the mirror's token sync samples once per row per step).
+serving: this runs on rank 0 alone; the step's proposals go to the other ranks with the
+step (``app.engine.distributed.mirror``), which verify the same ones.
 """
 
 from __future__ import annotations

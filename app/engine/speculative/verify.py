@@ -46,6 +46,12 @@ implements the same protocol.
 
 Rows whose caches are not plain or quantized batch KV (rotating windows, SSM state)
 cannot be rolled back: the step ignores proposals for such a batch.
+
+Distributed serving (``app.engine.distributed.mirror``): every rank runs this step with
+rank 0's proposals (``planned``, replayed by ``propose``). Rank 0 alone draws with the
+rows' samplers; ``agree`` then hands every rank rank 0's table of draws and acceptances
+(one ``all_sum``, after the forward pass's own collectives), and everything after it
+(the emitted tokens, the rollback, ``tokens``) follows from that table on every rank.
 """
 
 from __future__ import annotations
@@ -92,6 +98,9 @@ class VerifyBatch(GenerationBatch):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._proposals: dict[int, RowProposal] = {}
+        # Distributed serving: hands every rank rank 0's table of a verify step's draws and
+        # acceptances (``mirror``: one all_sum); None in one process.
+        self.agree: Callable[[mx.array], mx.array] | None = None
         # uid -> the last step's outcome, for rows that carried a proposal.
         self.outcomes: dict[int, Outcome] = {}
         # Proposal length of the last step (0: a plain step), and the rows in it.
@@ -114,6 +123,10 @@ class VerifyBatch(GenerationBatch):
     def propose(self, proposals: dict[int, RowProposal]) -> None:
         """The proposals for the next step (rows not named decode plainly)."""
         self._proposals = {uid: p for uid, p in proposals.items() if p.tokens}
+
+    def planned(self) -> dict[int, tuple[int, ...]]:
+        """uid -> the tokens proposed for the next step (what distributed followers replay)."""
+        return {uid: p.tokens for uid, p in self._proposals.items()}
 
     def speculable(self) -> bool:
         """Whether this batch's caches can be rolled back (every layer a batch KV)."""
@@ -155,11 +168,8 @@ class VerifyBatch(GenerationBatch):
             keys.append(used)
         mx.eval(draws, logprobs)
 
-        responses: list[Any] = []
-        kept: list[int] = []
-        next_tokens: list[int] = []
-        next_logprobs: list[mx.array] = []
-        finished: list[tuple[int, list[Any]]] = []
+        # Per row: the token drawn at each position, and how many proposed tokens it keeps.
+        decided: list[tuple[list[int], int]] = []
         for i in range(B):
             drawn: list[int] = draws[i].tolist()
             accepted = 0
@@ -169,6 +179,17 @@ class VerifyBatch(GenerationBatch):
             if sampled is not None:  # a sampled draft: rejection sampling decides
                 accepted = sampled[0]
                 drawn[accepted] = sampled[1]
+            decided.append((drawn, accepted))
+        if self.agree is not None:
+            decided = self._agreed(decided, k)
+
+        responses: list[Any] = []
+        kept: list[int] = []
+        next_tokens: list[int] = []
+        next_logprobs: list[mx.array] = []
+        finished: list[tuple[int, list[Any]]] = []
+        for i in range(B):
+            drawn, accepted = decided[i]
             emit = [xs[i], *drafts[i][:accepted]]
             emit_lp = [prev_logprobs[i], *(logprobs[i][j] for j in range(accepted))]
             row_responses, finish = self._respond(i, emit, emit_lp)
@@ -202,6 +223,15 @@ class VerifyBatch(GenerationBatch):
             done = {i for i, _ in finished}
             self.filter([i for i in range(B) if i not in done])
         return [r for row in responses for r in row]
+
+    def _agreed(self, decided: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], int]]:
+        """Every rank's copy of the step's draws and acceptances: one ``agree`` call over a
+        (rows, k + 2) table (each row's draws, zero-padded, then its accepted count)."""
+        assert self.agree is not None
+        table = mx.array([[*drawn, *[0] * (k + 1 - len(drawn)), accepted] for drawn, accepted in decided],
+                         dtype=mx.uint32)
+        agreed: list[list[int]] = self.agree(table).tolist()  # type: ignore[assignment]
+        return [(row[:len(drawn)], row[k + 1]) for row, (drawn, _) in zip(agreed, decided, strict=True)]
 
     def _processed(self, i: int, logits: mx.array, fed: Sequence[int]) -> mx.array:
         """Row ``i``'s logits at each fed position after its processors, each position
@@ -287,14 +317,15 @@ def _shift_left(c: Any, n: int) -> None:
     c.left_padding = c.left_padding - n
 
 
-def install(batch_generator: Any) -> VerifyBatch:
+def install(batch_generator: Any, agree: Callable[[mx.array], mx.array] | None = None) -> VerifyBatch:
     """Give ``batch_generator`` a ``VerifyBatch`` as its generation batch (while it has no
-    decoding rows: right after it is made); the generator extends it from then on."""
+    decoding rows: right after it is made); the generator extends it from then on.
+    ``agree``: how the ranks of a distributed launch agree on each verify step (``VerifyBatch.agree``)."""
     current = batch_generator._generation_batch
-    if isinstance(current, VerifyBatch):
-        return current
-    if len(current):
-        raise RuntimeError("a VerifyBatch is installed before any row decodes")
-    batch = VerifyBatch.empty(batch_generator.model, batch_generator.sampler)
-    batch_generator._generation_batch = batch
-    return batch
+    if not isinstance(current, VerifyBatch):
+        if len(current):
+            raise RuntimeError("a VerifyBatch is installed before any row decodes")
+        current = VerifyBatch.empty(batch_generator.model, batch_generator.sampler)
+        batch_generator._generation_batch = current
+    current.agree = agree
+    return current
