@@ -424,3 +424,33 @@ def test_a_speculating_row_paused_for_memory_resumes_exactly(tmp_path_factory, d
             assert held <= figure <= MEM_MB * 2**20, (held, figure, rows)
     finally:
         eng.worker.stop()
+
+
+def test_no_row_waits_for_its_first_token_behind_a_verify_step(engine):
+    """Time to first token is what it is without speculation: the step in which an interactive
+    row emits its first token carries no proposals, a verify step being dearer."""
+    req = request(engine, PROMPTS[1], max_tokens=24)
+    plain, _ = asyncio.run(run(engine, replace(req, speculation=OFF)))
+    exact = replace(req, speculation=SpeculationRequest(tuple(engine.tokenizer.encode(plain)), False))
+    steps: list[tuple[bool, bool]] = []
+    propose = engine._propose
+
+    def watched() -> None:
+        propose()
+        waiting = any(not s.prefilling and s.first_token is None for s in engine._running.values())
+        steps.append((waiting, bool(engine._verify._proposals)))
+
+    engine._propose = watched
+    try:
+        async def staggered():
+            first = asyncio.ensure_future(run(engine, exact))
+            await asyncio.sleep(0.05)
+            return await asyncio.gather(first, run(engine, replace(exact, prompt=TokenPrompt(
+                engine.tokenizer.encode(PROMPTS[3])), speculation=OFF)))
+
+        (text, _), _ = asyncio.run(staggered())
+    finally:
+        del engine._propose
+    assert text == plain
+    assert any(waiting for waiting, _ in steps) and any(proposed for _, proposed in steps)
+    assert not any(waiting and proposed for waiting, proposed in steps)

@@ -261,6 +261,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         """Before a step: the decoding rows' proposals to the verify batch (``app.engine.speculative.rows``)."""
         if self.speculator is None or self._verify is None:
             return
+        # A verify step costs more than a plain one (far more on a CPU): none in the step that
+        # gives an interactive row its first token, which it would delay.
+        if any(not s.background and not s.prefilling and s.first_token is None for s in self._running.values()):
+            return
         rows = {}
         for uid, seq in self._running.items():
             if seq.drafts is not None and not seq.prefilling:
