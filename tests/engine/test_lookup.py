@@ -77,3 +77,18 @@ def test_prediction_output_that_starts_elsewhere_is_matched_by_ngram():
     d.verified(p, 0)
     assert d.propose([9, 9, 7, 8], 3) is None
     assert d.propose([9, 9, 7, 8, 3, 4], 2).tokens == (5, 6)
+
+
+def test_prediction_stays_aligned_across_steps_without_proposals():
+    """The engine asks nothing in some steps (a row's first token, a busy batch): the
+    prediction is still proposed from where the output has got to."""
+    d = PredictionLookup([1, 2, 3, 4, 5, 6, 7, 8], prompt_len=1)
+    assert d.propose([0, 1, 2, 3], 3).tokens == (4, 5, 6)  # first asked with three tokens written
+
+
+def test_prediction_refused_at_its_first_token_goes_on_after_the_models_substitute():
+    d = PredictionLookup([1, 2, 3, 4, 5, 6, 7, 8], prompt_len=1)
+    p = d.propose([0, 1], 2)
+    assert p.tokens == (2, 3)
+    d.verified(p, 0)  # the model wrote 20 where 2 was predicted: a renamed identifier
+    assert d.propose([0, 1, 20], 3).tokens == (3, 4, 5)

@@ -101,12 +101,14 @@ class PromptLookup:
 class PredictionLookup:
     """Drafter: the client's predicted tokens (OpenAI's Predicted Outputs).
 
-    Its cursor is where in the prediction the row's next token (the last of ``tokens``,
-    drawn but not yet verified) is expected. When that token is the predicted one, the
-    prediction goes on after it. When it is not, it is first taken as a substitute for
-    the predicted one (a renamed identifier) and the prediction goes on after it; if that
-    guess missed too, the output's suffix is looked up in the prediction (its occurrence
-    nearest after the cursor first), and without a match nothing is proposed."""
+    It keeps the output aligned with the prediction (``_offset``: prediction index minus
+    output index, 0 at the start), so its cursor is where in the prediction the row's next
+    token (the last of ``tokens``, drawn but not yet verified) is expected, however many
+    steps went by without a proposal. When that token is the predicted one, the prediction
+    goes on after it. When it is not, it is first taken as a substitute for the predicted
+    one (a renamed identifier) and the prediction goes on after it; if that guess missed
+    too, the output's suffix is looked up in the prediction (its occurrence nearest after
+    the cursor first), which aligns the two anew, and without a match nothing is proposed."""
 
     name = "prediction"
 
@@ -116,10 +118,12 @@ class PredictionLookup:
         self._index.extend(prediction)
         self._prompt_len = prompt_len
         self._min_n = min_n
-        self._cursor = 0
-        # Proposals in a row of which nothing was kept.
+        self._offset = 0
+        # Guesses in a row (proposals made taking the row's next token for a substitute) of
+        # which nothing was kept.
         self._misses = 0
-        self._last: tuple[Proposal, int] | None = None
+        # The last proposal, the alignment it was made with, and whether it was a guess.
+        self._last: tuple[Proposal, int, bool] | None = None
 
     @property
     def size(self) -> int:
@@ -130,11 +134,12 @@ class PredictionLookup:
         output = tokens[self._prompt_len:]
         if not output:
             return None
-        cursor = self._cursor
-        if cursor < len(prediction) and prediction[cursor] == output[-1] or not self._misses:
-            at = cursor + 1
+        cursor = len(output) - 1 + self._offset
+        guess = False
+        if 0 <= cursor < len(prediction) and (prediction[cursor] == output[-1] or not self._misses):
+            at, guess = cursor + 1, prediction[cursor] != output[-1]
         else:
-            found = self._index.find(output, self._min_n, near=cursor + 1)
+            found = self._index.find(output, self._min_n, near=max(0, cursor + 1))
             if found is None:
                 return None
             at = found[0]
@@ -142,14 +147,19 @@ class PredictionLookup:
         if not run:
             return None
         proposal = Proposal(self.name, tuple(run))
-        self._last = (proposal, at)
+        # The first proposed token stands at output index len(output).
+        self._last = (proposal, at - len(output), guess)
         return proposal
 
     def verified(self, proposal: Proposal, accepted: int) -> None:
         if self._last is not None and self._last[0] is proposal:
-            # The model's own next token stands where the first refused (or next) one was.
-            self._cursor = self._last[1] + accepted
-            self._misses = 0 if accepted else self._misses + 1
+            # The model's own next token stands where the first refused (or next) one was: the
+            # alignment the proposal was made with holds (a substitution), until a miss finds another.
+            _, self._offset, guess = self._last
+            # A proposal that followed the output and lost its first token leaves the model's
+            # own token as a substitute, a fair guess next; a guess that lost its first too
+            # means the output went elsewhere.
+            self._misses = self._misses + 1 if guess and not accepted else 0
         self._last = None
 
     def close(self) -> None:
