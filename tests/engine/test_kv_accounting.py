@@ -94,7 +94,8 @@ def test_cache_bytes_stay_within_the_admission_figure_and_mem(model_dir, bits):
             results = asyncio.run(together(eng, second))
         assert any(last.cached_tokens for _, last in results)  # the prefix cache was used
         busy = [s for s in sampler.samples if s[2]]
-        assert len(busy) > 100
+        # Many steps were watched (fewer than tokens: rows that speculate emit several a step).
+        assert len(busy) > 50
         for held, figure, rows in busy:
             assert held <= figure <= mem, (held, figure, rows)
         assert max(rows for _, _, rows in busy) >= 2  # several sequences shared the batch
