@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -51,12 +52,17 @@ def tiny_models(model_dir: Path, embeddings: Path | None = None, **server: Any) 
 
 
 def ring_port() -> int:
-    """A port whose next one is free too (the ring backend listens on one port per rank)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
+    """A port whose next one is free too (the ring backend listens on one port per rank),
+    below the kernel's ephemeral range (32768 up on Linux), so no outgoing connection of a
+    test running beside this one takes either of them between this check and the bind."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000, 2)
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("127.0.0.1", port + 1))
+                for p in (port, port + 1):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
             except OSError:
                 continue
         return port
