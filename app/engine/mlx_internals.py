@@ -193,10 +193,14 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
+    ArraysCache,
     BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
     KVCache,
     LRUPromptCache,
     QuantizedKVCache,
+    RotatingKVCache,
     TokenBuffer,
     _BaseCache,
     dynamic_roll,
@@ -205,8 +209,12 @@ from mlx_lm.models.cache import (
 )
 
 __all__ = [
+    "ArraysCache",
     "BatchGenerator",
     "BatchKVCache",
+    "BatchRotatingKVCache",
+    "CacheList",
+    "RotatingKVCache",
     "GenerationBatch",
     "TokenBuffer",
     "KVCache",

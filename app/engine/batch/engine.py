@@ -69,13 +69,13 @@ from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import probe_layout
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
-from app.engine.mlx_internals import BatchGenerator, batch_kv_nbytes, make_prompt_cache, new_detokenizer
+from app.engine.mlx_internals import new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
-from app.engine.speculative.verify import VerifyBatch
+from app.engine.step import DecodeBatch
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -145,7 +145,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self._last_wait_log = 0.0
         # Speculative decoding (``app.engine.speculative.rows``); None where this model cannot roll its KV back.
         self.speculator = self._speculator(draft)
-        self._verify: VerifyBatch | None = None
+        self._verify: DecodeBatch | None = None
         self._step_start = 0.0
         self._bg = self._new_batch()
         worker.add_stepper(self._step, self._on_worker_death)
@@ -155,7 +155,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             f"{params.prompt_cache_disk_mb} MB in {disk.dir}" if disk else "off", params.to_log_string(),
         )
 
-    def _new_batch(self) -> BatchGenerator:
+    def _new_batch(self) -> DecodeBatch:
         p = self.params
         bg = self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
@@ -168,11 +168,6 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     def _speculator(self, draft: DraftSource | None) -> Speculator | None:
         spec = self.params.speculative
         if spec.tokens <= 0:
-            return None
-        kinds = {type(c).__name__ for c in make_prompt_cache(self.loaded.model)}
-        if kinds != {"KVCache"}:
-            log.info("model %s: no speculative decoding: its KV caches (%s) cannot be rolled back",
-                     self.loaded.name, ", ".join(sorted(kinds)))
             return None
         return Speculator(self.loaded.name, spec, draft)
 
@@ -301,7 +296,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if self.prompt_cache.nbytes > room:
             self.prompt_cache.trim_to(n_bytes=max(0, room))
         paused = sum(c.nbytes for s in self._paused if s.paused for c in s.paused[0])
-        self._kv_bytes = batch_kv_nbytes(self._bg) + paused + self.prompt_cache.nbytes
+        self._kv_bytes = self._bg.prompt_cache_nbytes + paused + self.prompt_cache.nbytes
 
     def _drop_row(self, uid: int) -> None:
         self._bg.remove([uid])

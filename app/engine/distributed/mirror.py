@@ -49,8 +49,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from app.engine.kv.kv_quant import make_quantized_prompt_cache
-from app.engine.mlx_internals import LRUPromptCache, new_batch_generator, trim_prompt_cache
-from app.engine.speculative.verify import RowProposal, VerifyBatch, install
+from app.engine.mlx_internals import LRUPromptCache, trim_prompt_cache
+from app.engine.step import DecodeBatch, RowProposal, new_decode_batch
 
 log = logging.getLogger("tandem.distributed")
 
@@ -66,7 +66,7 @@ class BatchOps(Protocol):
     replicated: bool
 
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
-        """A BatchGenerator (``new_batch_generator``'s settings)."""
+        """A decode step (``app.engine.step.new_decode_batch``'s settings)."""
 
     def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
         """An LRUPromptCache."""
@@ -77,9 +77,9 @@ class BatchOps(Protocol):
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         """An empty quantized per-sequence cache."""
 
-    def verify_batch(self, batch: Any) -> VerifyBatch:
-        """``batch``'s (a ``new_batch``) generation batch made a speculative ``VerifyBatch``, whose
-        proposals each step carries (``app.engine.speculative.verify.install``)."""
+    def verify_batch(self, batch: Any) -> DecodeBatch:
+        """``batch`` (a ``new_batch``) as the decode step that takes proposals each step
+        (``DecodeBatch.propose``), the ranks agreeing on each verify step when mirrored."""
 
 
 class StepWatch(Protocol):
@@ -96,7 +96,7 @@ class LocalOps:
     replicated = False
 
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
-        return new_batch_generator(model, tokenizer, **settings)
+        return new_decode_batch(model, tokenizer, **settings)
 
     def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
         return LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
@@ -107,8 +107,8 @@ class LocalOps:
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         return make_quantized_prompt_cache(model, bits, group_size)
 
-    def verify_batch(self, batch: Any) -> VerifyBatch:
-        return install(batch)
+    def verify_batch(self, batch: Any) -> DecodeBatch:
+        return batch
 
 
 LOCAL_OPS = LocalOps()
@@ -241,7 +241,7 @@ class MirrorOps:
         if self.failed:
             raise DesyncError("a batch step failed on rank 0; the ranks can no longer be kept in step")
         self._ops.append(["batch", settings])
-        return _MirroredBatch(self, new_batch_generator(model, tokenizer, **settings))
+        return _MirroredBatch(self, new_decode_batch(model, tokenizer, **settings))
 
     def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
         return _MirroredPromptCache(self, LRUPromptCache(max_size=max_size, max_bytes=max_bytes))
@@ -255,12 +255,13 @@ class MirrorOps:
         self._ops.append(["qcache", cache.handle, bits, group_size])
         return cache
 
-    def verify_batch(self, batch: Any) -> VerifyBatch:
+    def verify_batch(self, batch: Any) -> DecodeBatch:
         if not isinstance(batch, _MirroredBatch):
             raise DesyncError("a batch that did not come through MirrorOps.new_batch")
-        batch.verify = install(batch.bg, agree=self.token_sync.agree)
+        batch.bg.agree = self.token_sync.agree
+        batch.verify = batch.bg
         self._ops.append(["verify"])
-        return batch.verify
+        return batch.bg
 
     # ---- recording and sending -----------------------------------------------------------
 
@@ -315,7 +316,7 @@ class _MirroredBatch:
         self._ops = ops
         self.bg = bg
         # Its speculative verify batch (``MirrorOps.verify_batch``): each step sends its proposals.
-        self.verify: VerifyBatch | None = None
+        self.verify: DecodeBatch | None = None
 
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
@@ -422,7 +423,7 @@ class Follower:
         self._sampler = sampler  # every row's: one call, one all_sum per step (TokenSync)
         self._agree = agree  # a verify step's one all_sum (TokenSync.agree)
         self.batch: Any = None
-        self.verify: VerifyBatch | None = None
+        self.verify: DecodeBatch | None = None
         # Unbounded: rank 0 says how many entries to keep.
         self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
         self.caches: dict[int, list[Any]] = {}
@@ -448,17 +449,18 @@ class Follower:
     def _op_batch(self, settings: dict[str, int]) -> None:
         if self.batch is not None:
             self.batch.close()
-        self.batch = new_batch_generator(self.model, self.tokenizer, **settings)
+        self.batch = new_decode_batch(self.model, self.tokenizer, **settings)
         self.verify = None
 
     def _op_verify(self) -> None:
-        self.verify = install(self.batch, agree=self._agree)
+        self.batch.agree = self._agree
+        self.verify = self.batch
 
     def _op_propose(self, rows: list[list[Any]]) -> None:
         if self.verify is None:
             raise DesyncError("rank 0 sent proposals for a batch that does not speculate here")
-        missing = {uid for uid, _ in rows} - set(self.verify.uids)
-        if missing or not self.verify.speculable():
+        missing = {uid for uid, _ in rows} - set(self.verify.pending())
+        if missing:
             raise DesyncError(f"rank 0 proposed for rows this rank cannot verify ({sorted(missing)} not decoding)")
         self.verify.propose({uid: RowProposal(tuple(tokens)) for uid, tokens in rows})
 
