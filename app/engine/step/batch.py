@@ -44,8 +44,10 @@ from app.engine.step.phase import Phase
 from app.engine.step.rows import (
     LogitsProcessor,
     PromptResponse,
+    Feed,
     Response,
     Row,
+    RowInputs,
     Sampler,
     ScoreResponse,
     ScoreSpec,
@@ -53,9 +55,10 @@ from app.engine.step.rows import (
 )
 from app.engine.step.verify import Outcome, RowProposal, Verifier
 
-# The model's call: (tokens (B, L), the batch caches, a prefill chunk's embeddings and extras
-# or None) -> logits (B, L, vocab).
-Forward = Callable[[mx.array, list[Any], dict[str, Any] | None], mx.array]
+# The model's call: (tokens (B, L), the batch caches, what each row feeds) -> logits (B, L, vocab).
+# A text model's is ``model(tokens, cache=cache)``; a VLM's adapter builds its inputs
+# (embeddings, positions) from the rows' ``RowInputs`` and the ``Feed``.
+Forward = Callable[[mx.array, list[Any], Feed], mx.array]
 
 
 # The step's own stream, one per thread (MLX streams are thread-local; the MLX thread uses it).
@@ -79,7 +82,7 @@ class DecodeBatch:
         self.prefill_batch_size = prefill_batch_size
         self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
         self.fallback_sampler = sampler
-        self._forward = forward or (lambda tokens, cache, _: model(tokens, cache=cache))
+        self._forward: Forward = forward or (lambda tokens, cache, _: model(tokens, cache=cache))
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         # Keep each prefilling row's untrimmable state at its segment ends and its prompt's end.
         self.checkpoints = checkpoints
@@ -105,7 +108,8 @@ class DecodeBatch:
                         caches: list[list[Any] | None] | None = None, all_tokens: list[list[int]] | None = None,
                         samplers: list[Sampler | None] | None = None,
                         logits_processors: list[Sequence[LogitsProcessor] | None] | None = None,
-                        scores: list[ScoreSpec | None] | None = None) -> list[int]:
+                        scores: list[ScoreSpec | None] | None = None,
+                        inputs: list[RowInputs | None] | None = None) -> list[int]:
         """Queue sequences: each one's prompt in ``segments`` (the tokens after what its
         ``caches`` hold, which ``all_tokens`` names), its budget and sampling. Returns their uids."""
         n = len(segments)
@@ -126,9 +130,9 @@ class DecodeBatch:
             row = Row(uid=self._uids, segments=parts, tokens=list(all_tokens[i]) if all_tokens else [],
                       max_tokens=max_tokens[i], sampler=samplers[i] if samplers else None,
                       processors=normalize_processors(logits_processors[i] if logits_processors else None),
-                      cache=list(cache), score=score, held=held)
+                      cache=list(cache), score=score, held=held, inputs=inputs[i] if inputs else None)
             row.total = len(row.tokens) + row.left
-            row.done = len(row.tokens)
+            row.done = row.base = len(row.tokens)
             self._uids += 1
             self._queue.append(row)
             uids.append(row.uid)
@@ -296,7 +300,7 @@ class DecodeBatch:
         if max(padding):
             for c in phase.cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self._forward(tokens, phase.cache, None)
+        self._forward(tokens, phase.cache, self.feed(phase.rows, lengths))
         mx.eval([c.state for c in phase.cache])
         if max(padding):
             for c in phase.cache:
@@ -313,7 +317,7 @@ class DecodeBatch:
         tails = [row.segments[0] for row in rows]
         width = max(len(t) for t in tails)
         tokens = mx.array([t + [0] * (width - len(t)) for t in tails], dtype=mx.uint32)
-        logits = self._forward(tokens, cache, None).astype(mx.float32)
+        logits = self._forward(tokens, cache, self.feed(rows, [len(t) for t in tails])).astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picks = []
         for i, (row, tail) in enumerate(zip(rows, tails, strict=True)):
@@ -367,7 +371,7 @@ class DecodeBatch:
         current = self._next
         assert current is not None
         current_lp = self._next_lp
-        logits = self._forward(current[:, None], phase.cache, None)[:, -1, :]
+        logits = self._forward(current[:, None], phase.cache, self.feed(rows, [1] * len(rows), decode=True))[:, -1, :]
         logits, contexts = self._process(logits, current)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._next = self._sample(logprobs)
@@ -375,6 +379,12 @@ class DecodeBatch:
         mx.async_eval(self._next, logprobs, contexts)
         fed: list[int] = current.tolist()  # type: ignore[assignment]
         return self._emit(rows, fed, current_lp)
+
+    @staticmethod
+    def feed(rows: list[Row], lengths: list[int], *, decode: bool = False) -> Feed:
+        """What a pass over ``rows`` feeds: each row's next ``lengths`` tokens (see ``Feed``).
+        A fresh row's held-back prompt token is the last of its prompt, fed by a decode pass."""
+        return Feed(rows, [len(r.tokens) - r.base for r in rows], lengths, decode)
 
     def _process(self, logits: mx.array, fed: mx.array) -> tuple[mx.array, list[mx.array]]:
         """Each row's processors, in row order, on the context the row sees (its tokens and

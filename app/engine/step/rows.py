@@ -27,6 +27,18 @@ class ScoreSpec:
     next_tokens: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class RowInputs:
+    """A row's prompt as more than token ids (a VLM's rows): whatever the model's forward
+    adapter (``app.engine.step.batch.Forward``) needs to feed its prompt tokens, beyond
+    the ids: the embeddings of every prompt token after its cached prefix (image
+    features merged in), and per-row extras (positions). The step never reads them; it
+    tells the adapter which of the row's prompt tokens each pass feeds (``Feed``)."""
+
+    embeddings: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(eq=False)
 class Row:
     """One sequence in the decode step."""
@@ -48,6 +60,10 @@ class Row:
     # Tokens emitted so far.
     generated: int = 0
     score: ScoreSpec | None = None
+    # Beyond token ids, for a VLM's rows (``RowInputs``); and how many tokens its cache held
+    # when it was inserted (its inputs begin there).
+    inputs: RowInputs | None = None
+    base: int = 0
     # Prompt tokens held back from prefill (the last one, fed by the first decode step; a
     # score row's tail and the token before it, fed by its score pass).
     held: int = 1
@@ -58,6 +74,20 @@ class Row:
     def left(self) -> int:
         """Prompt tokens not yet prefilled."""
         return sum(len(s) for s in self.segments)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What one forward pass feeds each row, for a forward adapter that needs more than the
+    token ids (``Forward``): the rows in batch order, where each row's tokens of this pass
+    begin (counted from its ``base``: an index into its ``RowInputs``), and how many it
+    feeds (the rest of the pass's width is right padding)."""
+
+    rows: Sequence[Row]
+    starts: Sequence[int]
+    lengths: Sequence[int]
+    # A decode or verify pass (tokens drawn by the model), not a prefill chunk of the prompt.
+    decode: bool = False
 
 
 @dataclass

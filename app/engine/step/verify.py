@@ -129,7 +129,7 @@ class Verifier:
         drafts = [list(rows[i].tokens) if i in rows else [] for i in range(B)]
         fed = mx.array([[xs[i], *d, *([xs[i]] * (k - len(d)))] for i, d in enumerate(drafts)], dtype=mx.uint32)
         snaps = None if phase.trims else [None if trims(c) else snapshot(c) for c in phase.cache]
-        logits = b._forward(fed, phase.cache, None)  # (B, k+1, vocab)
+        logits = b._forward(fed, phase.cache, b.feed(phase.rows, [k + 1] * B, decode=True))  # (B, k+1, vocab)
 
         # Per row: the processed distribution at each position it needs, and its draws.
         logprobs: list[mx.array] = []
@@ -302,7 +302,7 @@ class Verifier:
         if max(padding):
             for c in cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self.batch._forward(tokens, cache, None)
+        self.batch._forward(tokens, cache, self.batch.feed(self.batch._decode.rows, lengths, decode=True))
         mx.eval([c.state for c in cache])
         if max(padding):
             for c in cache:
