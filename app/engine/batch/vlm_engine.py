@@ -87,7 +87,7 @@ from app.engine.batch.vision_features import FeatureCache, input_embeddings
 from app.engine.distributed.mirror import LOCAL_OPS
 from app.engine.kv.disk_cache import DiskTier, disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import kv_identity, probe_layout
-from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
+from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
 from app.engine.mlx_internals import (
     new_vlm_batch_generator,
     new_vlm_detokenizer,
@@ -141,7 +141,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         # models whose rows can start from cached KV.
         self.prefix = params.prompt_cache != "off" and vlm_prefix_cacheable(loaded.model)
         disk = self._open_disk_tier() if self.prefix and params.prompt_cache_disk_bytes else None
-        self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
+        self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(), params.prompt_cache_entries,
                                         params.prompt_cache_bytes if self.prefix else 0, disk)
         self.cache_hits = 0
         self.cache_tokens_saved = 0

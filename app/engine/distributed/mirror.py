@@ -49,7 +49,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from app.engine.kv.kv_quant import make_quantized_prompt_cache
-from app.engine.mlx_internals import LRUPromptCache, trim_prompt_cache
+from app.engine.kv.layers import SeqCache
+from app.engine.kv.memory_tier import MemoryTier
+from app.engine.mlx_internals import trim_prompt_cache
 from app.engine.step import DecodeBatch, RowProposal, new_decode_batch
 
 log = logging.getLogger("tandem.distributed")
@@ -68,8 +70,8 @@ class BatchOps(Protocol):
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
         """A decode step (``app.engine.step.new_decode_batch``'s settings)."""
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        """An LRUPromptCache."""
+    def prompt_cache(self) -> Any:
+        """The prefix cache's memory tier (``app.engine.kv.memory_tier.MemoryTier``)."""
 
     def trim_cache(self, cache: list[Any], n: int) -> None:
         """Drop the last ``n`` tokens of a per-sequence cache."""
@@ -98,8 +100,8 @@ class LocalOps:
     def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
         return new_decode_batch(model, tokenizer, **settings)
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        return LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+    def prompt_cache(self) -> Any:
+        return MemoryTier()
 
     def trim_cache(self, cache: list[Any], n: int) -> None:
         trim_prompt_cache(cache, n)
@@ -118,8 +120,8 @@ class DesyncError(RuntimeError):
     """A follower's batch no longer matches rank 0's: it cannot go on."""
 
 
-class TrackedCache(list[Any]):
-    """A per-sequence cache on rank 0, named on every rank by ``handle``."""
+class TrackedCache(SeqCache):
+    """A per-sequence cache on rank 0 (its checkpoints with it), named on every rank by ``handle``."""
 
     handle: int
 
@@ -243,8 +245,8 @@ class MirrorOps:
         self._ops.append(["batch", settings])
         return _MirroredBatch(self, new_decode_batch(model, tokenizer, **settings))
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        return _MirroredPromptCache(self, LRUPromptCache(max_size=max_size, max_bytes=max_bytes))
+    def prompt_cache(self) -> Any:
+        return _MirroredPromptCache(self, MemoryTier())
 
     def trim_cache(self, cache: list[Any], n: int) -> None:
         self._ops.append(["trim_kv", _handle(cache), n])
@@ -383,7 +385,9 @@ class _MirroredBatch:
 
 
 class _MirroredPromptCache:
-    """Rank 0's LRUPromptCache: lookups, inserts and trims, each made and recorded."""
+    """Rank 0's memory tier: lookups, inserts and evictions, each made and recorded. Both ranks
+    insert in the same order, so an entry has the same ``serial`` on both; evictions travel
+    as serials (rank 0 alone knows the order it evicts in)."""
 
     def __init__(self, ops: MirrorOps, cache: Any) -> None:
         self._ops = ops
@@ -396,6 +400,15 @@ class _MirroredPromptCache:
     def __len__(self) -> int:
         return len(self._cache)
 
+    def nearest(self, key: str, tokens: list[int]) -> Any:
+        return self._cache.nearest(key, tokens)
+
+    def entries(self) -> Any:
+        return self._cache.entries()
+
+    def pin(self, key: str, tokens: list[int], until: float) -> bool:
+        return bool(self._cache.pin(key, tokens, until))
+
     def fetch_nearest_cache(self, key: str, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = self._cache.fetch_nearest_cache(key, tokens)
         if cache is None:  # a miss here is a miss on every rank: nothing to send
@@ -404,13 +417,22 @@ class _MirroredPromptCache:
         self._ops.record(["fetch", tracked.handle, key, list(tokens), len(rest)])
         return tracked, rest
 
-    def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant") -> None:
-        self._cache.insert_cache(key, tokens, list(cache), cache_type=cache_type)
-        self._ops.record(["store", key, list(tokens), _handle(cache), cache_type, len(self._cache)])
+    def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant",
+                     owner: str = "", pinned_until: float = 0.0) -> None:
+        before = self._cache.serials()
+        self._cache.insert_cache(key, tokens, SeqCache(cache), cache_type=cache_type, owner=owner,
+                                 pinned_until=pinned_until)
+        self._ops.record(["store", key, list(tokens), _handle(cache), cache_type])
+        self._record_evictions(before - self._cache.serials())
 
-    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
-        self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
-        self._ops.record(["trim", len(self._cache)])
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None, order: Any = None) -> None:
+        before = self._cache.serials()
+        self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes, order=order)
+        self._record_evictions(before - self._cache.serials())
+
+    def _record_evictions(self, gone: set[int]) -> None:
+        if gone:
+            self._ops.record(["evict", sorted(gone)])
 
 
 class Follower:
@@ -425,7 +447,7 @@ class Follower:
         self.batch: Any = None
         self.verify: DecodeBatch | None = None
         # Unbounded: rank 0 says how many entries to keep.
-        self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+        self.prompt_cache = MemoryTier()
         self.caches: dict[int, list[Any]] = {}
         self.steps = 0
         self._finished: dict[int, list[Any]] = {}
@@ -505,12 +527,11 @@ class Follower:
         if expected != self._last:
             raise DesyncError(f"step {self.steps} differs from rank 0's: {self._last[:4]} vs {expected[:4]}")
 
-    def _op_store(self, key: str, tokens: list[int], handle: int, cache_type: str, n_entries: int) -> None:
-        self.prompt_cache.insert_cache(key, tokens, list(self._cache(handle)), cache_type=cache_type)
-        self.prompt_cache.trim_to(n_sequences=n_entries)
+    def _op_store(self, key: str, tokens: list[int], handle: int, cache_type: str) -> None:
+        self.prompt_cache.insert_cache(key, tokens, SeqCache(self._cache(handle)), cache_type=cache_type)
 
-    def _op_trim(self, n_entries: int) -> None:
-        self.prompt_cache.trim_to(n_sequences=n_entries)
+    def _op_evict(self, serials: list[int]) -> None:
+        self.prompt_cache.evict_serials(set(serials))
 
     def _op_drop(self, handles: list[int]) -> None:
         for handle in handles:

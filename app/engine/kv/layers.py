@@ -127,13 +127,37 @@ def restore(cache: Any, snap: Any) -> None:
         setattr(cache, f, _detach(v))
 
 
-# ---- checkpoints of one sequence (the prefix cache) ----------------------------------------
+# ---- one sequence's cache, and its checkpoints (the prefix cache) -------------------------
+
+
+class SeqCache(list):  # type: ignore[type-arg]
+    """One sequence's cache: a cache per layer for its tokens (the list), and its
+    ``checkpoints``: (position, each untrimmable layer's state there, None for the layers
+    that trim) for positions before its end where it can be restored exactly."""
+
+    def __init__(self, layers: Any = (), checkpoints: list[tuple[int, list[Any]]] | None = None) -> None:
+        super().__init__(layers)
+        self.checkpoints: list[tuple[int, list[Any]]] = list(checkpoints or getattr(layers, "checkpoints", ()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its layers and its checkpoints hold."""
+        return nbytes(self) + sum(nbytes(states) for _, states in self.checkpoints)
 
 
 def checkpoint(batch_caches: list[Any], i: int) -> list[Any]:
     """Row ``i``'s state in each untrimmable layer of a batch (None for the layers that trim):
     what restoring the row at its current position needs beyond its trimmed KV."""
     return [None if trims(c) else c.extract(i) for c in batch_caches]
+
+
+def trim_to(cache: Any, n: int) -> None:
+    """Cut a trimmable one-sequence layer back to its first ``n`` tokens."""
+    if kind(cache) == "list":
+        for c in cache.caches:
+            trim_to(c, n)
+    else:
+        cache.trim(max(0, cache.offset - n))
 
 
 def at_checkpoint(caches: list[Any], n: int, states: list[Any]) -> list[Any]:
@@ -144,7 +168,7 @@ def at_checkpoint(caches: list[Any], n: int, states: list[Any]) -> list[Any]:
     for c, s in zip(caches, states, strict=True):
         if s is None:
             c = copy.deepcopy(c)
-            c.trim(c.offset - n) if kind(c) != "list" else [p.trim(p.offset - n) for p in c.caches]
+            trim_to(c, n)
             out.append(c)
         else:
             out.append(copy.deepcopy(s))

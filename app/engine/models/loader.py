@@ -225,7 +225,7 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
         from app.engine.kv.kv_quant import check_quantizable
 
         try:
-            check_quantizable(model, kv.head_dim, params.kv_cache_bits, KV_GROUP_SIZE)
+            check_quantizable(model, params.kv_cache_bits, KV_GROUP_SIZE)
         except ConfigError as exc:
             raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = _config_value(config, "max_position_embeddings") or 4096

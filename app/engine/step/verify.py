@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from app.engine.batch.sampling import RowSampler
-from app.engine.kv.layers import restore, snapshot, trims
+from app.engine.kv.layers import SeqCache, restore, snapshot, trims
 from app.engine.mlx_internals import TokenBuffer
 from app.engine.step.rows import Response
 
@@ -198,7 +198,7 @@ class Verifier:
         for i in finished:  # the finishing response carries the row's KV
             row = phase.rows[i]
             last = by_uid[row.uid]
-            last.prompt_cache, last.all_tokens, last.checkpoints = phase.extract(i), row.tokens, row.checkpoints
+            last.prompt_cache, last.all_tokens = SeqCache(phase.extract(i), row.checkpoints), row.tokens
         if finished:
             done = set(finished)
             b._filter_decode([i for i in range(B) if i not in done])
