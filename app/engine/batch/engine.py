@@ -297,8 +297,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         """After a step: the memory tier within what the reservations leave of the budget
         (prefixes cached mid-prefill, or loaded from disk, come on top of them), and the
         bytes MLX's caches hold, measured for /health and /metrics."""
-        bpt = self.bytes_per_token
-        room = (self.admission.budget_tokens - self.admission.reserved) * bpt
+        room = self.admission.budget_bytes - self.admission.reserved
         if self.prompt_cache.nbytes > room:
             self.prompt_cache.trim_to(n_bytes=max(0, room))
         paused = sum(nbytes(s.paused[0]) for s in self._paused if s.paused)
@@ -373,10 +372,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         with self._lock:
             for seq in rows:
                 self.admission.resize(seq, self._reservation(seq))
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
         if over > 0 and self.prompt_cache.nbytes:
             self._evict(over)
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
         while over > 0:
             keys = {s: (int(s.background), s.width, s.enqueued) for s in [*self._running.values(), *self._paused]}
             with self._lock:
@@ -384,7 +383,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             if victim is None:
                 return
             self._pause_for_memory(victim)
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
 
     def _pause_for_memory(self, seq: _Seq) -> None:
         """Take ``seq`` out with its KV, into the prefix cache (evictable, and to the disk tier),
@@ -424,19 +423,15 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             cache = self._new_cache()
         self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated, drawn)
 
-    def _cache_tokens(self) -> int:
-        """The prefix cache's memory tier in tokens, rounded up: the figure must never be below what is held."""
-        return -(-self.prompt_cache.nbytes // self.bytes_per_token)
-
-    def _evict(self, tokens: int) -> int:
-        """Evict at least ``tokens`` of the prefix cache's memory tier; what it holds then."""
-        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * self.bytes_per_token))
-        return self._cache_tokens()
+    def _evict(self, nbytes: int) -> int:
+        """Evict at least ``nbytes`` of the prefix cache's memory tier; what it holds then."""
+        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
+        return self.prompt_cache.nbytes
 
     def _admit_and_insert(self, *, background: bool = True) -> None:
         # One at a time: each takes its prefix from the cache before the next may evict it.
         while True:
-            admitted = self._admit(self._cache_tokens(), self._evict, background=background, limit=1)
+            admitted = self._admit(self.prompt_cache.nbytes, self._evict, background=background, limit=1)
             if not admitted:
                 break
             seq = admitted[0]
@@ -453,8 +448,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if waiting and time.monotonic() - self._last_wait_log > 5:
             self._last_wait_log = time.monotonic()
             log.info(
-                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
-                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
+                "%d request(s) waiting for KV memory: %d of %d MB reserved by %d running, "
+                "prefix cache %d MB", waiting, self.admission.reserved // 2**20, self.admission.budget_bytes // 2**20,
                 self.admission.running, self.prompt_cache.nbytes // 2**20,
             )
 

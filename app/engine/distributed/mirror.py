@@ -67,7 +67,7 @@ class BatchOps(Protocol):
     # make caches of its own around these calls (a disk tier of the prefix cache stays off).
     replicated: bool
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
         """A decode step (``app.engine.step.new_decode_batch``'s settings)."""
 
     def prompt_cache(self) -> Any:
@@ -97,7 +97,7 @@ class LocalOps:
 
     replicated = False
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
         return new_decode_batch(model, tokenizer, **settings)
 
     def prompt_cache(self) -> Any:
@@ -239,7 +239,7 @@ class MirrorOps:
 
     # ---- BatchOps ------------------------------------------------------------------------
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
         if self.failed:
             raise DesyncError("a batch step failed on rank 0; the ranks can no longer be kept in step")
         self._ops.append(["batch", settings])
@@ -468,7 +468,7 @@ class Follower:
         self._finished = {r.uid: r.prompt_cache for r in gen if r.finish_reason is not None}
         self._last = [[r.uid, r.token, r.finish_reason] for r in gen]
 
-    def _op_batch(self, settings: dict[str, int]) -> None:
+    def _op_batch(self, settings: dict[str, Any]) -> None:
         if self.batch is not None:
             self.batch.close()
         self.batch = new_decode_batch(self.model, self.tokenizer, **settings)

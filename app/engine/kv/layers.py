@@ -35,35 +35,29 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
-from app.engine.mlx_internals import (
-    ArraysCache,
-    BatchKVCache,
-    BatchRotatingKVCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-)
-
 KINDS = ("kv", "quantized", "rotating", "state", "list")
 
-_KIND_OF: dict[type, str] = {
-    KVCache: "kv",
-    BatchKVCache: "kv",
-    SeqQuantizedKVCache: "quantized",
-    BatchQuantizedKVCache: "quantized",
-    RotatingKVCache: "rotating",
-    BatchRotatingKVCache: "rotating",
-    ArraysCache: "state",
-    CacheList: "list",
+# By class name: mlx-lm and mlx-vlm each ship these classes (mlx-vlm's language models keep
+# mlx-vlm's own), and kv_quant adds the batched quantized one.
+_KIND_OF: dict[str, str] = {
+    "KVCache": "kv",
+    "BatchKVCache": "kv",
+    "QuantizedKVCache": "quantized",
+    "BatchQuantizedKVCache": "quantized",
+    "RotatingKVCache": "rotating",
+    "BatchRotatingKVCache": "rotating",
+    "ArraysCache": "state",
+    "CacheList": "list",
 }
 
 
 def kind(cache: Any) -> str:
-    """The layer's kind (``KINDS``), from its class; a class not known here is ``state``."""
+    """The layer's kind (``KINDS``), from its class (or the first base class of a known
+    name); a class not known here is ``state``."""
     for cls in type(cache).__mro__:
-        if cls in _KIND_OF:
-            return _KIND_OF[cls]
+        found = _KIND_OF.get(cls.__name__)
+        if found is not None:
+            return found
     return "state"
 
 
@@ -130,14 +124,15 @@ def restore(cache: Any, snap: Any) -> None:
 # ---- one sequence's cache, and its checkpoints (the prefix cache) -------------------------
 
 
-class SeqCache(list):  # type: ignore[type-arg]
+class SeqCache(list[Any]):
     """One sequence's cache: a cache per layer for its tokens (the list), and its
     ``checkpoints``: (position, each untrimmable layer's state there, None for the layers
     that trim) for positions before its end where it can be restored exactly."""
 
     def __init__(self, layers: Any = (), checkpoints: list[tuple[int, list[Any]]] | None = None) -> None:
         super().__init__(layers)
-        self.checkpoints: list[tuple[int, list[Any]]] = list(checkpoints or getattr(layers, "checkpoints", ()))
+        inherited: list[tuple[int, list[Any]]] = getattr(layers, "checkpoints", [])
+        self.checkpoints: list[tuple[int, list[Any]]] = list(checkpoints if checkpoints is not None else inherited)
 
     @property
     def nbytes(self) -> int:

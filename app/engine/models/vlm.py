@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from app.engine.kv.geometry import KVGeometry, probe_geometry
 from app.engine.mlx_internals import (
+    make_prompt_cache,
     vlm_image_limit,
     vlm_input_embeddings,
     vlm_language_model,
@@ -41,7 +43,7 @@ from app.engine.mlx_internals import (
     vlm_text_config,
     vlm_text_tokens,
 )
-from app.engine.models.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
+from app.engine.models.loader import apply_params
 from app.engine.params import LoadParams
 from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage, TokenPrompt, pixel_digest, placeholder_runs
 from app.errors import ConfigError, InvalidRequestError
@@ -141,7 +143,9 @@ def load_vlm(
         apply_params(vlm_language_model(model), replace(load, dtype=None))
     config = vlm_text_config(model)
     try:
-        kv = kv_geometry(config, activation_dtype(vlm_language_model(model)), None)
+        language_model = vlm_language_model(model)
+        kv = probe_geometry(lambda: make_prompt_cache(language_model),
+                            lambda tokens, cache: language_model(tokens, cache=cache))
     except ConfigError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
     native_len = int(config.get("max_position_embeddings") or 4096)

@@ -128,7 +128,8 @@ class DecodeBatch:
             held = 1 + (score.tail if score is not None else 0)
             parts = _hold_back(parts, held)
             held = len(parts[-1])
-            cache = caches[i] if caches and caches[i] is not None else self._make_cache()
+            given = caches[i] if caches else None
+            cache = given if given is not None else self._make_cache()
             row = Row(uid=self._uids, segments=parts, tokens=list(all_tokens[i]) if all_tokens else [],
                       max_tokens=max_tokens[i], sampler=samplers[i] if samplers else None,
                       processors=normalize_processors(logits_processors[i] if logits_processors else None),
@@ -215,7 +216,8 @@ class DecodeBatch:
         i = self._decode.index(uid)
         if i is None or uid in self._fresh or self._next is None:
             return None
-        return int(self._next[i].item()), self._next_lp[i] if self._next_lp is not None else None
+        token: int = self._next[i].tolist()  # type: ignore[assignment]
+        return token, self._next_lp[i] if self._next_lp is not None else None
 
     def context(self, uid: int) -> list[int]:
         """The tokens row ``uid``'s KV holds (the list itself)."""
@@ -480,4 +482,4 @@ def _wire() -> int | None:
     size = mx.device_info().get("max_recommended_working_set_size") if hasattr(mx, "device_info") else None
     if not size:
         return None
-    return int(mx.set_wired_limit(int(size)))  # type: ignore[arg-type]
+    return int(mx.set_wired_limit(int(size)))

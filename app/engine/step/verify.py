@@ -137,8 +137,8 @@ class Verifier:
         keys: list[Any] = []
         for i in range(B):
             n = len(drafts[i]) + 1
-            row = self._processed(i, logits[i, :n], [xs[i], *drafts[i]])
-            lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            processed = self._processed(i, logits[i, :n], [xs[i], *drafts[i]])
+            lp = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
             logprobs.append(lp)
             tokens, used = self._draw(i, lp)
             draws.append(tokens)
