@@ -380,11 +380,11 @@ class BatchingEngine(Generic[S, L]):
         for seq in expired:
             self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
 
-    def _admit(self, cache_tokens: int = 0, evict: Callable[[int], int] = lambda _: 0, *,
+    def _admit(self, cache_bytes: int = 0, evict: Callable[[int, S], int] = lambda n, _: 0, *,
                background: bool = True, limit: int | None = None) -> list[S]:
         """Waiting requests that fit now (``Admission.admit``), each now holding its reservation."""
         with self._lock:
-            admitted = self.admission.admit(cache_tokens, evict, background=background, limit=limit)
+            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit)
         for seq in admitted:
             seq.holds = True
         return admitted

@@ -102,6 +102,9 @@ class _Seq(Seq):
     requeued: tuple[list[int], tuple[int, Any] | None] | None = None
     # Its drafters (speculative decoding), when it has any.
     drafts: RowDrafts | None = None
+    # Its cached prefix, taken before admission made room for it (``_evict``): (cache, the tokens
+    # left to prefill); what it then starts from.
+    prefetched: tuple[Any, list[int]] | None = None
 
     @property
     def suspended(self) -> bool:
@@ -411,22 +414,45 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _resume_requeued(self, seq: _Seq) -> None:
         """A row paused for memory back into the batch, from what the prefix cache kept of its KV."""
-        (held, drawn), seq.requeued = seq.requeued or ([], None), None
-        prompt = list(seq.req.prompt_tokens)
-        if drawn is not None:  # paused decoding: its KV, then the token it had drawn
-            target = [*held, drawn[0]]
-        else:  # paused in prefill: the whole prompt
-            target = prompt
-        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), target)
+        target = self._lookup_tokens(seq)  # paused in prefill: its prompt; decoding: its KV and drawn token
+        cache, rest = self._fetch(seq)
+        drawn = seq.requeued[1] if seq.requeued is not None else None
+        seq.requeued = None
         if cache is None:
             rest = target
             cache = self._new_cache()
         self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated, drawn)
 
-    def _evict(self, nbytes: int) -> int:
-        """Evict at least ``nbytes`` of the prefix cache's memory tier; what it holds then."""
+    def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
+        """Evict at least ``nbytes`` of the prefix cache's memory tier (to admit ``seq``: its own
+        cached prefix is taken first, so making room for it never evicts what it is about to
+        read); what the tier holds then."""
+        if seq is not None and seq.prefetched is None and self._uses_cache(seq):
+            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+            if cache is not None:
+                seq.prefetched = (cache, rest)
         self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
         return self.prompt_cache.nbytes
+
+    def _uses_cache(self, seq: _Seq) -> bool:
+        return self.params.prompt_cache != "off" or seq.req.share_prefix or seq.requeued is not None
+
+    def _lookup_tokens(self, seq: _Seq) -> list[int]:
+        """What ``seq`` looks up in the prefix cache when it starts: its prompt, or, resuming
+        from a pause for memory, the tokens its KV held and the token it had drawn."""
+        if seq.requeued is not None:
+            held, drawn = seq.requeued
+            if drawn is not None:
+                return [*held, drawn[0]]
+        return list(seq.req.prompt_tokens)
+
+    def _fetch(self, seq: _Seq) -> tuple[Any, list[int]]:
+        """``seq``'s cached prefix: the one taken before its admission, else a lookup now."""
+        if seq.prefetched is not None:
+            (cache, rest), seq.prefetched = seq.prefetched, None
+            return cache, rest
+        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+        return cache, rest
 
     def _admit_and_insert(self, *, background: bool = True) -> None:
         # One at a time: each takes its prefix from the cache before the next may evict it.
@@ -459,7 +485,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         cache, rest = (None, prompt)
         use_cache = p.prompt_cache != "off" or req.share_prefix
         if use_cache:
-            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
+            cache, rest = self._fetch(seq)
         if cache is None:
             cache = self._new_cache()
         cached = len(prompt) - len(rest)
