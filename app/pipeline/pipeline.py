@@ -377,8 +377,8 @@ class Pipeline:
                                           f"dimensions {req.dimensions} cannot be served", param="dimensions")
             encoder.check_size(req.input)
             tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(req.input, truncate=req.truncate))
-            note_model(lease.name, sum(len(t) for t in tokens))
-            return Embeddings(vectors, [len(t) for t in tokens]), encoder.dim
+            note_model(lease.name, sum(len(t) for t in tokens.ids))
+            return encoder.embeddings(tokens, vectors), encoder.dim
         finally:
             lease.release()
 
@@ -393,7 +393,7 @@ class Pipeline:
             encoder.check_size(EncoderInputs(req.documents, "documents"))
             tokens, result = await engine.encode(
                 lambda: encoder.prepare_rerank(req.query, req.documents, truncate=req.truncate))
-            note_model(lease.name, sum(len(t) for t in tokens))
+            note_model(lease.name, sum(len(t) for t in tokens.ids))
             return encoder.ranking(tokens, result)
         finally:
             lease.release()
