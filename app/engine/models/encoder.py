@@ -28,6 +28,9 @@ MLX-owner thread; ``app.engine.batch.encoder_engine`` schedules a request's batc
 there between chat steps. ``embed`` / ``rerank`` do both in one go, in process
 (tests, benchmarks).
 
+An input longer than ``max_length`` is cut to it when the model's ``truncate``
+(``EncoderLimits``, models.yaml) or the request says so, else refused; ``Tokenized``
+carries how many tokens were cut from each input, for the answer's usage and /metrics.
 A string far longer than the model takes is tokenized by a prefix cut at a
 word boundary (``_head``): a 1 MB input costs the tokens that can be kept, not
 a megabyte of tokenizing.
