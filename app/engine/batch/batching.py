@@ -139,8 +139,8 @@ class BatchingEngine(Generic[S, L]):
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
-        # What one row holds, layer by layer (a window holds one prefill chunk more while it passes).
-        self.geometry = replace(loaded.kv, chunk=params.prefill_chunk_size)
+        # What one row holds, layer by layer (``app.engine.kv.geometry``).
+        self.geometry = loaded.kv
         self.admission: Admission[S] = Admission(
             params.kv_mem_mb * 2**20, params.max_num_seqs, params.max_queue,
             params.queue_timeout_s, starvation_s=params.starvation_s, cost=self.geometry.row_bytes,
