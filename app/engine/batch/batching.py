@@ -1,6 +1,6 @@
 """What both batching engines share: a request's lifecycle around a batch generator.
 
-``TextEngine`` (``app.engine.batch.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
+``TextEngine`` (``app.engine.batch.engine``, Tandem's decode step) and ``VlmEngine``
 (``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
 sequence is started and what happens around a batch step differ. A request's way
 through, in either:
