@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
@@ -128,7 +129,15 @@ async def drain(state: AppState) -> None:
     """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
     when streaming), and finish the prefix caches' queued disk writes. The HTTP server
-    drains its connections meanwhile."""
+    drains its connections meanwhile. Every model drains at once, within one deadline;
+    the server's signal handler and the app's shutdown both call this, and the second
+    call waits for the first."""
+    if state.draining is None:
+        state.draining = asyncio.ensure_future(_drain(state))
+    await asyncio.shield(state.draining)
+
+
+async def _drain(state: AppState) -> None:
     engines = state.registry.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
@@ -138,20 +147,24 @@ async def drain(state: AppState) -> None:
     if in_flight() and state.worker.alive:
         log.warning("shutdown: ending %d requests still running after %gs", in_flight(), grace)
         exc = EngineDeadError("the server is shutting down", retry_after=10)
-        for engine in engines:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                # The MLX thread is inside one long step (a long prefill chunk on a slow
-                # machine): the clients hear the end now, not when the step is done.
-                log.warning("shutdown: the MLX thread is busy in a long step; ending %s's streams without it",
-                            engine.name)
-                engine.end_streams(exc)
-    # Prefixes queued for the prompt caches' disk tiers are written before the process ends.
+        await asyncio.gather(*(_abort(engine, exc) for engine in engines))
+    # Prefixes queued for the prompt caches' disk tiers are written before the process ends,
+    # every model's at once.
     wait = max(grace, 10.0)
-    for engine in engines:
-        if not await asyncio.to_thread(engine.finish_writes, wait):
+    done = await asyncio.gather(*(asyncio.to_thread(engine.finish_writes, wait) for engine in engines))
+    for engine, finished in zip(engines, done):
+        if not finished:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
+
+
+async def _abort(engine: Any, exc: BaseException) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        # The MLX thread is inside a step (one model's, while every model waits its turn on the
+        # thread): the clients hear the end now, not when the step is done.
+        log.warning("shutdown: the MLX thread is busy in a step; ending %s's streams without it", engine.name)
+        engine.end_streams(exc)
 
 
 def create_app(state: AppState) -> Litestar:
