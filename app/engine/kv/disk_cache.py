@@ -11,13 +11,14 @@ the prefix cache's partition (model and ``cache_namespace``), so namespaces neve
 share a file either.
 
 Each file holds one sequence's cache, every layer kind (``kv_snapshot``, ``kv_layout``),
-and is restored exactly where the memory tier would restore it: at its end, and for a
-model with sliding windows or recurrent state at each of its checkpoints too (their
-positions and token digests are in its metadata). A model whose every layer trims keeps
-the exact prefixes it stored (one file each); the index (``disk_index``) files every
-restore point under the digest of the tokens up to it, and a lookup finds the longest
-one that is a prefix of the prompt, short of its last token where a layer cannot trim
-(a row always feeds at least its last prompt token). Bytes on disk stay within the
+and is restored exactly where the memory tier would restore it: at its end, and at each
+of its checkpoints (their positions and token digests are in its metadata: the rows of
+a model with sliding windows or recurrent state keep one where each prompt and segment
+ended). A file without checkpoints restores only the exact prefix it stored. The index
+(``disk_index``) files every restore point under the digest of the tokens up to it, and
+a lookup finds the longest one that is a prefix of the prompt, short of its last token
+where a layer cannot trim (a row always feeds at least its last prompt token; where
+every layer trims, the caller cuts one back). Bytes on disk stay within the
 model's budget (``prompt_cache_disk_mb``): files of a key over its share
 (``prompt_cache_key_share``) first, then least recently used first; the model's
 directories for other identities count against it too, and go first.
@@ -154,11 +155,8 @@ class DiskTier:
             self._evict_over_budget()
 
     def _points(self, path: Path, n: int) -> dict[int, str]:
-        """A stored file's checkpoints, from its header (only a model with untrimmable layers has
-        any). Not trusted: a load checks the whole file; a header unreadable now is indexed at
-        its end only, and judged when read."""
-        if self.layout.trims:
-            return {}
+        """A stored file's checkpoints, from its header. Not trusted: a load checks the whole
+        file; a header unreadable now is indexed at its end only, and judged when read."""
         try:
             return parse_points(read_meta(path).get("checkpoints", ""), n)
         except (DamagedFileError, OSError):

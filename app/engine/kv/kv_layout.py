@@ -15,7 +15,8 @@ infers shapes and dtypes as it builds the graph), never from its config:
 A file of ``n`` tokens holds ``tokens`` (I32 [n]), every layer at ``n`` tokens, and for each
 of its checkpoints ``k`` (a position ``p < n`` where the sequence can be restored exactly),
 ``c{k}.`` followed by the tensors of every layer that does not trim, at ``p`` tokens (a
-trimmable layer's first ``p`` tokens are in its full tensors already). So the tensors a
+trimmable layer's first ``p`` tokens are in its full tensors already: where every layer
+trims, a checkpoint is a position and no tensors). So the tensors a
 file holds follow from the layout, its token count and its checkpoints' positions
 (``KVLayout.tensors``), and a file that holds anything else is refused before MLX sees it.
 """

@@ -98,10 +98,9 @@ def export_cache(layout: KVLayout, cache: list[Any], n: int) -> Exported:
     if len(cache) != len(layout.layers):
         raise LayoutError(f"{len(cache)} layers, the model has {len(layout.layers)}")
     points: list[tuple[int, list[Any]]] = []
-    if not layout.trims:  # where every layer trims, any length restores: no checkpoints needed
-        for p, states in sorted(getattr(cache, "checkpoints", ()), key=lambda c: c[0]):
-            if 0 < p < n and (not points or points[-1][0] != p):
-                points.append((p, states))
+    for p, states in sorted(getattr(cache, "checkpoints", ()), key=lambda c: c[0]):
+        if 0 < p < n and (not points or points[-1][0] != p):
+            points.append((p, states))
     named: list[tuple[str, mx.array]] = []
     for i, (spec, layer) in enumerate(zip(layout.layers, cache)):
         named += _arrays(spec, layer, str(i), n)
