@@ -58,13 +58,12 @@ GAPS: dict[str, dict[str, str]] = {
                             _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
     "turn_2_edited": _by_kind(_CANNOT_CUT_BACK.format("recurrent state (ArraysCache) cannot be trimmed"),
                               _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
-    "restart": _by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
+    # Plain models' files are restored at their end only: their rows keep no checkpoint where the prompt
+    # ended (models with windows or recurrent state do, and their files restore there).
     "restart_edited": {
-        **{name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
-                 "to the tokens shared: turn 2 gets the template's system prompt (24 of 42 tokens) from disk"
-           for name in ZOO if ZOO[name].plain_kv},
-        **_by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
-    },
+        name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
+              "to the tokens shared: turn 2 gets the template's system prompt (24 of 42 tokens) from disk"
+        for name in ZOO if ZOO[name].plain_kv},
     "prediction": _by_kind(*["speculation is off ('its KV caches cannot be rolled back'): a prediction is never "
                              "verified, 0 tokens accepted"] * 2),
     "kv_bits": _by_kind(*["refused at load: 'kv_cache_bits needs a model whose every layer uses a plain KV "
