@@ -74,10 +74,9 @@ class _BatchParams(_Params):
     prefill_batch_size: int = Field(
         default=8, ge=1, le=256, description="Prompts prefilled together in one step (capped at max_num_seqs).")
     prefill_step_ms: int = Field(
-        default=250, ge=0, description="While other streams decode, each prefill chunk is sized (at most "
-        "prefill_chunk_size) so that a batch step takes about this long, at the prefill rate measured on this "
-        "model: a long prompt no longer stalls every stream beside it for a whole chunk per token. With nothing "
-        "decoding, chunks are prefill_chunk_size. 0: always prefill_chunk_size.")
+        default=250, ge=0, description="Each prefill chunk is sized (at most prefill_chunk_size) so that a batch "
+        "step takes about this long, at the prefill rate measured on this model: a long prompt never stalls the "
+        "streams beside it, nor a request that arrives, for more than about this. 0: always prefill_chunk_size.")
 
     @property
     def kv_mem_mb(self) -> int:
@@ -214,6 +213,11 @@ class EncoderParams(_QueueParams, _WeightParams):
         default=200, ge=1, description="Target milliseconds of one encoder batch: batches are cut below "
         "max_batch_tokens to stay near it, so chat streams keep getting tokens during a job. One input that alone "
         "takes longer still runs in one step.")
+    truncate: bool = Field(
+        default=True, description="Cut an input longer than max_model_len to its first tokens (counted in the "
+        "response's usage.truncated_tokens and in /metrics), as Ollama and text-embeddings-inference do for the "
+        "clients that cannot ask (Open WebUI); false: such an input is a 400 context_length_exceeded. A request's "
+        "own \"truncate\" wins.")
 
 
 # ---- capabilities (chat entries) --------------------------------------------------------------------

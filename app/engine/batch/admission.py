@@ -226,12 +226,14 @@ class Admission(Generic[T]):
             self.waiting.remove(w)
         return [w.item for w in expired]
 
-    def admit(self, cache_bytes: int, evict: Callable[[int], int], *, background: bool = True,
+    def admit(self, cache_bytes: int, evict: Callable[[int, T], int], *, background: bool = True,
               limit: int | None = None) -> list[T]:
         """Pop every waiting request that fits now (at most ``limit``), evicting cache when that helps.
 
-        ``cache_bytes`` is what the prefix cache holds; ``evict(n)`` frees at
-        least ``n`` bytes of it if it can and returns the new cache size.
+        ``cache_bytes`` is what the prefix cache holds; ``evict(n, item)`` frees at
+        least ``n`` bytes of it if it can, to admit ``item``, and returns the new cache
+        size (the engine takes ``item``'s own cached prefix first: making room for a
+        request never evicts the prefix it is about to read).
         Interactive requests go first; ``background=False`` holds background ones back.
         """
         admitted: list[T] = []
@@ -246,7 +248,7 @@ class Admission(Generic[T]):
                 break
             need = self.footprint(w.tokens)
             if need + cache_bytes > self.budget_bytes and cache_bytes > 0 and need <= self.budget_bytes:
-                cache_bytes = evict(need + cache_bytes - self.budget_bytes)
+                cache_bytes = evict(need + cache_bytes - self.budget_bytes, w.item)
             if need + cache_bytes <= self.budget_bytes:
                 self.waiting.remove(w)
                 self._rows[w.item] = w.tokens

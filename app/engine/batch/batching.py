@@ -1,6 +1,6 @@
 """What both batching engines share: a request's lifecycle around a batch generator.
 
-``TextEngine`` (``app.engine.batch.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
+``TextEngine`` (``app.engine.batch.engine``, Tandem's decode step) and ``VlmEngine``
 (``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
 sequence is started and what happens around a batch step differ. A request's way
 through, in either:
@@ -139,8 +139,8 @@ class BatchingEngine(Generic[S, L]):
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
-        # What one row holds, layer by layer (a window holds one prefill chunk more while it passes).
-        self.geometry = replace(loaded.kv, chunk=params.prefill_chunk_size)
+        # What one row holds, layer by layer (``app.engine.kv.geometry``).
+        self.geometry = loaded.kv
         self.admission: Admission[S] = Admission(
             params.kv_mem_mb * 2**20, params.max_num_seqs, params.max_queue,
             params.queue_timeout_s, starvation_s=params.starvation_s, cost=self.geometry.row_bytes,
@@ -380,11 +380,11 @@ class BatchingEngine(Generic[S, L]):
         for seq in expired:
             self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
 
-    def _admit(self, cache_tokens: int = 0, evict: Callable[[int], int] = lambda _: 0, *,
+    def _admit(self, cache_bytes: int = 0, evict: Callable[[int, S], int] = lambda n, _: 0, *,
                background: bool = True, limit: int | None = None) -> list[S]:
         """Waiting requests that fit now (``Admission.admit``), each now holding its reservation."""
         with self._lock:
-            admitted = self.admission.admit(cache_tokens, evict, background=background, limit=limit)
+            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit)
         for seq in admitted:
             seq.holds = True
         return admitted

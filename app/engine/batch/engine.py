@@ -1,4 +1,4 @@
-"""The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
+"""The text engine: Tandem's decode step (``app.engine.step``) driven from the MLX-owner thread.
 
 The request lifecycle is ``BatchingEngine``'s (``app.engine.batch.batching``): the
 inbox, admission against the KV budget (``admission``: what MLX will really
@@ -7,43 +7,44 @@ to the listeners per generation, failing one request or one batch step alone.
 What is this engine's own:
 
     _insert          an admitted request gets the KV of its longest cached prefix
-                     from the prefix cache (``prefix_cache``: memory, then disk),
-                     its sampler, logits processors and constraint, and is inserted
-                     into the BatchGenerator, its prompt in two segments when its
-                     cacheable prefix ends mid-prompt (that prefix is cached when
-                     prefill reaches it)
-    each token       logprobs straight from mlx-lm's responses; a finished
-                     conversation's KV goes to the prefix cache (``prompt_cache: prefix``)
+                     from the prefix cache (``prefix_cache``: memory, then disk; taken
+                     before admission made room for it, if it had to), its sampler,
+                     logits processors and constraint, and is inserted into the step,
+                     its prompt in two segments when its cacheable prefix ends
+                     mid-prompt (that prefix is cached when prefill reaches it)
+    each token       logprobs from the step's responses; a finished conversation's KV
+                     (with its checkpoints, where its layers cannot trim) goes to the
+                     prefix cache (``prompt_cache: prefix``)
     before each step every row's reservation grown to what it holds plus a KV step
                      (``_fit_reservations``), and the prefill chunk sized by time
-                     while rows decode (``pacing``: the step's time budget, at the
-                     prefill rate measured on this model)
+                     (``pacing``: every step within its budget, at the prefill rate
+                     measured on this model)
     a cancellation   the row's KV goes to the prefix cache too, a prefill cut short
                      included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
     speculation      each row's drafters opened in ``_insert``, asked before a step
-                     (``_propose``) and told after it (``_on_batch_next``); the verify
-                     step is the BatchGenerator's own generation batch
-                     (``app.engine.speculative``: ``verify``, ``rows``)
+                     (``_propose``) and told after it (``_on_batch_next``); the step
+                     verifies the proposals (``app.engine.step.verify``; the drafters:
+                     ``app.engine.speculative``), on every cache kind
 
 Memory: when the rows' growth does not fit the KV budget, the prefix cache is
 evicted first, then the lowest-priority row (background first, then the widest,
 then the newest) leaves the batch: its KV goes to the prefix cache (and the disk
 tier), its reservation is given back, and it waits at the head of the queue, to
-resume from that prefix when room returns (``_pause_for_memory``). Its sampler,
-processors and detokenizer stay with it, so at temperature 0 its output is what
-it would have been.
+resume from that prefix when room returns (``_pause_for_memory``), feeding first the
+token it had drawn. Its sampler, processors and detokenizer stay with it, so at
+temperature 0 its output is what it would have been.
 
 Priority: while an interactive request waits for its first token (queued, or
 in prefill), background requests (titles, tags, follow-ups) are not admitted,
 those in prefill are paused, and those decoding keep at most
 ``background_share`` of the batch; the rest are paused too. A paused sequence
-leaves the batch with its KV (``remove(..., return_prompt_caches=True)``),
-keeps its reservation, and is inserted again with that KV once no interactive
-request waits.
+leaves the batch with its KV (``remove(..., return_prompt_caches=True)``) and the
+token it had drawn, keeps its reservation, and is inserted again with both once no
+interactive request waits (``Drawn``: the token is fed and emitted then).
 
-Every BatchGenerator, prompt-cache and KV-cache call goes through ``ops``
+Every decode-step, prefix-cache and quantized-cache call goes through ``ops``
 (``app.engine.distributed.mirror.BatchOps``): made here, or, distributed, made here and
 replayed on every other rank.
 """
@@ -102,6 +103,9 @@ class _Seq(Seq):
     requeued: tuple[list[int], tuple[int, Any] | None] | None = None
     # Its drafters (speculative decoding), when it has any.
     drafts: RowDrafts | None = None
+    # Its cached prefix, taken before admission made room for it (``_evict``): (cache, the tokens
+    # left to prefill); what it then starts from.
+    prefetched: tuple[Any, list[int]] | None = None
 
     @property
     def suspended(self) -> bool:
@@ -408,22 +412,45 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _resume_requeued(self, seq: _Seq) -> None:
         """A row paused for memory back into the batch, from what the prefix cache kept of its KV."""
-        (held, drawn), seq.requeued = seq.requeued or ([], None), None
-        prompt = list(seq.req.prompt_tokens)
-        if drawn is not None:  # paused decoding: its KV, then the token it had drawn
-            target = [*held, drawn[0]]
-        else:  # paused in prefill: the whole prompt
-            target = prompt
-        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), target)
+        target = self._lookup_tokens(seq)  # paused in prefill: its prompt; decoding: its KV and drawn token
+        cache, rest = self._fetch(seq)
+        drawn = seq.requeued[1] if seq.requeued is not None else None
+        seq.requeued = None
         if cache is None:
             rest = target
             cache = self._new_cache()
         self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated, drawn)
 
-    def _evict(self, nbytes: int) -> int:
-        """Evict at least ``nbytes`` of the prefix cache's memory tier; what it holds then."""
+    def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
+        """Evict at least ``nbytes`` of the prefix cache's memory tier (to admit ``seq``: its own
+        cached prefix is taken first, so making room for it never evicts what it is about to
+        read); what the tier holds then."""
+        if seq is not None and seq.prefetched is None and self._uses_cache(seq):
+            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+            if cache is not None:
+                seq.prefetched = (cache, rest)
         self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
         return self.prompt_cache.nbytes
+
+    def _uses_cache(self, seq: _Seq) -> bool:
+        return self.params.prompt_cache != "off" or seq.req.share_prefix or seq.requeued is not None
+
+    def _lookup_tokens(self, seq: _Seq) -> list[int]:
+        """What ``seq`` looks up in the prefix cache when it starts: its prompt, or, resuming
+        from a pause for memory, the tokens its KV held and the token it had drawn."""
+        if seq.requeued is not None:
+            held, drawn = seq.requeued
+            if drawn is not None:
+                return [*held, drawn[0]]
+        return list(seq.req.prompt_tokens)
+
+    def _fetch(self, seq: _Seq) -> tuple[Any, list[int]]:
+        """``seq``'s cached prefix: the one taken before its admission, else a lookup now."""
+        if seq.prefetched is not None:
+            (cache, rest), seq.prefetched = seq.prefetched, None
+            return cache, rest
+        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+        return cache, rest
 
     def _admit_and_insert(self, *, background: bool = True) -> None:
         # One at a time: each takes its prefix from the cache before the next may evict it.
@@ -456,7 +483,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         cache, rest = (None, prompt)
         use_cache = p.prompt_cache != "off" or req.share_prefix
         if use_cache:
-            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
+            cache, rest = self._fetch(seq)
         if cache is None:
             cache = self._new_cache()
         cached = len(prompt) - len(rest)

@@ -242,7 +242,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
 
     # ---- the prefix cache: KV accounting as TextEngine's -------------------------------
 
-    def _evict(self, nbytes: int) -> int:
+    def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
         """Evict at least ``nbytes`` of the prefix cache's memory tier; what it holds then."""
         self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
         return self.prompt_cache.nbytes

@@ -1,12 +1,12 @@
 """The batch and prompt-cache operations TextEngine makes, run here or on every rank.
 
-``TextEngine`` never calls mlx-lm's BatchGenerator, its prompt cache or the KV-cache
-helpers directly; it calls a ``BatchOps``:
+``TextEngine`` never makes its decode step (``app.engine.step``), its prefix cache's
+memory tier or a quantized cache directly; it calls a ``BatchOps``:
 
 - ``LocalOps`` (one process) makes each call as it is;
 - ``MirrorOps`` (rank 0 of a distributed launch) makes each call here and records it,
   and before every batch step sends the record to the other ranks (``control``), whose
-  ``Follower`` replays it on its own BatchGenerator and prompt cache, over its own shard
+  ``Follower`` replays it on its own decode step and prefix cache, over its own shard
   of the model. So every rank runs the same batch steps in lockstep, and rank 0 alone
   decides: admission, priorities, cancellations, stop strings, what is cached.
 
@@ -31,9 +31,9 @@ acceptance, emitted tokens, KV rollback and context. The step's ``check`` then c
 every emitted token, as for a plain step.
 
 Prefix cache eviction: a rank's cache holds its own shard, so byte counts differ between
-ranks (pipeline stages hold different layer counts); rank 0 sends how many entries its
-cache keeps after each change, and the follower (unbounded otherwise) trims to that
-count. Both caches see the same inserts in the same order, so the same entries go.
+ranks (pipeline stages hold different layer counts), and only rank 0 knows what its
+requests hold or share; both caches see the same inserts in the same order, so an
+entry has the same ``serial`` on both, and rank 0 sends the serials it evicts.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ import mlx.core as mx
 from app.engine.kv.kv_quant import make_quantized_prompt_cache
 from app.engine.kv.layers import SeqCache
 from app.engine.kv.memory_tier import MemoryTier
-from app.engine.mlx_internals import trim_prompt_cache
-from app.engine.step import DecodeBatch, RowProposal, new_decode_batch
+from app.engine.step import DecodeBatch, Drawn, RowProposal, ScoreSpec, new_decode_batch
 
 log = logging.getLogger("tandem.distributed")
 
@@ -72,9 +71,6 @@ class BatchOps(Protocol):
 
     def prompt_cache(self) -> Any:
         """The prefix cache's memory tier (``app.engine.kv.memory_tier.MemoryTier``)."""
-
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        """Drop the last ``n`` tokens of a per-sequence cache."""
 
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         """An empty quantized per-sequence cache."""
@@ -102,9 +98,6 @@ class LocalOps:
 
     def prompt_cache(self) -> Any:
         return MemoryTier()
-
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        trim_prompt_cache(cache, n)
 
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         return make_quantized_prompt_cache(model, bits, group_size)
@@ -248,10 +241,6 @@ class MirrorOps:
     def prompt_cache(self) -> Any:
         return _MirroredPromptCache(self, MemoryTier())
 
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        self._ops.append(["trim_kv", _handle(cache), n])
-        trim_prompt_cache(cache, n)
-
     def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
         cache = self.track(make_quantized_prompt_cache(model, bits, group_size))
         self._ops.append(["qcache", cache.handle, bits, group_size])
@@ -312,7 +301,7 @@ class MirrorOps:
 
 
 class _MirroredBatch:
-    """Rank 0's BatchGenerator: the calls TextEngine makes, each made and recorded."""
+    """Rank 0's decode step: the calls TextEngine makes, each made and recorded."""
 
     def __init__(self, ops: MirrorOps, bg: Any) -> None:
         self._ops = ops
@@ -322,15 +311,21 @@ class _MirroredBatch:
 
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
-                        logits_processors: list[Any]) -> list[int]:
+                        logits_processors: list[Any], drawn: list[Drawn | None] | None = None,
+                        scores: list[ScoreSpec | None] | None = None) -> list[int]:
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
                                        samplers=[self._ops.token_sync] * len(samplers),
                                        logits_processors=[[*procs, self._ops.token_sync.row(sample)]
                                                           for procs, sample in zip(logits_processors, samplers,
-                                                                                   strict=True)])
-        self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids])
+                                                                                   strict=True)],
+                                       drawn=drawn, scores=scores)
+        # Followers need only whether a row resumes with a drawn token (rank 0 alone samples)
+        # and what a score row scores.
+        marks = [d is not None for d in drawn] if drawn else None
+        spec = [None if sc is None else [sc.tail, list(sc.next_tokens)] for sc in scores] if scores else None
+        self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids, marks, spec])
         return list(uids)
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
@@ -498,14 +493,14 @@ class Follower:
     def _op_qcache(self, handle: int, bits: int, group_size: int) -> None:
         self.caches[handle] = make_quantized_prompt_cache(self.model, bits, group_size)
 
-    def _op_trim_kv(self, handle: int, n: int) -> None:
-        trim_prompt_cache(self._cache(handle), n)
-
     def _op_insert(self, segments: list[list[list[int]]], max_tokens: list[int], handles: list[int | None] | None,
-                   all_tokens: list[list[int]], uids: list[int]) -> None:
+                   all_tokens: list[list[int]], uids: list[int], marks: list[bool] | None = None,
+                   spec: list[Any] | None = None) -> None:
         caches = [None if h is None else self._cache(h) for h in handles] if handles is not None else None
+        drawn = [Drawn() if m else None for m in marks] if marks else None
+        scores = [None if sc is None else ScoreSpec(sc[0], tuple(sc[1])) for sc in spec] if spec else None
         got = self.batch.insert_segments(segments, max_tokens=max_tokens, caches=caches, all_tokens=all_tokens,
-                                         samplers=[self._sampler] * len(segments))
+                                         samplers=[self._sampler] * len(segments), drawn=drawn, scores=scores)
         if list(got) != uids:
             raise DesyncError(f"sequence ids differ from rank 0's ({list(got)} vs {uids})")
 

@@ -7,10 +7,12 @@ delta-net, short convolutions) a fixed state per sequence, however long. So one 
 of a batch, ``width`` tokens wide, costs
 
     sum over layers of  bytes/token x width               (kv, quantized)
-                        bytes/token x min(width, window')  (rotating; window' is the window
-                                                            plus one prefill chunk, which a
-                                                            window holds while a chunk passes)
+                        bytes/token x min(width, window)   (rotating)
                         bytes/row                          (state)
+
+(A window holds the tokens of the chunk passing through it on top of its window while a
+prompt is prefilled, and a verify step's proposals while they are scored: at most a
+chunk, for a moment, on the rows in that step.)
 
 The figures come from the model's own cache (``make_cache()``) after a two-token
 forward pass that is built but never evaluated: MLX infers every shape and dtype as it
@@ -48,8 +50,6 @@ class KVGeometry:
     """A model's cache cost per layer (see the module docstring)."""
 
     layers: tuple[LayerGeometry, ...]
-    # Tokens a sliding window holds beyond its size while a prefill chunk passes.
-    chunk: int = 512
 
     @property
     def bytes_per_token(self) -> int:
@@ -67,7 +67,7 @@ class KVGeometry:
         total = 0.0
         for g in self.layers:
             if g.window is not None:
-                total += g.bytes_per_token * min(width, g.window + self.chunk)
+                total += g.bytes_per_token * min(width, g.window)
             else:
                 total += g.bytes_per_token * width
             total += g.bytes_per_row
@@ -110,11 +110,10 @@ class KVGeometry:
     def scaled(self, factor: float) -> KVGeometry:
         """This geometry with every cost times ``factor`` (a shard's part of the KV)."""
         return KVGeometry(tuple(LayerGeometry(g.kind, g.bytes_per_token * factor, g.window,
-                                              int(g.bytes_per_row * factor)) for g in self.layers), self.chunk)
+                                              int(g.bytes_per_row * factor)) for g in self.layers))
 
 
-def probe_geometry(make_cache: Callable[[], list[Any]], forward: Callable[[mx.array, list[Any]], Any],
-                   chunk: int = 512) -> KVGeometry:
+def probe_geometry(make_cache: Callable[[], list[Any]], forward: Callable[[mx.array, list[Any]], Any]) -> KVGeometry:
     """The geometry of the caches ``make_cache`` builds, as ``forward`` (the model's call on
     token ids with a cache) fills them: from shapes, nothing evaluated. MLX thread."""
     cache = make_cache()
@@ -124,7 +123,7 @@ def probe_geometry(make_cache: Callable[[], list[Any]], forward: Callable[[mx.ar
     layers: list[LayerGeometry] = []
     for c in cache:
         layers.extend(_layer(c))
-    return KVGeometry(tuple(layers), chunk)
+    return KVGeometry(tuple(layers))
 
 
 def _layer(cache: Any) -> list[LayerGeometry]:

@@ -1,7 +1,7 @@
-"""A quantized KV cache that mlx-lm's BatchGenerator can batch.
+"""A quantized KV cache that the decode step can batch.
 
-mlx-lm ships ``QuantizedKVCache`` for one sequence only: BatchGenerator merges
-per-sequence caches into a batch cache (``cache.merge``), pads, filters,
+mlx-lm ships ``QuantizedKVCache`` for one sequence only: the step (``app.engine.step``)
+merges per-sequence caches into a batch cache (``cache.merge``), pads, filters,
 extends and extracts it, and QuantizedKVCache has no batched counterpart. This
 module adds the two halves:
 
