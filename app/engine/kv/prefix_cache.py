@@ -141,7 +141,8 @@ class PrefixCache:
 
     def _insert_memory(self, key: str, tokens: list[int], cache: Any, cache_type: str, pin_s: float = 0.0) -> None:
         until = self._clock() + pin_s if pin_s > 0 else 0.0
-        self.memory.insert_cache(key, list(tokens), SeqCache(cache), cache_type=cache_type, owner=owner_of(key),
+        seq = cache if isinstance(cache, SeqCache) else SeqCache(cache)  # a mirrored one keeps its handle
+        self.memory.insert_cache(key, list(tokens), seq, cache_type=cache_type, owner=owner_of(key),
                                  pinned_until=until)
         self.trim_to(n_bytes=self.max_bytes, n_sequences=self.max_entries)
 
