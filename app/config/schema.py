@@ -110,6 +110,10 @@ class _PromptCacheParams(_Params):
     prompt_cache_disk_dir: str | None = Field(
         default=None, description="The disk tier's directory; None: $TANDEM_PROMPT_CACHE_DIR, else "
         "<cache dir>/prompt-cache.")
+    prompt_cache_key_share: float = Field(
+        default=0.5, gt=0.0, le=1.0, description="Share of the prefix cache (in memory, and on disk) one cache "
+        "partition (an API key, a cache_salt) may hold before its own prefixes are evicted first: one client's "
+        "abandoned prompts cannot push out everyone else's. 1.0: least recently used first, whoever's.")
     background_share: float = Field(
         default=0.25, ge=0.0, le=1.0, description="Share of max_num_seqs that background requests (priority "
         "\"background\", Open WebUI's \"### Task:\" prompts) may hold while interactive requests wait for their "

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from app.engine.kv.disk_cache import DiskTier, open_disk_tier
-from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv.kv_snapshot import KVLayout
+from app.engine.kv.kv_files import FORMAT, TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv.kv_layout import KVLayout, LayerSpec
 from app.engine.mlx_internals import KVCache
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
@@ -77,7 +77,7 @@ def test_file_round_trip_is_valid_safetensors(tmp_path):
     assert size == (tmp_path / "x.safetensors").stat().st_size
     assert not list(tmp_path.glob(TMP_PREFIX + "*"))
     meta, read = read_file(tmp_path / "x.safetensors")
-    assert meta["k"] == "v" and meta["format"] == "tandem-kv/1"
+    assert meta["k"] == "v" and meta["format"] == FORMAT
     assert {n: (t.dtype, t.shape, bytes(t.data)) for n, t in read.items()} == {
         t.name: (t.dtype, t.shape, bytes(t.data)) for t in tensors()}
     arrays = mx.load(str(tmp_path / "x.safetensors"))  # MLX's own reader takes it as it is
@@ -146,7 +146,8 @@ def kv(tokens: int, seed: int) -> list[KVCache]:
     return cache
 
 
-LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="BF16")  # what kv() makes
+LAYOUT = KVLayout((LayerSpec("kv", "KVCache", seq=(("keys", 2, 16, "BF16"), ("values", 2, 16, "BF16"))),) * 2,
+                  lambda: [KVCache(), KVCache()])  # what kv() makes
 # 100 tokens of bfloat16 K and V, 2 layers of 2 heads x 16, the tokens, and room for the header.
 PER_FILE = 2 * 2 * (2 * 100 * 16 * 2) + 400 + 2000
 
@@ -176,8 +177,8 @@ def test_a_hit_keeps_an_entry_over_newer_ones(tmp_path):
         tier.offer("k", [i] * 100, kv(100, i))
     tier.close(30)
     tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
-    entry = tier.lookup("k", [0] * 100)
-    assert entry is not None and tier.load(entry, [0] * 100) is not None  # the oldest, used again
+    found = tier.lookup("k", [0] * 100)
+    assert found is not None and tier.load(*found, [0] * 100) is not None  # the oldest, used again
     tier.offer("k", [9] * 100, kv(100, 9))
     tier.close(30)
     assert tier.lookup("k", [0] * 100) is not None  # survived: the LRU victim was [1] * 100
@@ -202,8 +203,8 @@ def test_a_cache_cleared_while_serving_is_written_again(tmp_path):
     shutil.rmtree(tmp_path / "m")
     tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     shutil.rmtree(tmp_path / "m")
-    entry = tier.lookup("k", [1] * 100)
-    assert entry is None or tier.load(entry, [1] * 100) is None  # gone: a miss
+    found = tier.lookup("k", [1] * 100)
+    assert found is None or tier.load(*found, [1] * 100) is None  # gone: a miss
     tier.offer("k", [2] * 100, kv(100, 2))
     tier.close(30)
     assert tier.stats().writes == 1 and tier.stats().write_errors == 0
@@ -360,10 +361,10 @@ def test_directories_of_other_identities_count_against_the_budget(tmp_path):
     old = root / f"m-{'a' * 20}"
     old.mkdir(parents=True)
     (old / "x.safetensors").write_bytes(b"0" * 4096)
-    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20, LAYOUT)
+    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20, lambda: LAYOUT)
     assert keep is not None and old.exists()  # within the budget: left alone
     keep.close()
-    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20, LAYOUT)
+    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20, lambda: LAYOUT)
     assert small is not None and not old.exists()
     small.close()
 

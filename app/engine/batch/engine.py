@@ -68,7 +68,7 @@ from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
-from app.engine.kv.kv_snapshot import probe_layout
+from app.engine.kv.kv_layout import model_layout
 from app.engine.kv.layers import all_trim, nbytes
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
 from app.engine.mlx_internals import make_prompt_cache, new_detokenizer
@@ -127,16 +127,13 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         disk = None
         # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
         if params.prompt_cache_disk_bytes and not ops.replicated:
-            # The tensors this model's KV is made of: what its disk tier reads and writes, nothing else.
-            layout = probe_layout(loaded.model, loaded.kv_cache_bits, KV_GROUP_SIZE)
-            if layout is None:
-                log.info("model %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
-            else:
-                disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
-                                      params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
-                                      layout)
+            # The tensors this model's caches are made of, layer by layer: what its disk tier reads and writes.
+            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
+                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
+                                  lambda: model_layout(loaded.model, loaded.kv_cache_bits, KV_GROUP_SIZE),
+                                  key_share=params.prompt_cache_key_share)
         self.prompt_cache = PrefixCache(ops.prompt_cache(), params.prompt_cache_entries,
-                                        params.prompt_cache_bytes, disk)
+                                        params.prompt_cache_bytes, disk, key_share=params.prompt_cache_key_share)
         self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0

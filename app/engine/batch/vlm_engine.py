@@ -86,7 +86,8 @@ from app.engine.batch.stops import StopMatcher
 from app.engine.batch.vision_features import FeatureCache, input_embeddings
 from app.engine.distributed.mirror import LOCAL_OPS
 from app.engine.kv.disk_cache import DiskTier, disk_root, open_disk_tier
-from app.engine.kv.kv_snapshot import kv_identity, probe_layout
+from app.engine.kv.kv_layout import model_layout
+from app.engine.kv.kv_snapshot import kv_identity
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
 from app.engine.mlx_internals import (
     new_vlm_batch_generator,
@@ -98,7 +99,6 @@ from app.engine.mlx_internals import (
     vlm_prefix_cacheable,
     vlm_rest_kwargs,
 )
-from app.engine.models.loader import KV_GROUP_SIZE
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, cache_key_tokens
 from app.engine.types import EngineStats, GenerationRequest
@@ -142,7 +142,8 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         self.prefix = params.prompt_cache != "off" and vlm_prefix_cacheable(loaded.model)
         disk = self._open_disk_tier() if self.prefix and params.prompt_cache_disk_bytes else None
         self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(), params.prompt_cache_entries,
-                                        params.prompt_cache_bytes if self.prefix else 0, disk)
+                                        params.prompt_cache_bytes if self.prefix else 0, disk,
+                                        key_share=params.prompt_cache_key_share)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         worker.add_stepper(self._step, self._on_worker_death)
@@ -158,15 +159,13 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         """The prefix cache's disk tier, as ``TextEngine``'s: the language model's KV layers,
         under an identity of the weights and of what shaped each image's tokens."""
         loaded, p = self.loaded, self.params
-        layout = probe_layout(vlm_language_model(loaded.model), None, KV_GROUP_SIZE)
-        if layout is None:
-            log.info("vlm %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
-            return None
         identity = kv_identity(loaded.model, loaded.path, {
             "kind": "vlm", "max_pixels": loaded.max_pixels, "min_pixels": loaded.min_pixels,
             "mlx_vlm": version("mlx-vlm")})
         return open_disk_tier(disk_root(p.prompt_cache_disk_dir), loaded.name, identity, p.prompt_cache_disk_bytes,
-                              p.prompt_cache_disk_queue_mb * 2**20, layout)
+                              p.prompt_cache_disk_queue_mb * 2**20,
+                              lambda: model_layout(vlm_language_model(loaded.model)),
+                              key_share=p.prompt_cache_key_share)
 
     # ---- called from the event loop -------------------------------------------------
 
