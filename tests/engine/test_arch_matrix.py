@@ -42,21 +42,8 @@ QUESTION = [{"role": "user", "content": "Tell me about the sea and the sky in a 
 MODEL_GAPS: dict[str, str] = {}
 
 
-def _by_kind(recurrent: str, sliding: str) -> dict[str, str]:
-    """One reason for the models with recurrent layers (ArraysCache), another for those
-    with sliding windows (RotatingKVCache)."""
-    return {name: recurrent if "ArraysCache" in m.kinds else sliding for name, m in ZOO.items() if not m.plain_kv}
-
-
 # Gaps of one test, by model.
-GAPS: dict[str, dict[str, str]] = {
-    # Plain models' files are restored at their end only: their rows keep no checkpoint where the prompt
-    # ended (models with windows or recurrent state do, and their files restore there).
-    "restart_edited": {
-        name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
-              "to the tokens shared: turn 2 gets the template's system prompt (24 of 42 tokens) from disk"
-        for name in ZOO if ZOO[name].plain_kv},
-}
+GAPS: dict[str, dict[str, str]] = {}
 
 
 def cases(test: str) -> list[Any]:

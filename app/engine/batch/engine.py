@@ -69,9 +69,9 @@ from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_layout import model_layout
-from app.engine.kv.layers import all_trim, nbytes
+from app.engine.kv.layers import nbytes
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
-from app.engine.mlx_internals import make_prompt_cache, new_detokenizer
+from app.engine.mlx_internals import new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
@@ -164,9 +164,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         bg = self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
-            # Layers that cannot trim (windows, recurrent state) are checkpointed where prompts and
-            # segments end, so the prefix cache can restore a conversation there.
-            checkpoints=p.prompt_cache != "off" and not all_trim(make_prompt_cache(self.loaded.model)),
+            # Rows are checkpointed where prompts and segments end: layers that cannot trim (windows,
+            # recurrent state) keep their state there, so the prefix cache can restore a conversation
+            # there; for layers that trim it is a position only (what the disk tier indexes).
+            checkpoints=p.prompt_cache != "off",
         )
         if self.speculator is not None:
             self._verify = self.ops.verify_batch(bg)
