@@ -1,7 +1,9 @@
 """Anthropic Messages wire models for requests (pydantic), and their mapping onto the typed request.
 
     system (a string or text blocks), role "system" messages -> system messages (the pipeline
-                                                                gathers them into one, first)
+                                                                gathers them into one, first);
+                                                                Claude Code's billing header block
+                                                                is left out (``BILLING_HEADER``)
     user: text, image (base64 or url source)                 -> a user message's parts
     user: tool_result blocks                                 -> role "tool" messages, before the
                                                                 rest of the user's turn
@@ -63,6 +65,14 @@ def _as_blocks(v: Any) -> Any:
     """A string where blocks may stand is one text block: one shape to validate, and errors
     that point at the block (``messages.0.content.1``), not at each member of a union."""
     return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+
+# Claude Code (2.1.29 on) sends its billing header as the first system text block,
+# ``x-anthropic-billing-header: cc_version=2.1.197.7a9; cc_entrypoint=cli; cch=...;``, with
+# a hash that changes on every request: no text for the model, and at the head of the
+# prompt it would make every request's prefix new to the prefix cache. Anthropic's own API
+# does not show it to the model either.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 class TextBlock(Lenient):
@@ -272,8 +282,9 @@ class _MessagesBody(Lenient):
 
     def _chat_request(self, options: typed.Options) -> typed.ChatRequest:
         system: list[typed.Message] = []
-        if self.system and any(b.text for b in self.system):
-            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in self.system), param="system"))
+        blocks = [b for b in self.system or () if not b.text.startswith(BILLING_HEADER)]
+        if any(b.text for b in blocks):
+            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in blocks), param="system"))
         turns = [m for i, msg in enumerate(self.messages) for m in msg.to_messages(i)]
         tools = tuple(typed.Tool(t.name, t.description, t.input_schema, bool(t.strict))
                       for t in self.tools or () if isinstance(t, CustomTool))
