@@ -254,6 +254,18 @@ def test_make_cache_gives_the_architectures_cache_kinds(zoo_model, name):
     assert len(model.layers) == ZOO[name].layers
 
 
+def test_the_bench_model_is_qwen3_5_shaped_with_a_512_token_vocabulary(tmp_path):
+    from mlx_lm import load
+
+    from tests.fixtures.zoo import build_bench_qwen3_5
+
+    model, tokenizer = load(str(build_bench_qwen3_5(tmp_path / "bench")))
+    assert cache_kinds(model) == list(ZOO["qwen3_5"].caches)
+    assert len(tokenizer.vocab) == model.args.text_config["vocab_size"] == 512
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+
+
 # ---- the matrix ------------------------------------------------------------------------------
 
 
