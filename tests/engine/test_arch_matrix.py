@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -297,11 +298,17 @@ MIXED = [
 
 @matrix("mixed_batch")
 def test_a_mixed_batch_keeps_each_rows_lone_answer(served):
-    """Rows of different lengths (one prefilling while another decodes) answer as they do alone."""
+    """Rows of different lengths sent at once (prefilled together, or one prefilling while
+    another decodes) answer as they do alone."""
     alone = [answer(served.chat(m, extra_body={"cache_salt": "alone"})) for m in MIXED]
+    start = threading.Barrier(len(MIXED))
+
+    def together(messages: list[dict[str, Any]]) -> str:
+        start.wait()
+        return answer(served.chat(messages, extra_body={"cache_salt": "together"}))
+
     with ThreadPoolExecutor(len(MIXED)) as pool:
-        together = list(pool.map(lambda m: answer(served.chat(m, extra_body={"cache_salt": "together"})), MIXED))
-    assert together == alone
+        assert list(pool.map(together, MIXED)) == alone
 
 
 @matrix("turn_2")
