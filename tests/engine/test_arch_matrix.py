@@ -66,8 +66,8 @@ GAPS: dict[str, dict[str, str]] = {
            for name in ZOO if ZOO[name].plain_kv},
         **_by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
     },
-    "prediction": _by_kind(*["speculation is off ('its KV caches cannot be rolled back'): a prediction is never "
-                             "verified, 0 tokens accepted"] * 2),
+    "prediction": _by_kind(*["speculation is off ('its KV caches cannot be rolled back'): the engine verifies "
+                             "none of a prediction (usage still counts its tokens found in the answer)"] * 2),
     "kv_bits": _by_kind(*["refused at load: 'kv_cache_bits needs a model whose every layer uses a plain KV "
                           "cache'"] * 2),
     # Admission counts every layer of the config as a full attention layer, and for Gemma 4 with the
@@ -359,15 +359,23 @@ def test_turn_2_after_another_answer_reuses_turn_1s_prompt_after_a_restart(serve
     assert got >= shared - SLACK, f"turn 2 reused {got} of the {shared} tokens it shares with turn 1"
 
 
+def verified(server: ZooServer) -> int:
+    """Prediction tokens the engine's verify steps have accepted so far (/health)."""
+    return server.health()["engine"]["speculation"].get("prediction", {}).get("accepted", 0)
+
+
 @matrix("prediction")
 def test_an_exact_prediction_keeps_the_greedy_answer_and_is_accepted(served):
     """The prediction is the answer as the model writes it (the text of its tokens, which
-    tokenizes to them again: see ``WHOLE``)."""
+    tokenizes to them again: see ``WHOLE``). Usage counts the prediction's tokens that
+    appear in the answer, speculation or not; the verify steps' own count is on /health."""
     plain = served.chat(WHOLE, logprobs=True, extra_body={"cache_salt": "plain"})
+    before = verified(served)
     predicted = served.chat(WHOLE, prediction={"type": "content", "content": "".join(written(plain))},
                             extra_body={"cache_salt": "predicted"})
     assert answer(predicted) == answer(plain)
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert verified(served) > before, "the engine verified none of the prediction"
 
 
 @matrix("kv_bits", "served_kv8")
