@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -34,16 +35,25 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from app.engine.mlx_internals import (
+    vlm_embedding_features,
     vlm_image_limit,
-    vlm_input_embeddings,
     vlm_language_model,
     vlm_prompt_inputs,
     vlm_text_config,
     vlm_text_tokens,
 )
 from app.engine.models.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
+from app.engine.models.vlm_forward import check_features
 from app.engine.params import LoadParams
-from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage, TokenPrompt, pixel_digest, placeholder_runs
+from app.engine.prompt import (
+    MultimodalPrompt,
+    Prompt,
+    PromptImage,
+    TokenPrompt,
+    pixel_digest,
+    placeholder_runs,
+    placeholder_spans,
+)
 from app.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -85,6 +95,9 @@ class LoadedVlm:
     weights_bytes: int
     profile: VlmProfile
     load_s: float
+    # What the chat template writes for one image (``image_marker``), which the processor
+    # expands to the image's placeholder tokens.
+    marker: str = ""
 
     @property
     def tokenizer(self) -> Any:
@@ -128,7 +141,7 @@ def load_vlm(
         model, processor = mlx_vlm_load(source)
     except Exception as exc:  # noqa: BLE001 - any load failure is a config problem for the user
         raise ConfigError(f"model {name!r}: cannot load {source} with mlx-vlm: {exc}") from exc
-    check_vlm(name, model, processor)
+    marker = check_vlm(name, model, processor)
     limit = vlm_image_limit(model)
     if limit is not None and max_images > limit:
         raise ConfigError(
@@ -150,7 +163,7 @@ def load_vlm(
         max_model_len=min(load.max_model_len or native_len, native_len), path=source,
         max_pixels=max_pixels, min_pixels=min_pixels, max_images=max_images,
         weights_bytes=_weights_bytes(model),
-        profile=VlmProfile(0, (0, 0), 0, 0, 0.0), load_s=0.0,
+        profile=VlmProfile(0, (0, 0), 0, 0, 0.0), load_s=0.0, marker=marker,
     )
     loaded.profile = profile_worst_case(loaded)
     loaded.load_s = time.perf_counter() - started
@@ -193,21 +206,23 @@ def profile_worst_case(loaded: LoadedVlm) -> VlmProfile:
     try:
         prompt = prompts.build(text, images)
         assert isinstance(prompt, MultimodalPrompt)
-        features = vlm_input_embeddings(loaded.model, prompt_inputs(prompt))
+        features = vlm_embedding_features(loaded.model, prompt_inputs(prompt))
         mx.eval([v for v in features.values() if isinstance(v, mx.array)])
     except Exception as exc:  # noqa: BLE001 - a model that cannot take its own worst case is misconfigured
         raise ConfigError(
             f"model {loaded.name!r}: the worst-case input ({len(images)} image(s) at {side}x{side}) failed: {exc}"
         ) from exc
     peak = mx.get_peak_memory()
+    check_features(loaded.name, features)
     tokens = len(prompt.tokens)
     del prompt, features
     mx.clear_cache()
     return VlmProfile(len(images), (side, side), tokens, max(0, peak - before), time.perf_counter() - started)
 
 
-def check_vlm(name: str, model: Any, processor: Any) -> None:
-    """Refuse, loudly, the setups where mlx-vlm would silently ignore the image."""
+def check_vlm(name: str, model: Any, processor: Any) -> str:
+    """Refuse, loudly, the setups where mlx-vlm would silently ignore the image; the
+    marker its chat template writes for one image (``image_marker``)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     if not (getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)):
         raise ConfigError(f"vision model {name} has no chat template (mlx-vlm would fall back to a bare prompt)")
@@ -220,12 +235,27 @@ def check_vlm(name: str, model: Any, processor: Any) -> None:
                 f"vision model {name}: config image_token_id {config_id} is not "
                 f"the tokenizer's id {token_id} for {image_token!r}"
             )
-        try:
-            probe = _apply_template(processor, model, [_user_with_image("probe")], 1, True, {})
-        except Exception as exc:  # noqa: BLE001 - a template that cannot render one image is unusable
-            raise ConfigError(f"vision model {name}: chat template fails: {exc}") from exc
-        if image_token not in probe:
-            raise ConfigError(f"vision model {name}: its chat template drops the image token")
+    try:
+        marker = image_marker(processor, model)
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render one image is unusable
+        raise ConfigError(f"vision model {name}: chat template fails: {exc}") from exc
+    if not marker:
+        raise ConfigError(f"vision model {name}: its chat template writes nothing for an image")
+    return marker
+
+
+def image_marker(processor: Any, model: Any) -> str:
+    """What the chat template writes for one image part: a user message rendered with one
+    image and without it, the difference (as llama.cpp's autoparser finds a template's
+    markers). The processor expands it: Qwen2-VL's template writes
+    ``<|vision_start|><|image_pad|><|vision_end|>`` and its processor repeats the pad;
+    Gemma 3's writes ``<start_of_image>`` and its processor adds the image's 256 soft tokens."""
+    with_image = _apply_template(processor, model, [_user_with_image("probe")], 1, True, {})
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "probe"}]}]
+    without = _apply_template(processor, model, text_only, 0, True, {})
+    head = len(os.path.commonprefix([with_image, without]))
+    tail = len(os.path.commonprefix([with_image[head:][::-1], without[head:][::-1]]))
+    return with_image[head:len(with_image) - tail].strip()
 
 
 def _user_with_image(text: str) -> dict[str, Any]:
@@ -294,23 +324,27 @@ class VlmPrompts:
             raise InvalidRequestError(
                 f"the model's chat template rejected these messages: {exc}", param="messages"
             ) from exc
-        token = loaded.image_token
-        if token is not None and text.count(token) != n:
+        marker = loaded.marker
+        if marker and text.count(marker) != n:
             raise InvalidRequestError(
-                f"the chat template of {loaded.name} wrote {text.count(token)} image placeholder(s) for {n} image(s)",
+                f"the chat template of {loaded.name} wrote {text.count(marker)} image placeholder(s) for {n} image(s)",
                 param="messages",
             )
         return text
 
     def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
         """``text`` (rendered by ``render``) and its images as exact tokens: a ``TokenPrompt``
-        without images, else a ``MultimodalPrompt`` with each image's run, hash and inputs."""
+        without images, else a ``MultimodalPrompt`` with each image's span, hash and inputs.
+
+        Each image's placeholder tokens are the processor's to say (``image_spans``): one
+        image may come as several runs (rows, tiles), and the template's marker may be
+        expanded to more than placeholders (Gemma 3's soft tokens between its markers)."""
         loaded = self.loaded
-        token = loaded.image_token
-        if token is not None and text.count(token) != len(images):
+        marker = loaded.marker
+        if marker and text.count(marker) != len(images):
             # mlx-vlm's processors drop surplus placeholders, or images, in silence.
             raise InvalidRequestError(
-                f"the prompt has {text.count(token)} image placeholder(s) for {len(images)} image(s)",
+                f"the prompt has {text.count(marker)} image placeholder(s) for {len(images)} image(s)",
                 param="messages",
             )
         if not images:
@@ -318,25 +352,50 @@ class VlmPrompts:
         fitted = [fit_image(img, loaded.max_pixels) for img in images]
         digests = [pixel_digest(img) for img in fitted]
 
-        def process() -> tuple[list[int], dict[str, Any]]:
+        def process() -> tuple[list[int], dict[str, Any], list[tuple[int, int, int]]]:
             try:
                 inputs = vlm_prompt_inputs(loaded.model, loaded.processor, text, fitted)
+                tokens = inputs.pop("input_ids")[0].tolist()
+                return tokens, inputs, image_spans(loaded, tokens, fitted, digests)
+            except InvalidRequestError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the processor refusing this prompt is the request's fault
                 raise InvalidRequestError(f"the model's processor cannot take this prompt: {exc}",
                                           param="messages") from exc
-            tokens = inputs.pop("input_ids")[0].tolist()
-            return tokens, inputs
 
-        tokens, inputs = self._run(process)
-        runs = placeholder_runs(tokens, loaded.image_token_id) if loaded.image_token_id is not None else []
-        if len(runs) != len(fitted):
-            raise InvalidRequestError(
-                f"the processor of {loaded.name} made {len(runs)} image token run(s) for {len(fitted)} image(s)",
-                param="messages",
-            )
-        spans = tuple(PromptImage(start, length, digest, img)
-                      for (start, length), digest, img in zip(runs, digests, fitted, strict=True))
-        return MultimodalPrompt(tokens, spans, inputs)
+        tokens, inputs, spans = self._run(process)
+        images_ = tuple(PromptImage(start, length, digest, img, count)
+                        for (start, length, count), digest, img in zip(spans, digests, fitted, strict=True))
+        return MultimodalPrompt(tokens, images_, inputs)
+
+
+def image_spans(loaded: LoadedVlm, tokens: list[int], images: Sequence[Any],
+                digests: Sequence[str]) -> list[tuple[int, int, int]]:
+    """Each image's (start, length, placeholders) in ``tokens``, the processor's output for
+    a prompt with ``images``. One run of placeholders per image needs nothing more; where
+    the processor made more runs than images (an image's rows or tiles), it says how many
+    placeholders each image has: the processor runs once more per distinct image, on the
+    template's marker alone (seed 002: vLLM counts each item's placeholders so). MLX thread."""
+    token_id = loaded.image_token_id
+    if token_id is None:
+        raise InvalidRequestError(f"{loaded.name} has no image token to find the images by", param="messages")
+    runs = placeholder_runs(tokens, token_id)
+    if len(runs) == len(images):
+        counts = [length for _, length in runs]
+    elif len(images) == 1:
+        counts = [sum(length for _, length in runs)]
+    else:
+        alone: dict[str, int] = {}
+        for img, digest in zip(images, digests, strict=True):
+            if digest not in alone:
+                ids = vlm_prompt_inputs(loaded.model, loaded.processor, loaded.marker, [img])["input_ids"]
+                alone[digest] = ids[0].tolist().count(token_id)
+        counts = [alone[d] for d in digests]
+    try:
+        spans = placeholder_spans(tokens, token_id, counts)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the processor of {loaded.name} made {exc}", param="messages") from exc
+    return [(start, length, count) for (start, length), count in zip(spans, counts, strict=True)]
 
 
 def fit_image(image: Any, max_pixels: int) -> Any:
@@ -366,5 +425,5 @@ def _apply_template(
 
 from app.engine.batch.vlm_engine import VlmEngine  # noqa: E402 - re-exported: the engine half of this module
 
-__all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image", "load_vlm",
-           "profile_worst_case", "prompt_inputs"]
+__all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image",
+           "image_marker", "image_spans", "load_vlm", "profile_worst_case", "prompt_inputs"]

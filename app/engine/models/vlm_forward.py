@@ -1,0 +1,188 @@
+"""A native VLM's rows in Tandem's decode step: each row's inputs, and the forward call.
+
+The step (``app.engine.step.DecodeBatch``) runs every pass through one call,
+``forward(tokens (B, L), cache, feed) -> logits (B, L, vocab)``, and never reads a row's
+``RowInputs``. For an mlx-vlm model that call is ``VlmForward``: the language model
+(``model.language_model``) given what mlx-vlm's own generators give it.
+
+A row's inputs (``row_inputs``) are what ``get_input_embeddings`` gave for its whole
+prompt (mlx-vlm's ``InputEmbeddingsFeatures``: the embeddings with the image features
+merged in, and the model's extras), cut where its cached prefix ends: a row resumed from
+a prefix gets exactly the embeddings and positions a full prefill gives it.
+
+One pass feeds row i its tokens [start, start + length) after its base (``Feed``). Where
+its inputs cover them (its prompt), it feeds their embeddings and extras; past them (the
+tokens it drew) and for a row without inputs (a text prompt), the token ids, embedded by
+the model's own text embedding, at the positions its language model gives them. A pass in
+which no row feeds a covered position feeds token ids alone, as mlx-vlm decodes.
+
+The fields of ``InputEmbeddingsFeatures``, and how a pass batches each across its rows
+(mlx-vlm's own conventions: its batch generator's sequence-aligned prompt kwargs, and
+its language models' decode positions):
+
+    inputs_embeds            per token (hidden): the row's slice; tokens past it, and rows
+                             without inputs, the model's text embeddings of their ids
+    position_ids             per token, (3, n) M-RoPE sections or (1, n); past the prompt,
+                             index + rope_deltas in every section, as mlx-vlm's language
+                             models place decode tokens; a row without inputs: its index
+                             (a text prompt's positions, checked at load)
+    rope_deltas              per row: read into the decode positions above (the positions
+                             are always passed explicit, never left to the language
+                             model's own state, which is one per model, not per row)
+    visual_pos_masks         per token, bool: which positions are image tokens
+    deepstack_visual_embeds  per image token, compact, one array per layer: the image
+                             tokens of the pass, row after row (Qwen3-VL's deepstack
+                             reads them in that order)
+    attention_mask_4d        dropped: a whole-prompt mask the step cannot cut into chunks;
+                             Gemma 3's language model takes it into ``**kwargs`` unread
+                             (mlx-vlm's generate passes it so), and the step's masks come
+                             from the caches
+    anything else            refused at load (``check_features``): cross attention,
+                             encoder-decoder inputs, per-layer inputs
+
+Positions are passed only for models whose embeddings carry them; the others place every
+token by its row's cache offset, as the batch caches keep it. MLX thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from app.engine.mlx_internals import vlm_embedding_features, vlm_forward, vlm_make_cache, vlm_text_embeddings
+from app.engine.step.rows import Feed, Row, RowInputs
+from app.errors import ConfigError
+
+# Fields of get_input_embeddings' output this module batches, and the one it drops.
+_BATCHED = frozenset({"inputs_embeds", "position_ids", "rope_deltas", "visual_pos_masks", "deepstack_visual_embeds"})
+_DROPPED = frozenset({"attention_mask_4d"})
+
+
+def check_features(name: str, features: dict[str, Any]) -> None:
+    """Refuse a model whose embeddings come with a field the step cannot batch."""
+    unknown = sorted(set(features) - _BATCHED - _DROPPED)
+    if unknown:
+        raise ConfigError(f"model {name!r}: its embeddings come with {', '.join(unknown)}, "
+                          "which Tandem's decode step cannot feed")
+
+
+def row_inputs(features: dict[str, Any], start: int) -> RowInputs:
+    """A row's inputs from its whole prompt's ``features`` (``vlm_embedding_features``),
+    for its tokens from ``start`` on (the end of its cached prefix)."""
+    extras: dict[str, Any] = {}
+    positions = features.get("position_ids")
+    if positions is not None:
+        positions = positions[:, 0] if positions.ndim == 3 else positions  # (sections, L)
+        extras["position_ids"] = positions[:, start:]
+        deltas = features.get("rope_deltas")
+        extras["rope_delta"] = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
+    mask = features.get("visual_pos_masks")
+    if mask is not None:
+        visual = np.asarray(mask[0]).astype(bool)
+        before = int(visual[:start].sum())
+        extras["visual_pos_masks"] = visual[start:]
+        extras["deepstack_visual_embeds"] = [layer[before:] for layer in features["deepstack_visual_embeds"]]
+    return RowInputs(embeddings=features["inputs_embeds"][0, start:], extras=extras)
+
+
+class VlmForward:
+    """The decode step's forward call for an mlx-vlm model (see the module docstring)."""
+
+    def __init__(self, model: Any, name: str = "vlm") -> None:
+        self.model = model
+        # Whether a text prompt's embeddings carry positions (M-RoPE): then every pass
+        # passes them, rows without inputs at their index, which must be the model's own.
+        probe = vlm_embedding_features(model, {"input_ids": mx.array([[0, 0, 0]])})
+        check_features(name, probe)
+        self.positions = "position_ids" in probe
+        if self.positions:
+            own = np.asarray(probe["position_ids"]).reshape(-1, 3)
+            delta = np.asarray(probe.get("rope_deltas", mx.zeros((1,)))).reshape(-1)
+            if not (own == np.arange(3)).all() or delta.any():
+                raise ConfigError(f"model {name!r}: a text prompt's positions are not its token indices")
+
+    def make_cache(self) -> list[Any]:
+        """A fresh cache for one row (mlx-lm's classes, one per layer)."""
+        return vlm_make_cache(self.model)
+
+    def __call__(self, tokens: mx.array, cache: list[Any], feed: Feed) -> mx.array:
+        width = tokens.shape[1]
+        covered = [_covered(row, start, n) for row, start, n in zip(feed.rows, feed.starts, feed.lengths, strict=True)]
+        features: dict[str, Any] = {}
+        if any(covered):
+            features["inputs_embeds"] = self._embeddings(tokens, feed, covered)
+            features.update(_deepstack(feed, covered, width))
+        if self.positions or any(_extras(row).get("position_ids") is not None for row in feed.rows):
+            features["position_ids"] = _positions(feed, covered, width)
+        return vlm_forward(self.model, tokens, cache, **features)
+
+    def _embeddings(self, tokens: mx.array, feed: Feed, covered: Sequence[int]) -> mx.array:
+        """(B, L, hidden): each row's own embeddings where covered, the text embeddings of
+        its ids after (cast to the text embeddings' dtype, so a row's numbers never depend
+        on which rows share its pass)."""
+        text = vlm_text_embeddings(self.model, tokens)
+        rows = []
+        for i, (row, start, n) in enumerate(zip(feed.rows, feed.starts, covered, strict=True)):
+            if not n:
+                rows.append(text[i])
+                continue
+            assert row.inputs is not None
+            own = row.inputs.embeddings[start:start + n].astype(text.dtype)
+            rows.append(own if n == tokens.shape[1] else mx.concatenate([own, text[i, n:]]))
+        return mx.stack(rows)
+
+
+def _extras(row: Row) -> dict[str, Any]:
+    return row.inputs.extras if row.inputs is not None else {}
+
+
+def _covered(row: Row, start: int, length: int) -> int:
+    """How many of the pass's positions of ``row`` its inputs cover (from the first)."""
+    if row.inputs is None or row.inputs.embeddings is None:
+        return 0
+    return max(0, min(length, int(row.inputs.embeddings.shape[0]) - start))
+
+
+def _positions(feed: Feed, covered: Sequence[int], width: int) -> mx.array:
+    """The pass's positions: (3, B, L) when any row has M-RoPE sections, else (B, L)."""
+    sections = max((_extras(r)["position_ids"].shape[0] for r in feed.rows if "position_ids" in _extras(r)),
+                   default=1)
+    if not any(covered):  # a decode pass: each row's next positions, index + delta
+        first = [r.base + s + _extras(r).get("rope_delta", 0) for r, s in zip(feed.rows, feed.starts, strict=True)]
+        plain = mx.array(first, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None]
+        return mx.broadcast_to(plain[None], (3, *plain.shape)) if sections == 3 else plain
+    rows = []
+    for row, start, n in zip(feed.rows, feed.starts, covered, strict=True):
+        extras = _extras(row)
+        index = row.base + start
+        tail = mx.arange(index + n, index + width, dtype=mx.int32) + extras.get("rope_delta", 0)
+        tail = mx.broadcast_to(tail[None], (sections, width - n))
+        if n:
+            own = extras["position_ids"][:, start:start + n].astype(mx.int32)
+            tail = mx.concatenate([mx.broadcast_to(own, (sections, n)), tail], axis=1)
+        rows.append(tail)
+    stacked = mx.stack(rows, axis=1)  # (sections, B, L)
+    return stacked if sections == 3 else stacked[0]
+
+
+def _deepstack(feed: Feed, covered: Sequence[int], width: int) -> dict[str, Any]:
+    """Qwen3-VL's per-layer image features for the pass's image tokens, with their mask;
+    nothing when the pass has none."""
+    masks, parts = [], []
+    for row, start, n in zip(feed.rows, feed.starts, covered, strict=True):
+        visual = _extras(row).get("visual_pos_masks")
+        mask = np.zeros(width, dtype=bool)
+        if visual is not None and n:
+            mask[:n] = visual[start:start + n]
+            count = int(mask.sum())
+            if count:
+                before = int(visual[:start].sum())
+                parts.append([layer[before:before + count] for layer in _extras(row)["deepstack_visual_embeds"]])
+        masks.append(mask)
+    if not parts:
+        return {}
+    layers = [mx.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
+    return {"visual_pos_masks": mx.array(np.stack(masks)), "deepstack_visual_embeds": layers}

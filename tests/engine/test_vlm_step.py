@@ -1,0 +1,192 @@
+"""Native VLM rows in Tandem's decode step (``DecodeBatch`` with ``VlmForward``), on tiny
+random-weight VLMs of each mlx-vlm family, through mlx-vlm's real processors, vision
+towers and language models.
+
+For each family, at temperature 0: a row's tokens are mlx-vlm's own ``stream_generate``'s
+for the same prompt and images; three image rows and a text row in one batch each give
+their lone answer, whatever the prefill chunk cuts; a row resumed from its first turn's KV
+(taken from the step) gives what a full prefill of the second turn gives; proposals
+verified in the batch (all kept, or rejected) leave the answer as it is; two different
+images give different answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from app.config.schema import ChatParams
+from app.engine.batch.vision_features import prompt_row_inputs
+from app.engine.mlx_internals import trim_prompt_cache
+from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
+from app.engine.models.vlm_forward import VlmForward
+from app.engine.prompt import MultimodalPrompt, Prompt
+from app.engine.step import DecodeBatch, RowProposal
+from app.specs import load_params
+from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.vision.sample_images import striped_bytes
+
+TOKENS = 8
+
+# family -> a builder of its tiny model directory (path, seed) -> path
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "qwen2_vl": lambda path: build_tiny_qwen2_vl(path, seed=0),
+}
+
+
+@dataclass
+class Vlm:
+    loaded: LoadedVlm
+    prompts: VlmPrompts
+    forward: VlmForward
+    stops: frozenset[int]
+
+    def prompt(self, text: str, images: list[Image.Image]) -> tuple[str, Prompt]:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        rendered = self.prompts.render([{"role": "user", "content": content}])
+        return rendered, self.prompts.build(rendered, images)
+
+    def batch(self, prefill_step_size: int = 16) -> DecodeBatch:
+        return DecodeBatch(self.loaded.model.language_model, stop_tokens=self.stops,
+                           prefill_step_size=prefill_step_size, prefill_batch_size=4, completion_batch_size=4,
+                           forward=self.forward, make_cache=self.forward.make_cache)
+
+    def inputs(self, prompt: Prompt, done: int = 0) -> Any:
+        loaded = self.loaded
+        return prompt_row_inputs(loaded.model, prompt, None, "", loaded.max_pixels, loaded.min_pixels,
+                                 cached_tokens=done)
+
+    def reference(self, text: str, images: list[Image.Image]) -> list[int]:
+        """mlx-vlm's own greedy tokens for the rendered prompt and its images."""
+        from mlx_vlm.generate import stream_generate
+
+        out = []
+        for r in stream_generate(self.loaded.model, self.loaded.processor, text, image=images or None,
+                                 max_tokens=TOKENS, temperature=0.0):
+            out.append(r.token)
+            if r.token in self.stops or len(out) == TOKENS:
+                break
+        return out
+
+
+def run(batch: DecodeBatch, prompts: list[Prompt], inputs: list[Any], *, caches: list[Any] | None = None,
+        done: list[int] | None = None, proposals: Callable[[int, list[int]], tuple[int, ...]] | None = None,
+        outcomes: list[Any] | None = None) -> tuple[list[list[int]], dict[int, Any]]:
+    """Each row's tokens, and each row's last response (with its KV); each verify step's
+    outcomes into ``outcomes``."""
+    done = done or [0] * len(prompts)
+    uids = batch.insert_segments([[p.tokens[d:]] for p, d in zip(prompts, done, strict=True)],
+                                 max_tokens=[TOKENS] * len(prompts), inputs=inputs, caches=caches,
+                                 all_tokens=[p.tokens[:d] for p, d in zip(prompts, done, strict=True)])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    last: dict[int, Any] = {}
+    while len(last) < len(uids):
+        if proposals is not None:
+            pending = batch.pending()
+            batch.propose({u: RowProposal(proposals(u, out[u])) for u in pending})
+        _, responses = batch.next()
+        if outcomes is not None:
+            outcomes.extend(batch.outcomes.values())
+        for r in responses:
+            out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                last[r.uid] = r
+    return [out[u] for u in uids], {i: last[u] for i, u in enumerate(uids)}
+
+
+def image(seed: int, size: tuple[int, int] = (96, 72)) -> Image.Image:
+    return Image.open(BytesIO(striped_bytes(seed, size))).convert("RGB")
+
+
+CASES = [("What is this?", [1]), ("Describe the picture, please.", [2]), ("Compare the two.", [3, 4]),
+         ("Hello there, who are you?", [])]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request, tmp_path_factory) -> Vlm:
+    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+    loaded = load_vlm(str(path), load_params(ChatParams()), name=request.param, max_pixels=448 * 448,
+                      min_pixels=28 * 28, max_images=3)
+    eos = loaded.model.config.eos_token_id
+    stops = frozenset([eos] if isinstance(eos, int) else eos or [])
+    return Vlm(loaded, VlmPrompts(loaded), VlmForward(loaded.model, request.param), stops)
+
+
+@pytest.fixture(scope="module")
+def references(vlm) -> list[tuple[Prompt, list[int]]]:
+    out = []
+    for text, seeds in CASES:
+        images = [image(s) for s in seeds]
+        rendered, prompt = vlm.prompt(text, images)
+        out.append((prompt, vlm.reference(rendered, images)))
+    return out
+
+
+def test_each_rows_tokens_are_mlx_vlms_own(vlm, references):
+    for prompt, expected in references:
+        tokens, _ = run(vlm.batch(), [prompt], [vlm.inputs(prompt)])
+        assert tokens == [expected]
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_a_mixed_batch_gives_each_row_its_lone_answer(vlm, references, chunk):
+    """Three image rows and a text row share every pass; a chunk of 3 cuts images apart."""
+    prompts = [p for p, _ in references]
+    tokens, _ = run(vlm.batch(chunk), prompts, [vlm.inputs(p) for p in prompts])
+    assert tokens == [expected for _, expected in references]
+
+
+def test_proposals_verified_in_the_batch_keep_the_answer(vlm, references):
+    """Rows that speculate feed k + 1 tokens a pass (the right continuation, or a wrong one
+    rolled back), beside rows that do not: every answer stays the greedy one."""
+    prompts = [p for p, _ in references]
+    expected = {i: e for i, (_, e) in enumerate(references)}
+
+    def right(uid: int, so_far: list[int]) -> tuple[int, ...]:
+        return tuple(expected[uid][len(so_far) + 1:len(so_far) + 4]) if uid % 2 == 0 else ()
+
+    def wrong(uid: int, so_far: list[int]) -> tuple[int, ...]:
+        return (5, 6) if uid % 2 == 1 else ()
+
+    for proposals in (right, wrong):
+        outcomes: list[Any] = []
+        tokens, _ = run(vlm.batch(8), prompts, [vlm.inputs(p) for p in prompts], proposals=proposals,
+                        outcomes=outcomes)
+        assert tokens == [e for _, e in references]
+        accepted = sum(o.accepted for o in outcomes)
+        assert (accepted > 0) if proposals is right else (accepted < sum(o.proposed for o in outcomes))
+
+
+def test_a_row_resumed_from_its_cached_prefix_gives_a_full_prefills_answer(vlm, references):
+    prompt, answer = references[0]
+    _, last = run(vlm.batch(), [prompt], [vlm.inputs(prompt)])
+    kv, held = last[0].prompt_cache, last[0].all_tokens
+    turn2 = extend(vlm, answer, [image(1), image(5)])
+    assert isinstance(turn2, MultimodalPrompt)
+    done = next(i for i, (a, b) in enumerate(zip([*held, -1], [*turn2.tokens, -2], strict=False)) if a != b)
+    assert done > turn2.images[0].start + turn2.images[0].length, "the cached prefix holds the first image"
+    trim_prompt_cache(kv, kv[0].offset - done)
+    full, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2)])
+    resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done)], caches=[kv], done=[done])
+    assert resumed == full
+
+
+def extend(vlm: Vlm, answer: list[int], images: list[Image.Image]) -> Prompt:
+    """Turn two: turn one, its answer, and a new user message with one more image."""
+    first = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CASES[0][0]}]}
+    said = vlm.loaded.tokenizer.decode(answer, skip_special_tokens=True)
+    second = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}
+    rendered = vlm.prompts.render([first, {"role": "assistant", "content": said}, second])
+    return vlm.prompts.build(rendered, images)
+
+
+def test_two_images_give_two_answers(vlm, references):
+    _, other = vlm.prompt(CASES[0][0], [image(9, (64, 96))])
+    tokens, _ = run(vlm.batch(), [other], [vlm.inputs(other)])
+    assert tokens[0] != references[0][1]
