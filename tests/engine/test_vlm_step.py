@@ -23,7 +23,7 @@ from PIL import Image
 
 from app.config.schema import ChatParams
 from app.engine.batch.vision_features import prompt_row_inputs
-from app.engine.mlx_internals import trim_prompt_cache
+from app.engine.kv.layers import all_trim, at_checkpoint
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
 from app.engine.models.vlm_forward import VlmForward
 from app.engine.prompt import MultimodalPrompt, Prompt
@@ -52,10 +52,10 @@ class Vlm:
         rendered = self.prompts.render([{"role": "user", "content": content}])
         return rendered, self.prompts.build(rendered, images)
 
-    def batch(self, prefill_step_size: int = 16) -> DecodeBatch:
+    def batch(self, prefill_step_size: int = 16, checkpoints: bool = False) -> DecodeBatch:
         return DecodeBatch(self.loaded.model.language_model, stop_tokens=self.stops,
                            prefill_step_size=prefill_step_size, prefill_batch_size=4, completion_batch_size=4,
-                           forward=self.forward, make_cache=self.forward.make_cache)
+                           forward=self.forward, make_cache=self.forward.make_cache, checkpoints=checkpoints)
 
     def inputs(self, prompt: Prompt, done: int = 0) -> Any:
         loaded = self.loaded
@@ -163,18 +163,27 @@ def test_proposals_verified_in_the_batch_keep_the_answer(vlm, references):
         assert (accepted > 0) if proposals is right else (accepted < sum(o.proposed for o in outcomes))
 
 
-def test_a_row_resumed_from_its_cached_prefix_gives_a_full_prefills_answer(vlm, references):
+def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm, references):
+    """Turn one's KV, taken from the step, starts turn two (which adds an image): from the
+    checkpoint where turn one's prompt ended (every cache kind: windows and recurrent
+    state are restored there), and, where every layer trims, from the longest prefix turn
+    two shares with turn one's prompt and answer."""
     prompt, answer = references[0]
-    _, last = run(vlm.batch(), [prompt], [vlm.inputs(prompt)])
+    _, last = run(vlm.batch(checkpoints=True), [prompt], [vlm.inputs(prompt)])
     kv, held = last[0].prompt_cache, last[0].all_tokens
     turn2 = extend(vlm, answer, [image(1), image(5)])
     assert isinstance(turn2, MultimodalPrompt)
-    done = next(i for i, (a, b) in enumerate(zip([*held, -1], [*turn2.tokens, -2], strict=False)) if a != b)
-    assert done > turn2.images[0].start + turn2.images[0].length, "the cached prefix holds the first image"
-    trim_prompt_cache(kv, kv[0].offset - done)
+    starts = [(n, at_checkpoint(kv, n, states)) for n, states in last[0].checkpoints
+              if turn2.tokens[:n] == held[:n]]
+    if all_trim(kv):
+        n = next(i for i, (a, b) in enumerate(zip([*held, -1], [*turn2.tokens, -2], strict=False)) if a != b)
+        starts.append((n, at_checkpoint(kv, n, [None] * len(kv))))
+    assert starts
     full, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2)])
-    resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done)], caches=[kv], done=[done])
-    assert resumed == full
+    for done, cache in starts:
+        assert done > turn2.images[0].start + turn2.images[0].length, "the cached prefix holds the first image"
+        resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done)], caches=[cache], done=[done])
+        assert resumed == full
 
 
 def extend(vlm: Vlm, answer: list[int], images: list[Image.Image]) -> Prompt:
