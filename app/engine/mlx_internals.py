@@ -66,7 +66,8 @@ mlx-lm
 
 mlx-vlm
 - the processor's ``tokenizer.stopping_criteria.reset(eos_token_id)``, which
-  ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not);
+  ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not), and
+  its ``eos_token_ids`` after it: the tokens a generation stops at (``vlm_stop_tokens``);
 - ``processor.clean_output(text)`` when the model defines one;
 - ``generate.ar.BatchGenerator(language_model, processor, completion_batch_size=,
   prefill_batch_size=, prefill_step_size=, compute_logprobs=, sampler=)``: one
@@ -186,6 +187,7 @@ list and the contract tests in step):
     mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS
     mlx_vlm.tokenizer_utils.make_streaming_detokenizer
     <vlm processor>.tokenizer.stopping_criteria.reset
+    <vlm processor>.tokenizer.stopping_criteria.eos_token_ids
     <vlm processor>.clean_output
     <vlm model>.get_input_embeddings
     <vlm model>.get_input_embeddings.cached_image_features
@@ -256,6 +258,7 @@ __all__ = [
     "vlm_embedding_features",
     "vlm_forward",
     "vlm_make_cache",
+    "vlm_stop_tokens",
     "vlm_text_embeddings",
     "vlm_image_limit",
     "vlm_input_embeddings",
@@ -355,6 +358,19 @@ def reset_vlm_stopping(processor: Any, model: Any) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     if hasattr(tokenizer, "stopping_criteria"):
         tokenizer.stopping_criteria.reset(model.config.eos_token_id)
+
+
+def vlm_stop_tokens(processor: Any, model: Any) -> list[int]:
+    """Every token id ``mlx_vlm.generate`` stops at: its stopping criteria's ``eos_token_ids``
+    after the reset it makes (the config's EOS ids, the tokenizer's, and the processor's
+    additional ones, such as Idefics3's ``<end_of_utterance>``)."""
+    reset_vlm_stopping(processor, model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    criteria = getattr(tokenizer, "stopping_criteria", None)
+    if criteria is not None:
+        return list(criteria.eos_token_ids)
+    eos = model.config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def vlm_clean_output(processor: Any, text: str) -> str:

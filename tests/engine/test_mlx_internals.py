@@ -180,6 +180,15 @@ def test_vlm_batch_generator_stops_at_the_models_eos(vlm):
     assert set(processor.tokenizer.stopping_criteria.eos_token_ids) >= set(eos if isinstance(eos, list) else [eos])
 
 
+def test_vlm_stop_tokens_are_where_generate_stops(vlm):
+    """The config's EOS ids, and the processor's stopping criteria's, once reset as generate does."""
+    model, processor, _ = vlm
+    eos = model.config.eos_token_id
+    stops = mi.vlm_stop_tokens(processor, model)
+    assert set(stops) >= set(eos if isinstance(eos, list) else [eos])
+    assert stops == list(processor.tokenizer.stopping_criteria.eos_token_ids)
+
+
 def test_vlm_text_config_has_the_kv_geometry(vlm):
     config = mi.vlm_text_config(vlm[0])
     assert {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",

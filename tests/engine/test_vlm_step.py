@@ -24,8 +24,9 @@ from PIL import Image
 from app.config.schema import ChatParams
 from app.engine.batch.vision_features import prompt_row_inputs
 from app.engine.kv.layers import all_trim, at_checkpoint
+from app.engine.mlx_internals import vlm_stop_tokens
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
-from app.engine.models.vlm_forward import VlmForward
+from app.engine.models.vlm_forward import new_vlm_decode_batch
 from app.engine.prompt import MultimodalPrompt, Prompt
 from app.engine.step import DecodeBatch, RowProposal
 from app.specs import load_params
@@ -44,7 +45,6 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
 class Vlm:
     loaded: LoadedVlm
     prompts: VlmPrompts
-    forward: VlmForward
     stops: frozenset[int]
 
     def prompt(self, text: str, images: list[Image.Image]) -> tuple[str, Prompt]:
@@ -53,9 +53,8 @@ class Vlm:
         return rendered, self.prompts.build(rendered, images)
 
     def batch(self, prefill_step_size: int = 16, checkpoints: bool = False) -> DecodeBatch:
-        return DecodeBatch(self.loaded.model.language_model, stop_tokens=self.stops,
-                           prefill_step_size=prefill_step_size, prefill_batch_size=4, completion_batch_size=4,
-                           forward=self.forward, make_cache=self.forward.make_cache, checkpoints=checkpoints)
+        return new_vlm_decode_batch(self.loaded.model, self.loaded.processor, prefill_step_size=prefill_step_size,
+                                    prefill_batch_size=4, completion_batch_size=4, checkpoints=checkpoints)
 
     def inputs(self, prompt: Prompt, done: int = 0) -> Any:
         loaded = self.loaded
@@ -113,9 +112,7 @@ def vlm(request, tmp_path_factory) -> Vlm:
     path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
     loaded = load_vlm(str(path), load_params(ChatParams()), name=request.param, max_pixels=448 * 448,
                       min_pixels=28 * 28, max_images=3)
-    eos = loaded.model.config.eos_token_id
-    stops = frozenset([eos] if isinstance(eos, int) else eos or [])
-    return Vlm(loaded, VlmPrompts(loaded), VlmForward(loaded.model, request.param), stops)
+    return Vlm(loaded, VlmPrompts(loaded), frozenset(vlm_stop_tokens(loaded.processor, loaded.model)))
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from app.engine.mlx_internals import vlm_embedding_features, vlm_forward, vlm_make_cache, vlm_text_embeddings
+from app.engine.mlx_internals import (
+    vlm_embedding_features,
+    vlm_forward,
+    vlm_language_model,
+    vlm_make_cache,
+    vlm_stop_tokens,
+    vlm_text_embeddings,
+)
+from app.engine.step.batch import DecodeBatch
 from app.engine.step.rows import Feed, Row, RowInputs
 from app.errors import ConfigError
 
@@ -133,6 +141,18 @@ class VlmForward:
             own = row.inputs.embeddings[start:start + n].astype(text.dtype)
             rows.append(own if n == tokens.shape[1] else mx.concatenate([own, text[i, n:]]))
         return mx.stack(rows)
+
+
+def new_vlm_decode_batch(model: Any, processor: Any, *, completion_batch_size: int, prefill_batch_size: int,
+                         prefill_step_size: int, checkpoints: bool = False, name: str = "vlm") -> DecodeBatch:
+    """A decode step over an mlx-vlm model's language model, its rows fed by ``VlmForward``
+    (rows inserted with ``inputs=``: ``row_inputs``, or None for a text prompt), each
+    stopping where ``mlx_vlm.generate`` stops (``vlm_stop_tokens``)."""
+    forward = VlmForward(model, name)
+    return DecodeBatch(vlm_language_model(model), stop_tokens=vlm_stop_tokens(processor, model),
+                       prefill_step_size=prefill_step_size, prefill_batch_size=prefill_batch_size,
+                       completion_batch_size=completion_batch_size, forward=forward, make_cache=forward.make_cache,
+                       checkpoints=checkpoints)
 
 
 def _extras(row: Row) -> dict[str, Any]:
