@@ -18,6 +18,7 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from PIL import Image
 
@@ -26,9 +27,11 @@ from app.engine.batch.vision_features import prompt_row_inputs
 from app.engine.kv.layers import all_trim, at_checkpoint
 from app.engine.mlx_internals import vlm_stop_tokens
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
-from app.engine.models.vlm_forward import new_vlm_decode_batch
+from app.engine.models.vlm_forward import VlmForward, new_vlm_decode_batch
 from app.engine.prompt import MultimodalPrompt, Prompt
 from app.engine.step import DecodeBatch, RowProposal
+from app.engine.step.phase import merge
+from app.engine.step.rows import Feed, Row
 from app.specs import load_params
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import striped_bytes
@@ -196,3 +199,20 @@ def test_two_images_give_two_answers(vlm, references):
     _, other = vlm.prompt(CASES[0][0], [image(9, (64, 96))])
     tokens, _ = run(vlm.batch(), [other], [vlm.inputs(other)])
     assert tokens[0] != references[0][1]
+
+
+def test_a_row_past_its_prompt_lets_its_embeddings_go(vlm, references):
+    """A pass that starts after a row's prompt drops the row's embeddings and image features
+    (a new RowInputs: another row may share the first), keeping what places its next tokens."""
+    prompt = references[0][0]
+    shared = vlm.inputs(prompt)
+    forward = VlmForward(vlm.loaded.model)
+    rows = [Row(uid=i, segments=[], tokens=list(prompt.tokens), max_tokens=1, sampler=None, processors=(),
+                inputs=shared) for i in range(2)]
+    cache = merge([forward.make_cache() for _ in rows])
+    n = len(prompt.tokens)
+    forward(mx.array([[prompt.tokens[-1]], [7]]), cache, Feed(rows, [n - 1, n], [1, 1], decode=True))
+    assert rows[0].inputs is shared, "still feeding its prompt"
+    assert rows[1].inputs is not None and rows[1].inputs.embeddings is None
+    assert set(rows[1].inputs.extras) <= {"rope_delta", "sections"}
+    assert shared.embeddings is not None

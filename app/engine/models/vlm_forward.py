@@ -85,14 +85,15 @@ def row_inputs(features: dict[str, Any], start: int) -> RowInputs:
     if positions is not None:
         positions = positions[:, 0] if positions.ndim == 3 else positions  # (sections, L)
         extras["position_ids"] = positions[:, start:]
+        extras["sections"] = int(positions.shape[0])
         deltas = features.get("rope_deltas")
         extras["rope_delta"] = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
-    mask = features.get("visual_pos_masks")
-    if mask is not None:
+    mask, deepstack = features.get("visual_pos_masks"), features.get("deepstack_visual_embeds")
+    if mask is not None and deepstack is not None:  # the mask alone (no deepstack features) feeds nothing
         visual = np.asarray(mask[0]).astype(bool)
         before = int(visual[:start].sum())
         extras["visual_pos_masks"] = visual[start:]
-        extras["deepstack_visual_embeds"] = [layer[before:] for layer in features["deepstack_visual_embeds"]]
+        extras["deepstack_visual_embeds"] = [layer[before:] for layer in deepstack]
     return RowInputs(embeddings=features["inputs_embeds"][0, start:], extras=extras)
 
 
@@ -123,8 +124,9 @@ class VlmForward:
         if any(covered):
             features["inputs_embeds"] = self._embeddings(tokens, feed, covered)
             features.update(_deepstack(feed, covered, width))
-        if self.positions or any(_extras(row).get("position_ids") is not None for row in feed.rows):
+        if self.positions or any("sections" in _extras(row) for row in feed.rows):
             features["position_ids"] = _positions(feed, covered, width)
+        _release(feed, covered)
         return vlm_forward(self.model, tokens, cache, **features)
 
     def _embeddings(self, tokens: mx.array, feed: Feed, covered: Sequence[int]) -> mx.array:
@@ -159,6 +161,17 @@ def _extras(row: Row) -> dict[str, Any]:
     return row.inputs.extras if row.inputs is not None else {}
 
 
+def _release(feed: Feed, covered: Sequence[int]) -> None:
+    """Rows past their prompt for good (a pass starts after their inputs end; a rollback
+    never goes back into the prompt) keep only what places their next tokens: their
+    embeddings and image features are let go (a long prompt's are megabytes per row)."""
+    for row, start, n in zip(feed.rows, feed.starts, covered, strict=True):
+        inputs = row.inputs
+        if not n and inputs is not None and inputs.embeddings is not None and start >= inputs.embeddings.shape[0]:
+            keep = {k: v for k, v in inputs.extras.items() if k in ("rope_delta", "sections")}
+            row.inputs = RowInputs(embeddings=None, extras=keep)  # a new one: rows may share their inputs
+
+
 def _covered(row: Row, start: int, length: int) -> int:
     """How many of the pass's positions of ``row`` its inputs cover (from the first)."""
     if row.inputs is None or row.inputs.embeddings is None:
@@ -168,8 +181,7 @@ def _covered(row: Row, start: int, length: int) -> int:
 
 def _positions(feed: Feed, covered: Sequence[int], width: int) -> mx.array:
     """The pass's positions: (3, B, L) when any row has M-RoPE sections, else (B, L)."""
-    sections = max((_extras(r)["position_ids"].shape[0] for r in feed.rows if "position_ids" in _extras(r)),
-                   default=1)
+    sections = max((_extras(r).get("sections", 1) for r in feed.rows), default=1)
     if not any(covered):  # a decode pass: each row's next positions, index + delta
         first = [r.base + s + _extras(r).get("rope_delta", 0) for r, s in zip(feed.rows, feed.starts, strict=True)]
         plain = mx.array(first, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None]
