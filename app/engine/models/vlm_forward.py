@@ -41,7 +41,12 @@ its language models' decode positions):
                              encoder-decoder inputs, per-layer inputs
 
 Positions are passed only for models whose embeddings carry them; the others place every
-token by its row's cache offset, as the batch caches keep it. MLX thread only.
+token by its row's cache offset, as the batch caches keep it. A row past its prompt for
+good lets its embeddings and image features go. Its caches are mlx-lm's classes
+(``make_cache``: the language model's own kinds, translated), so what the step and the
+engine do with a cache (merge, snapshot and restore, checkpoints, quantized KV, KV files)
+is the same for a VLM's rows as for a text model's. ``new_vlm_decode_batch`` makes the
+step. MLX thread only.
 """
 
 from __future__ import annotations
