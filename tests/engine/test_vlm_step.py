@@ -106,8 +106,9 @@ def image(seed: int, size: tuple[int, int] = (96, 72)) -> Image.Image:
     return Image.open(BytesIO(striped_bytes(seed, size))).convert("RGB")
 
 
-CASES = [("What is this?", [1]), ("Describe the picture, please.", [2]), ("Compare the two.", [3, 4]),
-         ("Hello there, who are you?", [])]
+# (text, images as (seed, size)): the last image is large enough for the tiling families to tile.
+CASES = [("What is this?", [(1, (96, 72))]), ("Describe the picture, please.", [(2, (96, 72))]),
+         ("Compare the two.", [(3, (96, 72)), (4, (224, 160))]), ("Hello there, who are you?", [])]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -121,8 +122,8 @@ def vlm(request, tmp_path_factory) -> Vlm:
 @pytest.fixture(scope="module")
 def references(vlm) -> list[tuple[Prompt, list[int]]]:
     out = []
-    for text, seeds in CASES:
-        images = [image(s) for s in seeds]
+    for text, pictures in CASES:
+        images = [image(seed, size) for seed, size in pictures]
         rendered, prompt = vlm.prompt(text, images)
         out.append((prompt, vlm.reference(rendered, images)))
     return out
@@ -171,7 +172,7 @@ def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm,
     prompt, answer = references[0]
     _, last = run(vlm.batch(checkpoints=True), [prompt], [vlm.inputs(prompt)])
     kv, held = last[0].prompt_cache, last[0].all_tokens
-    turn2 = extend(vlm, answer, [image(1), image(5)])
+    turn2 = extend(vlm, answer, [image(*CASES[0][1][0]), image(5)])
     assert isinstance(turn2, MultimodalPrompt)
     starts = [(n, at_checkpoint(kv, n, states)) for n, states in last[0].checkpoints
               if turn2.tokens[:n] == held[:n]]
@@ -196,9 +197,17 @@ def extend(vlm: Vlm, answer: list[int], images: list[Image.Image]) -> Prompt:
 
 
 def test_two_images_give_two_answers(vlm, references):
-    _, other = vlm.prompt(CASES[0][0], [image(9, (64, 96))])
-    tokens, _ = run(vlm.batch(), [other], [vlm.inputs(other)])
-    assert tokens[0] != references[0][1]
+    """The picture reaches the model, each row its own: another image in the same place, in
+    the same batch, changes the distribution of the first token."""
+    prompts = [references[0][0], vlm.prompt(CASES[0][0], [image(9, (64, 96))])[1]]
+    batch = vlm.batch()
+    uids = batch.insert_segments([[p.tokens] for p in prompts], max_tokens=[1, 1],
+                                 inputs=[vlm.inputs(p) for p in prompts])
+    first: dict[int, mx.array] = {}
+    while len(first) < len(uids):
+        for r in batch.next()[1]:
+            first.setdefault(r.uid, r.logprobs)
+    assert not mx.allclose(first[uids[0]], first[uids[1]], atol=1e-4).item()
 
 
 def test_a_row_past_its_prompt_lets_its_embeddings_go(vlm, references):
