@@ -12,6 +12,7 @@ images give different answers.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
@@ -23,7 +24,7 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
-from app.engine.batch.vision_features import prompt_row_inputs
+from app.engine.batch.vision_features import FeatureCache, prompt_row_inputs
 from app.engine.kv.layers import all_trim, at_checkpoint
 from app.engine.mlx_internals import vlm_stop_tokens
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
@@ -59,9 +60,9 @@ class Vlm:
         return new_vlm_decode_batch(self.loaded.model, self.loaded.processor, prefill_step_size=prefill_step_size,
                                     prefill_batch_size=4, completion_batch_size=4, checkpoints=checkpoints)
 
-    def inputs(self, prompt: Prompt, done: int = 0) -> Any:
+    def inputs(self, prompt: Prompt, done: int = 0, features: FeatureCache | None = None) -> Any:
         loaded = self.loaded
-        return prompt_row_inputs(loaded.model, prompt, None, "", loaded.max_pixels, loaded.min_pixels,
+        return prompt_row_inputs(loaded.model, prompt, features, "", loaded.max_pixels, loaded.min_pixels,
                                  cached_tokens=done)
 
     def reference(self, text: str, images: list[Image.Image]) -> list[int]:
@@ -181,10 +182,13 @@ def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm,
         starts.append((n, at_checkpoint(kv, n, [None] * len(kv))))
     assert starts
     full, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2)])
+    features = FeatureCache(2**24)  # where the model takes image features one by one (Qwen2-VL, Qwen2.5-VL)
     for done, cache in starts:
         assert done > turn2.images[0].start + turn2.images[0].length, "the cached prefix holds the first image"
-        resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done)], caches=[cache], done=[done])
-        assert resumed == full
+        for held_features in (None, features, features):  # without, then filling and hitting the feature cache
+            resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done, held_features)],
+                             caches=[copy.deepcopy(cache)], done=[done])
+            assert resumed == full
 
 
 def extend(vlm: Vlm, answer: list[int], images: list[Image.Image]) -> Prompt:
