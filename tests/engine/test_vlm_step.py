@@ -16,7 +16,6 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -35,14 +34,13 @@ from app.engine.step.phase import merge
 from app.engine.step.rows import Feed, Row
 from app.specs import load_params
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
+from tests.fixtures.zoo_vision import ZOO_VLM
 from tests.vision.sample_images import striped_bytes
 
 TOKENS = 8
 
-# family -> a builder of its tiny model directory (path, seed) -> path
-FAMILIES: dict[str, Callable[[Path], Path]] = {
-    "qwen2_vl": lambda path: build_tiny_qwen2_vl(path, seed=0),
-}
+# The mlx-vlm types Tandem lists: tiny_vlm's Qwen2-VL and the zoo's (tests/fixtures/zoo_vision.py).
+FAMILIES = ["qwen2_vl", *ZOO_VLM]
 
 
 @dataclass
@@ -112,10 +110,11 @@ CASES = [("What is this?", [(1, (96, 72))]), ("Describe the picture, please.", [
          ("Compare the two.", [(3, (96, 72)), (4, (224, 160))]), ("Hello there, who are you?", [])]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def vlm(request, tmp_path_factory) -> Vlm:
-    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
-    loaded = load_vlm(str(path), load_params(ChatParams()), name=request.param, max_pixels=448 * 448,
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm(request, tmp_path_factory, zoo_vlm) -> Vlm:
+    name = request.param
+    path = build_tiny_qwen2_vl(tmp_path_factory.mktemp(name)) if name == "qwen2_vl" else zoo_vlm(name)
+    loaded = load_vlm(str(path), load_params(ChatParams()), name=name, max_pixels=448 * 448,
                       min_pixels=28 * 28, max_images=3)
     return Vlm(loaded, VlmPrompts(loaded), frozenset(vlm_stop_tokens(loaded.processor, loaded.model)))
 
