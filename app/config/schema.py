@@ -74,10 +74,9 @@ class _BatchParams(_Params):
     prefill_batch_size: int = Field(
         default=8, ge=1, le=256, description="Prompts prefilled together in one step (capped at max_num_seqs).")
     prefill_step_ms: int = Field(
-        default=250, ge=0, description="While other streams decode, each prefill chunk is sized (at most "
-        "prefill_chunk_size) so that a batch step takes about this long, at the prefill rate measured on this "
-        "model: a long prompt no longer stalls every stream beside it for a whole chunk per token. With nothing "
-        "decoding, chunks are prefill_chunk_size. 0: always prefill_chunk_size.")
+        default=250, ge=0, description="Each prefill chunk is sized (at most prefill_chunk_size) so that a batch "
+        "step takes about this long, at the prefill rate measured on this model: a long prompt never stalls the "
+        "streams beside it, nor a request that arrives, for more than about this. 0: always prefill_chunk_size.")
 
     @property
     def kv_mem_mb(self) -> int:

@@ -12,47 +12,29 @@ Each ``name`` in a list below has a contract test named for it: a test checks th
 and the tests agree.
 
 mlx-lm
-- ``BatchGenerator(model, max_tokens=, stop_tokens=, completion_batch_size=,
-  prefill_batch_size=, prefill_step_size=)``;
-  ``insert_segments(segments, max_tokens=, caches=, all_tokens=, samplers=,
-  logits_processors=) -> uids`` (each sequence's prompt in segments; the batch
-  stops at segment ends so the KV up to there can be extracted);
-  ``next() -> (prompt_responses, generation_responses)``: prompt responses carry
-  ``uid, end_of_segment, end_of_prompt``; generation responses carry ``uid,
-  token, logprobs, finish_reason`` and, on the last one, ``prompt_cache,
-  all_tokens``; ``extract_cache(uids)`` and ``remove(uids,
-  return_prompt_caches=True)`` give ``{uid: (cache, tokens)}``;
-  ``prompt_cache_nbytes``: the bytes of every cache it holds (queued, prefilling,
-  decoding), read by ``batch_kv_nbytes``; ``prefill_step_size``, set between steps:
-  the next step's chunk of every prompt in prefill (``pacing`` sizes it by time). Its batch caches are rectangles: each
-  row as wide as the widest (left padding, right-padded prefill chunks rolled
-  left), grown ``KVCache.step`` (256) tokens at a time (``admission`` relies on it).
-- ``models.cache``: ``LRUPromptCache(max_size=, max_bytes=)`` with
-  ``fetch_nearest_cache(model, tokens) -> (cache, rest)``, ``insert_cache(model,
-  tokens, cache, cache_type=)``, ``trim_to(n_bytes=)``, ``nbytes``;
-  LRUPromptCache's ``__len__`` and ``trim_to(n_sequences=, n_bytes=)``, which
-  evicts in its own LRU order (``prefix_cache`` enforces the limits with it);
-  ``trim_prompt_cache``; ``make_prompt_cache``; ``KVCache`` and
-  ``QuantizedKVCache`` fields (``keys``, ``values``, ``offset``, ``step``), which
-  ``kv_snapshot`` reads and sets to save and restore a cache;
-  ``_BaseCache``; ``dynamic_roll``; ``models.base.create_causal_mask``; the
-  batch-cache protocol (``merge``, ``extract``, ``filter``, ``extend``,
-  ``prepare``, ``finalize``, ``make_mask``) that ``kv_quant`` implements.
-- ``GenerationBatch._step`` (inside ``next()``): the rows' logits processors run in row
-  order, then the sampler once for the whole batch when every row has the same sampler
-  object (otherwise once per row), in the same step; ``mirror.TokenSync`` relies on it
-  (one all_sum per step, and a DesyncError if the counts ever disagree).
-- The speculative verify step (``speculative/verify``) owns ``GenerationBatch``'s step for rows
-  with proposals: it subclasses ``GenerationBatch`` (``empty(model, fallback_sampler)``,
-  ``next() -> [Response(uid, token, logprobs, finish_reason, prompt_cache, all_tokens)]``,
-  ``extract_cache``, ``filter``) and installs it as ``BatchGenerator._generation_batch``,
-  into which the generator ``extend``s every new generation batch; it reads and sets its
-  fields ``model, uids, tokens, samplers, fallback_sampler, logits_processors, max_tokens,
-  prompt_cache, _next_tokens`` (the sampled token not yet in the KV), ``_next_logprobs``,
-  ``_current_tokens, _current_logprobs, _token_context`` (a ``TokenBuffer`` per row: the
-  context its processors see), ``_num_tokens`` and ``_matchers`` (stop-token matchers,
-  ``advance(token) -> bool``); and rolls batch caches back with ``trim``, ``prepare(
-  right_padding=)``, ``finalize`` and their ``keys, values, left_padding, _idx`` fields.
+Tandem's decode step (``app.engine.step``) runs batches itself over the model's public
+call (``model(tokens, cache=)``); what it takes from mlx-lm besides the models is their
+caches:
+- ``models.cache``: ``make_prompt_cache(model)`` (the model's own ``make_cache()``: one
+  cache per layer, its kind the class: ``app.engine.kv.layers``); ``trim_prompt_cache``
+  (the draft model's own cache); the per-sequence classes ``KVCache``,
+  ``QuantizedKVCache``, ``RotatingKVCache`` (``keys, values, offset, max_size, keep,
+  _idx``), ``ArraysCache`` (``cache``: its arrays, ``left_padding``, ``lengths``) and
+  ``CacheList`` (``caches``), with ``merge`` into their batch classes; the batch classes
+  ``BatchKVCache`` and ``BatchRotatingKVCache`` (and ``ArraysCache``, ``CacheList``, which
+  batch themselves) with the batch-cache protocol the step drives: ``merge``, ``extend``,
+  ``filter(rows)``, ``extract(row)``, ``prepare(lengths=, right_padding=)`` and
+  ``finalize()`` around a right-padded forward pass, ``trim`` (kv kinds), ``make_mask``,
+  ``nbytes``, ``state``; the verify step's rollback reads and sets their fields
+  (``layers._BATCH_FIELDS``: ``BatchKVCache``'s ``keys, values, offset, left_padding,
+  _idx``; ``BatchRotatingKVCache``'s ``keys, values, offset, left_padding, max_size,
+  _offset, _idx, rotated, _lengths``; ``ArraysCache``'s ``cache, left_padding,
+  lengths``). Batch caches are rectangles: each row as wide as the widest (left padding,
+  right-padded prefill chunks rolled left), plain KV grown ``KVCache.step`` (256) tokens
+  at a time (``admission`` relies on it). ``TokenBuffer(tokens)``:
+  ``update_and_fetch(new)``, the context a row's logits processors see. ``_BaseCache``;
+  ``dynamic_roll``; ``models.base.create_causal_mask``: what ``kv_quant`` builds its
+  batched quantized cache from.
 - ``utils.sharded_load(path, pipeline_group=, tensor_group=, return_config=)``: loads
   this rank's shard (tensor parallel through ``Model.shard(group)``, pipeline through
   ``Model.model.pipeline(group)``, which needs ``model.safetensors.index.json``) and ends
@@ -137,30 +119,18 @@ Fenced names (one a line: an import path, or ``<vlm model>`` / ``<vlm processor>
 the loaded objects' members; ``test_every_fenced_name_has_a_contract_test`` keeps this
 list and the contract tests in step):
 
-    mlx_lm.generate.BatchGenerator
-    mlx_lm.generate.BatchGenerator.insert_segments
-    mlx_lm.generate.BatchGenerator.next
-    mlx_lm.generate.BatchGenerator.extract_cache
-    mlx_lm.generate.BatchGenerator.remove
-    mlx_lm.generate.BatchGenerator.prompt_cache_nbytes
-    mlx_lm.generate.BatchGenerator.prefill_step_size
-    mlx_lm.generate.GenerationBatch._step
-    mlx_lm.generate.GenerationBatch
-    mlx_lm.generate.BatchGenerator._generation_batch
     mlx_lm.models.cache.TokenBuffer
-    mlx_lm.models.cache.BatchKVCache._idx
-    mlx_lm.models.cache.LRUPromptCache
-    mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache
-    mlx_lm.models.cache.LRUPromptCache.insert_cache
-    mlx_lm.models.cache.LRUPromptCache.trim_to
-    mlx_lm.models.cache.LRUPromptCache.nbytes
-    mlx_lm.models.cache.LRUPromptCache.__len__
     mlx_lm.models.cache.trim_prompt_cache
     mlx_lm.models.cache.make_prompt_cache
     mlx_lm.models.cache.KVCache
     mlx_lm.models.cache.QuantizedKVCache
+    mlx_lm.models.cache.RotatingKVCache
+    mlx_lm.models.cache.ArraysCache
+    mlx_lm.models.cache.CacheList
     mlx_lm.models.cache._BaseCache
     mlx_lm.models.cache.BatchKVCache
+    mlx_lm.models.cache.BatchKVCache._idx
+    mlx_lm.models.cache.BatchRotatingKVCache
     mlx_lm.models.cache.dynamic_roll
     mlx_lm.models.base.create_causal_mask
     mlx_lm.utils.sharded_load
@@ -210,7 +180,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -218,7 +187,6 @@ from mlx_lm.models.cache import (
     BatchRotatingKVCache,
     CacheList,
     KVCache,
-    LRUPromptCache,
     QuantizedKVCache,
     RotatingKVCache,
     TokenBuffer,
@@ -230,24 +198,19 @@ from mlx_lm.models.cache import (
 
 __all__ = [
     "ArraysCache",
-    "BatchGenerator",
     "BatchKVCache",
     "BatchRotatingKVCache",
     "CacheList",
     "RotatingKVCache",
-    "GenerationBatch",
     "TokenBuffer",
     "KVCache",
-    "LRUPromptCache",
     "QuantizedKVCache",
     "_BaseCache",
-    "batch_kv_nbytes",
     "create_causal_mask",
     "dynamic_roll",
     "eos_token_ids",
     "has_thinking",
     "make_prompt_cache",
-    "new_batch_generator",
     "new_detokenizer",
     "reset_vlm_stopping",
     "sharded_load",
@@ -276,26 +239,6 @@ __all__ = [
     "new_vlm_detokenizer",
     "load_embedding_model",
 ]
-
-
-def new_batch_generator(
-    model: Any, tokenizer: Any, *, max_tokens: int, completion_batch_size: int, prefill_batch_size: int,
-    prefill_step_size: int,
-) -> BatchGenerator:
-    """A BatchGenerator that stops each sequence at any of the tokenizer's EOS tokens."""
-    return BatchGenerator(
-        model,
-        max_tokens=max_tokens,
-        stop_tokens=[[t] for t in eos_token_ids(tokenizer)],
-        completion_batch_size=completion_batch_size,
-        prefill_batch_size=prefill_batch_size,
-        prefill_step_size=prefill_step_size,
-    )
-
-
-def batch_kv_nbytes(batch: BatchGenerator) -> int:
-    """Bytes of KV the BatchGenerator's caches hold: queued, prefilling and decoding sequences."""
-    return int(batch.prompt_cache_nbytes)
 
 
 def sharded_load(path: str, *, pipeline: bool) -> tuple[Any, Any, dict[str, Any]]:

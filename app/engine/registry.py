@@ -631,7 +631,7 @@ class Registry:
             kv_used, running, waiting = 0.0, 0, 0
             if (engine := slot.chat) is not None:
                 stats = engine.stats()
-                kv_used = stats.kv_reserved_tokens * engine.kv_bytes_per_token / MB
+                kv_used = stats.kv_reserved_bytes / MB
                 running, waiting = stats.active, stats.waiting + stats.paused
             elif (encoder := slot.as_(EncoderEngine)) is not None:
                 jobs = encoder.stats()

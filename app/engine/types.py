@@ -231,6 +231,13 @@ class EngineStats:
     kv_budget_tokens: int
     kv_reserved_tokens: int
     prompt_cache_bytes: int
+    # The KV budget and what the admitted rows may make MLX hold, in bytes (every layer as it
+    # grows: ``app.engine.kv.geometry``).
+    kv_budget_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    # Per layer kind ("kv", "quantized", "rotating", "state"): layers, bytes per token, bytes
+    # per row, window (``KVGeometry.summary``).
+    kv_layers: dict[str, Any] = field(default_factory=dict)
     prompt_cache_hits: int = 0
     prompt_cache_tokens_saved: int = 0
     # Background sequences paused for interactive work: now, and pauses so far.
@@ -239,7 +246,7 @@ class EngineStats:
     # Rows paused because the KV budget could not take their growth (their KV to the prefix cache).
     memory_pauses: int = 0
     # Bytes MLX's KV caches hold now (batch rows, paused sequences, the memory tier), measured
-    # after each step; kv_reserved_tokens bounds it from above.
+    # after each step; kv_reserved_bytes plus prompt_cache_bytes bounds it from above.
     kv_cache_bytes: int = 0
     # The longest prompt + max_tokens one request can have within the KV budget.
     kv_max_sequence_tokens: int = 0

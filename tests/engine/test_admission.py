@@ -45,7 +45,7 @@ def test_cache_is_evicted_for_a_request_and_admissions_can_come_one_at_a_time():
     a = admission(budget=3000)
     evicted: list[int] = []
 
-    def evict(n: int) -> int:
+    def evict(n: int, item: str) -> int:
         evicted.append(n)
         return 2500 - n
 
@@ -96,5 +96,5 @@ def test_a_request_that_cannot_fit_does_not_evict_the_cache():
     assert a.admit(0, lambda n: 0) == ["wide"]
     evicted: list[int] = []
     a.waiting.append(Waiting("paused", 1000, paused=True))  # 2 x (1000 + 255): more than the budget
-    assert a.admit(400, lambda n: evicted.append(n) or 0) == []
+    assert a.admit(400, lambda n, item: evicted.append(n) or 0) == []
     assert evicted == []

@@ -39,10 +39,8 @@ QUESTION = [{"role": "user", "content": "Tell me about the sea and the sky in a 
 
 # ---- what fails today, and why (issue 29) ------------------------------------------------
 
-_NOT_LOADED = ("does not load: 503 'cannot size the KV cache' (the KV geometry is read from config keys, and "
-               "transformers' Nemotron-H config has a layers_block_type list and no num_hidden_layers)")
 # Gaps of every test on one model.
-MODEL_GAPS: dict[str, str] = {"nemotron_h_hf": _NOT_LOADED}
+MODEL_GAPS: dict[str, str] = {}
 
 
 def _by_kind(recurrent: str, sliding: str) -> dict[str, str]:
@@ -51,14 +49,8 @@ def _by_kind(recurrent: str, sliding: str) -> dict[str, str]:
     return {name: recurrent if "ArraysCache" in m.kinds else sliding for name, m in ZOO.items() if not m.plain_kv}
 
 
-_CANNOT_CUT_BACK = ("the prefix cache cannot cut a stored conversation back to the tokens a new prompt shares: "
-                    "{} and no snapshot is kept where the prompt ended, so it reuses 0 tokens")
 # Gaps of one test, by model.
 GAPS: dict[str, dict[str, str]] = {
-    "same_prompt": _by_kind(_CANNOT_CUT_BACK.format("recurrent state (ArraysCache) cannot be trimmed"),
-                            _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
-    "turn_2_edited": _by_kind(_CANNOT_CUT_BACK.format("recurrent state (ArraysCache) cannot be trimmed"),
-                              _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
     "restart": _by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
     "restart_edited": {
         **{name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
@@ -66,17 +58,6 @@ GAPS: dict[str, dict[str, str]] = {
            for name in ZOO if ZOO[name].plain_kv},
         **_by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
     },
-    "prediction": _by_kind(*["speculation is off ('its KV caches cannot be rolled back'): a prediction is never "
-                             "verified, 0 tokens accepted"] * 2),
-    "kv_bits": _by_kind(*["refused at load: 'kv_cache_bits needs a model whose every layer uses a plain KV "
-                          "cache'"] * 2),
-    # Admission counts every layer of the config as a full attention layer, and for Gemma 4 with the
-    # KV heads and head_dim of its sliding layers on all six (the last two share KV, the global ones
-    # are wider); the figures are admission over the bytes held at 512 tokens.
-    "kv_accounting": {name: f"admission counts every layer as full KV: {ratio} the bytes the caches hold"
-                      for name, ratio in {"qwen3_5": "3.8x", "granitemoehybrid": "3.6x", "nemotron_h": "5.8x",
-                                          "lfm2": "4.0x", "gemma3_text": "2.8x", "gemma4_text": "2.9x",
-                                          "gpt_oss": "1.9x"}.items()},
 }
 
 
@@ -417,14 +398,18 @@ ROW_TOKENS = 512
 def test_kv_accounting_by_layer_kind(served):
     """What admission counts for a row of ``ROW_TOKENS`` tokens is what the model's caches hold
     for it: attention layers by tokens, sliding layers capped at their window, recurrent layers
-    a constant. Admission's figure is read from /health (``mem`` over ``kv_budget_tokens``),
-    the caches' bytes from mlx-lm's own caches for the model after such a row."""
+    a constant. Admission's figure is read from /health (``kv_layers``: per layer kind, bytes
+    per token, per row, the window), the caches' bytes from mlx-lm's own caches for the model
+    after such a row."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     engine = served.health()["engine"]
-    admitted = ROW_TOKENS * 16 * 2**20 / engine["kv_budget_tokens"]
+    admitted = 0  # one row of ROW_TOKENS tokens, as /health's per-kind figures count it
+    for kind, layers in engine["kv_layers"].items():
+        tokens = min(ROW_TOKENS, layers["window"]) if kind == "rotating" else ROW_TOKENS
+        admitted += layers["bytes_per_token"] * tokens + layers["bytes_per_row"]
     model, _ = load_model(served.path)
     caches = make_prompt_cache(model)
     tokens = mx.arange(1000, 1000 + ROW_TOKENS)[None]

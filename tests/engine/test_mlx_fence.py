@@ -28,31 +28,20 @@ def _c(params: str = "", attrs: str = "") -> Contract:
 
 
 CONTRACTS: dict[str, Contract] = {
-    "mlx_lm.generate.BatchGenerator": _c(
-        "model max_tokens stop_tokens completion_batch_size prefill_batch_size prefill_step_size"),
-    "mlx_lm.generate.BatchGenerator.insert_segments": _c(
-        "segments max_tokens caches all_tokens samplers logits_processors"),
-    "mlx_lm.generate.BatchGenerator.next": _c(),
-    "mlx_lm.generate.BatchGenerator.extract_cache": _c("uids"),
-    "mlx_lm.generate.BatchGenerator.remove": _c("uids return_prompt_caches"),
-    "mlx_lm.generate.BatchGenerator.prompt_cache_nbytes": _c(),
-    "mlx_lm.generate.GenerationBatch._step": _c(),
-    "mlx_lm.generate.GenerationBatch": _c(
-        "model uids inputs prompt_cache tokens samplers fallback_sampler logits_processors stop_sequences max_tokens",
-        "empty next extract_cache filter extend Response"),
     "mlx_lm.models.cache.TokenBuffer": _c("tokens", "update_and_fetch"),
-    "mlx_lm.models.cache.LRUPromptCache": _c("max_size max_bytes"),
-    "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache": _c("model tokens"),
-    "mlx_lm.models.cache.LRUPromptCache.insert_cache": _c("model tokens prompt_cache cache_type"),
-    "mlx_lm.models.cache.LRUPromptCache.trim_to": _c("n_sequences n_bytes"),
-    "mlx_lm.models.cache.LRUPromptCache.nbytes": _c(),
-    "mlx_lm.models.cache.LRUPromptCache.__len__": _c(),
     "mlx_lm.models.cache.trim_prompt_cache": _c("cache num_tokens"),
     "mlx_lm.models.cache.make_prompt_cache": _c("model"),
-    "mlx_lm.models.cache.KVCache": _c(attrs="keys values offset step"),
-    "mlx_lm.models.cache.QuantizedKVCache": _c("group_size bits", "keys values offset step"),
+    "mlx_lm.models.cache.KVCache": _c(attrs="keys values offset step merge trim nbytes"),
+    "mlx_lm.models.cache.QuantizedKVCache": _c("group_size bits", "keys values offset step trim nbytes"),
+    "mlx_lm.models.cache.RotatingKVCache": _c("max_size keep", "keys values offset max_size keep _idx merge"),
+    "mlx_lm.models.cache.ArraysCache": _c(
+        "size left_padding", "cache left_padding lengths merge extend filter extract prepare finalize make_mask"),
+    "mlx_lm.models.cache.CacheList": _c("caches", "caches merge extend filter extract prepare finalize"),
     "mlx_lm.models.cache._BaseCache": _c(),
-    "mlx_lm.models.cache.BatchKVCache": _c(attrs="merge extract filter extend prepare finalize make_mask"),
+    "mlx_lm.models.cache.BatchKVCache": _c(
+        "left_padding", "merge extract filter extend prepare finalize make_mask trim state nbytes"),
+    "mlx_lm.models.cache.BatchRotatingKVCache": _c(
+        "max_size left_padding", "merge extract filter extend prepare finalize make_mask trim state nbytes"),
     "mlx_lm.models.cache.dynamic_roll": _c("x shifts axis"),
     "mlx_lm.models.base.create_causal_mask": _c("N offset left_padding"),
     "mlx_lm.utils.sharded_load": _c("repo pipeline_group tensor_group return_config"),
@@ -87,12 +76,8 @@ CONTRACTS: dict[str, Contract] = {
 # Members of a loaded VLM: their contracts are behaviour tests on the tiny Qwen2-VL.
 M = test_mlx_internals
 BEHAVIOUR = {
-    "mlx_lm.generate.BatchGenerator.prefill_step_size": (test_mlx_lm_internals,
-                                                         "test_contract_prefill_step_size_sets_each_steps_chunk"),
-    "mlx_lm.generate.BatchGenerator._generation_batch": (test_mlx_lm_internals,
-                                                         "test_contract_generation_batch_is_the_generators_own"),
     "mlx_lm.models.cache.BatchKVCache._idx": (
-        test_mlx_lm_internals, "test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept"),
+        test_mlx_lm_internals, "test_contract_batch_kv_rolls_back_to_what_each_row_kept"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
     "<vlm processor>.tokenizer.stopping_criteria.eos_token_ids": (M, "test_vlm_stop_tokens_are_where_generate_stops"),
@@ -118,8 +103,9 @@ BEHAVIOUR = {
 BEHAVIOUR_TOO = [
     (test_mlx_lm_internals, "test_contract_every_kv_cache_grows_in_steps_of_kv_step"),
     (test_mlx_lm_internals, "test_contract_batch_caches_are_rectangles_as_wide_as_the_widest_row"),
-    (test_mlx_lm_internals, "test_contract_batch_generator_reports_the_bytes_of_its_caches"),
-    (test_mlx_lm_internals, "test_contract_lru_prompt_cache_len_trim_and_nearest"),
+    (test_mlx_lm_internals, "test_contract_every_batch_kind_snapshots_and_restores_by_its_fields"),
+    (test_mlx_lm_internals, "test_contract_arrays_cache_batches_rows_and_masks_padding"),
+    (test_mlx_lm_internals, "test_contract_rotating_rows_merge_extract_and_restore_exactly"),
     (test_mlx_internals, "test_a_continuation_keeps_its_leading_space"),
     (test_mlx_internals, "test_new_vlm_detokenizer_is_private_per_sequence"),
     (test_mlx_internals, "test_vlm_prefix_batch_generator_gives_a_finished_rows_kv"),
@@ -170,7 +156,8 @@ def test_contract(name):
         assert not absent or takes_kwargs, f"{name} no longer takes {sorted(absent)}"
     if attrs:
         instance = None
-        if inspect.isclass(obj) and name.endswith("KVCache") and not name.endswith("BatchKVCache"):
-            instance = obj()  # fields set in __init__
+        if inspect.isclass(obj) and name.endswith(("KVCache", "ArraysCache", "CacheList")) and "Batch" not in name:
+            instance = {"RotatingKVCache": lambda: obj(8), "ArraysCache": lambda: obj(2)}.get(
+                name.rsplit(".", 1)[1], obj)()  # fields set in __init__
         lacking = [a for a in attrs if not hasattr(obj, a) and not hasattr(instance, a)]
         assert not lacking, f"{name} has no {lacking}"

@@ -1,6 +1,6 @@
 """What both batching engines share: a request's lifecycle around a batch generator.
 
-``TextEngine`` (``app.engine.batch.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
+``TextEngine`` (``app.engine.batch.engine``, Tandem's decode step) and ``VlmEngine``
 (``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
 sequence is started and what happens around a batch step differ. A request's way
 through, in either:
@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error
@@ -44,7 +44,7 @@ from app.engine.batch.channel import OpenStreams, TokenChannel
 from app.engine.batch.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
 from app.engine.batch.sampling import reset_random_state, token_logprob
 from app.engine.batch.stops import StopMatcher
-from app.engine.models.loader import KVGeometry
+from app.engine.kv.geometry import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.prompt import PromptBuilder
 from app.engine.types import (
@@ -139,9 +139,11 @@ class BatchingEngine(Generic[S, L]):
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
+        # What one row holds, layer by layer (``app.engine.kv.geometry``).
+        self.geometry = loaded.kv
         self.admission: Admission[S] = Admission(
-            loaded.kv.budget_tokens(params.kv_mem_mb), params.max_num_seqs, params.max_queue,
-            params.queue_timeout_s, starvation_s=params.starvation_s,
+            params.kv_mem_mb * 2**20, params.max_num_seqs, params.max_queue,
+            params.queue_timeout_s, starvation_s=params.starvation_s, cost=self.geometry.row_bytes,
         )
         self._listeners: list[Listener] = []
         self._streams = OpenStreams(params.channel_max_pending)
@@ -239,8 +241,11 @@ class BatchingEngine(Generic[S, L]):
             active=len(self._running),
             waiting=len(self.admission.waiting) + len(self._inbox),
             kv_budget_tokens=self.admission.budget_tokens,
-            kv_reserved_tokens=self.admission.reserved,
+            kv_reserved_tokens=self.admission.reserved_tokens,
             prompt_cache_bytes=0,
+            kv_budget_bytes=self.admission.budget_bytes,
+            kv_reserved_bytes=self.admission.reserved,
+            kv_layers=self.geometry.summary(),
             kv_max_sequence_tokens=self.admission.max_sequence_tokens,
         )
 
@@ -375,11 +380,11 @@ class BatchingEngine(Generic[S, L]):
         for seq in expired:
             self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
 
-    def _admit(self, cache_tokens: int = 0, evict: Callable[[int], int] = lambda _: 0, *,
+    def _admit(self, cache_bytes: int = 0, evict: Callable[[int, S], int] = lambda n, _: 0, *,
                background: bool = True, limit: int | None = None) -> list[S]:
         """Waiting requests that fit now (``Admission.admit``), each now holding its reservation."""
         with self._lock:
-            admitted = self.admission.admit(cache_tokens, evict, background=background, limit=limit)
+            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit)
         for seq in admitted:
             seq.holds = True
         return admitted

@@ -1,4 +1,4 @@
-"""The text engine: mlx-lm's BatchGenerator driven from the MLX-owner thread.
+"""The text engine: Tandem's decode step (``app.engine.step``) driven from the MLX-owner thread.
 
 The request lifecycle is ``BatchingEngine``'s (``app.engine.batch.batching``): the
 inbox, admission against the KV budget (``admission``: what MLX will really
@@ -7,43 +7,44 @@ to the listeners per generation, failing one request or one batch step alone.
 What is this engine's own:
 
     _insert          an admitted request gets the KV of its longest cached prefix
-                     from the prefix cache (``prefix_cache``: memory, then disk),
-                     its sampler, logits processors and constraint, and is inserted
-                     into the BatchGenerator, its prompt in two segments when its
-                     cacheable prefix ends mid-prompt (that prefix is cached when
-                     prefill reaches it)
-    each token       logprobs straight from mlx-lm's responses; a finished
-                     conversation's KV goes to the prefix cache (``prompt_cache: prefix``)
+                     from the prefix cache (``prefix_cache``: memory, then disk; taken
+                     before admission made room for it, if it had to), its sampler,
+                     logits processors and constraint, and is inserted into the step,
+                     its prompt in two segments when its cacheable prefix ends
+                     mid-prompt (that prefix is cached when prefill reaches it)
+    each token       logprobs from the step's responses; a finished conversation's KV
+                     (with its checkpoints, where its layers cannot trim) goes to the
+                     prefix cache (``prompt_cache: prefix``)
     before each step every row's reservation grown to what it holds plus a KV step
                      (``_fit_reservations``), and the prefill chunk sized by time
-                     while rows decode (``pacing``: the step's time budget, at the
-                     prefill rate measured on this model)
+                     (``pacing``: every step within its budget, at the prefill rate
+                     measured on this model)
     a cancellation   the row's KV goes to the prefix cache too, a prefill cut short
                      included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
     speculation      each row's drafters opened in ``_insert``, asked before a step
-                     (``_propose``) and told after it (``_on_batch_next``); the verify
-                     step is the BatchGenerator's own generation batch
-                     (``app.engine.speculative``: ``verify``, ``rows``)
+                     (``_propose``) and told after it (``_on_batch_next``); the step
+                     verifies the proposals (``app.engine.step.verify``; the drafters:
+                     ``app.engine.speculative``), on every cache kind
 
 Memory: when the rows' growth does not fit the KV budget, the prefix cache is
 evicted first, then the lowest-priority row (background first, then the widest,
 then the newest) leaves the batch: its KV goes to the prefix cache (and the disk
 tier), its reservation is given back, and it waits at the head of the queue, to
-resume from that prefix when room returns (``_pause_for_memory``). Its sampler,
-processors and detokenizer stay with it, so at temperature 0 its output is what
-it would have been.
+resume from that prefix when room returns (``_pause_for_memory``), feeding first the
+token it had drawn. Its sampler, processors and detokenizer stay with it, so at
+temperature 0 its output is what it would have been.
 
 Priority: while an interactive request waits for its first token (queued, or
 in prefill), background requests (titles, tags, follow-ups) are not admitted,
 those in prefill are paused, and those decoding keep at most
 ``background_share`` of the batch; the rest are paused too. A paused sequence
-leaves the batch with its KV (``remove(..., return_prompt_caches=True)``),
-keeps its reservation, and is inserted again with that KV once no interactive
-request waits.
+leaves the batch with its KV (``remove(..., return_prompt_caches=True)``) and the
+token it had drawn, keeps its reservation, and is inserted again with both once no
+interactive request waits (``Drawn``: the token is fed and emitted then).
 
-Every BatchGenerator, prompt-cache and KV-cache call goes through ``ops``
+Every decode-step, prefix-cache and quantized-cache call goes through ``ops``
 (``app.engine.distributed.mirror.BatchOps``): made here, or, distributed, made here and
 replayed on every other rank.
 """
@@ -68,14 +69,15 @@ from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import probe_layout
-from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
-from app.engine.mlx_internals import new_detokenizer
+from app.engine.kv.layers import all_trim, nbytes
+from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
+from app.engine.mlx_internals import make_prompt_cache, new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
-from app.engine.step import DecodeBatch
+from app.engine.step import DecodeBatch, Drawn
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError, VisionNotSupportedError
@@ -90,15 +92,20 @@ class _Seq(Seq):
     cache_segments: int = 0
     sampler: Any = None
     processors: list[Any] = field(default_factory=list)
-    # While paused for interactive work: the KV it had (cache, the tokens in it).
-    paused: tuple[Any, list[int]] | None = None
+    # While paused for interactive work: the KV it had (cache, the tokens in it, the token it
+    # had drawn and not fed yet with its distribution, if any).
+    paused: tuple[Any, list[int], tuple[int, Any] | None] | None = None
     # Columns its prompt may span while prefilled (``admission.prefill_span``), and whether it is prefilling.
     prefill: int = 0
     prefilling: bool = True
-    # Paused for memory: its KV went to the prefix cache under these tokens, and it waits to resume.
-    requeued: list[int] | None = None
+    # Paused for memory: its KV went to the prefix cache under these tokens, and it waits to
+    # resume (with the token it had drawn, as ``paused``).
+    requeued: tuple[list[int], tuple[int, Any] | None] | None = None
     # Its drafters (speculative decoding), when it has any.
     drafts: RowDrafts | None = None
+    # Its cached prefix, taken before admission made room for it (``_evict``): (cache, the tokens
+    # left to prefill); what it then starts from.
+    prefetched: tuple[Any, list[int]] | None = None
 
     @property
     def suspended(self) -> bool:
@@ -128,7 +135,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                 disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
                                       params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
                                       layout)
-        self.prompt_cache = PrefixCache(ops.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
+        self.prompt_cache = PrefixCache(ops.prompt_cache(), params.prompt_cache_entries,
                                         params.prompt_cache_bytes, disk)
         self._kv_bytes = 0
         self.cache_hits = 0
@@ -160,6 +167,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         bg = self.ops.new_batch(
             self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
             prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
+            # Layers that cannot trim (windows, recurrent state) are checkpointed where prompts and
+            # segments end, so the prefix cache can restore a conversation there.
+            checkpoints=p.prompt_cache != "off" and not all_trim(make_prompt_cache(self.loaded.model)),
         )
         if self.speculator is not None:
             self._verify = self.ops.verify_batch(bg)
@@ -291,11 +301,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         """After a step: the memory tier within what the reservations leave of the budget
         (prefixes cached mid-prefill, or loaded from disk, come on top of them), and the
         bytes MLX's caches hold, measured for /health and /metrics."""
-        bpt = self.bytes_per_token
-        room = (self.admission.budget_tokens - self.admission.reserved) * bpt
+        room = self.admission.budget_bytes - self.admission.reserved
         if self.prompt_cache.nbytes > room:
             self.prompt_cache.trim_to(n_bytes=max(0, room))
-        paused = sum(c.nbytes for s in self._paused if s.paused for c in s.paused[0])
+        paused = sum(nbytes(s.paused[0]) for s in self._paused if s.paused)
         self._kv_bytes = self._bg.prompt_cache_nbytes + paused + self.prompt_cache.nbytes
 
     def _drop_row(self, uid: int) -> None:
@@ -318,10 +327,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         background = [s for s in self._running.values() if s.background]
         decoding = sorted((s for s in background if s.first_token is not None), key=lambda s: s.enqueued)
         for seq in [s for s in background if s.first_token is None] + decoding[keep:]:
-            assert seq.uid is not None
-            cache, tokens = self._bg.remove([seq.uid], return_prompt_caches=True)[seq.uid]
-            del self._running[seq.uid]
-            seq.uid, seq.paused, seq.cache_segments = None, (cache, list(tokens)), 0
+            seq.paused, seq.cache_segments = self._take_out(seq), 0
             with self._lock:
                 self.admission.suspend()
             self._paused.append(seq)
@@ -335,15 +341,23 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                     return
             seq = self._paused.popleft()
             assert seq.paused is not None
-            cache, tokens = seq.paused
+            cache, tokens, drawn = seq.paused
             seq.paused = None
-            prompt = seq.req.prompt_tokens
-            if len(tokens) < len(prompt):  # paused in prefill: the rest of the prompt
-                rest = prompt[len(tokens):]
-            else:  # paused decoding: feed the last token again for the next one's logits
-                self.ops.trim_cache(cache, 1)
-                rest, tokens = tokens[-1:], tokens[:-1]
-            self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated)
+            if drawn is not None:  # paused decoding: it feeds (and emits) the token it had drawn
+                rest = [drawn[0]]
+            else:  # paused in prefill: the rest of the prompt
+                rest = seq.req.prompt_tokens[len(tokens):]
+            self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated, drawn)
+
+    def _take_out(self, seq: _Seq) -> tuple[Any, list[int], tuple[int, Any] | None]:
+        """``seq``'s row out of the batch: the KV it holds, its tokens, and the token it drew
+        and has not fed yet (with its distribution), which it will feed when it resumes."""
+        assert seq.uid is not None
+        drawn = self._bg.pending_of(seq.uid)
+        cache, tokens = self._bg.remove([seq.uid], return_prompt_caches=True)[seq.uid]
+        del self._running[seq.uid]
+        seq.uid = None
+        return cache, list(tokens), drawn
 
     # ---- memory: reservations grow as rows decode; the lowest-priority row yields ----------
 
@@ -362,10 +376,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         with self._lock:
             for seq in rows:
                 self.admission.resize(seq, self._reservation(seq))
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
         if over > 0 and self.prompt_cache.nbytes:
             self._evict(over)
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
         while over > 0:
             keys = {s: (int(s.background), s.width, s.enqueued) for s in [*self._running.values(), *self._paused]}
             with self._lock:
@@ -373,27 +387,24 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             if victim is None:
                 return
             self._pause_for_memory(victim)
-            over = self.admission.over(self._cache_tokens())
+            over = self.admission.over(self.prompt_cache.nbytes)
 
     def _pause_for_memory(self, seq: _Seq) -> None:
         """Take ``seq`` out with its KV, into the prefix cache (evictable, and to the disk tier),
         its reservation given back; it waits at the head of the queue to resume from there."""
         running = seq.paused is None
         if running:
-            assert seq.uid is not None
-            cache, tokens = self._bg.remove([seq.uid], return_prompt_caches=True)[seq.uid]
-            del self._running[seq.uid]
+            cache, tokens, drawn = self._take_out(seq)
         else:  # paused for interactive work already: its KV is aside
-            cache, tokens = seq.paused  # type: ignore[misc]
+            cache, tokens, drawn = seq.paused  # type: ignore[misc]
             self._paused.remove(seq)
-        tokens = list(tokens)
         if tokens:
             self.prompt_cache.insert_cache(self._cache_key(seq), tokens, cache, cache_type="assistant")
         # On resume it may prefill what the cache no longer has, beside other prompts.
         chunk = self.params.prefill_chunk_size
         seq.prefill = prefill_span(max(len(tokens), seq.prompt_len), segments=1, chunk=chunk)
         seq.width = max(seq.width, seq.prefill)
-        seq.uid, seq.paused, seq.cache_segments, seq.requeued, seq.holds = None, None, 0, tokens, False
+        seq.uid, seq.paused, seq.cache_segments, seq.requeued, seq.holds = None, None, 0, (tokens, drawn), False
         self.memory_pauses += 1
         # It comes back when a step more than it holds fits: not at the first free token.
         need = min(seq.width, max(seq.prefill, len(tokens) + 2 * KV_STEP))
@@ -404,32 +415,50 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _resume_requeued(self, seq: _Seq) -> None:
         """A row paused for memory back into the batch, from what the prefix cache kept of its KV."""
-        held, seq.requeued = seq.requeued or [], None
-        prompt = list(seq.req.prompt_tokens)
-        target = held if len(held) >= len(prompt) else prompt  # paused in prefill: the whole prompt
-        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), target)
+        target = self._lookup_tokens(seq)  # paused in prefill: its prompt; decoding: its KV and drawn token
+        cache, rest = self._fetch(seq)
+        drawn = seq.requeued[1] if seq.requeued is not None else None
+        seq.requeued = None
         if cache is None:
             rest = target
-            if self.loaded.kv_cache_bits is not None:
-                cache = self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
-        elif not rest:  # all of it: feed the last token again for the next one's logits
-            self.ops.trim_cache(cache, 1)
-            rest = target[-1:]
-        self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated)
+            cache = self._new_cache()
+        self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated, drawn)
 
-    def _cache_tokens(self) -> int:
-        """The prefix cache's memory tier in tokens, rounded up: the figure must never be below what is held."""
-        return -(-self.prompt_cache.nbytes // self.bytes_per_token)
+    def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
+        """Evict at least ``nbytes`` of the prefix cache's memory tier (to admit ``seq``: its own
+        cached prefix is taken first, so making room for it never evicts what it is about to
+        read); what the tier holds then."""
+        if seq is not None and seq.prefetched is None and self._uses_cache(seq):
+            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+            if cache is not None:
+                seq.prefetched = (cache, rest)
+        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
+        return self.prompt_cache.nbytes
 
-    def _evict(self, tokens: int) -> int:
-        """Evict at least ``tokens`` of the prefix cache's memory tier; what it holds then."""
-        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * self.bytes_per_token))
-        return self._cache_tokens()
+    def _uses_cache(self, seq: _Seq) -> bool:
+        return self.params.prompt_cache != "off" or seq.req.share_prefix or seq.requeued is not None
+
+    def _lookup_tokens(self, seq: _Seq) -> list[int]:
+        """What ``seq`` looks up in the prefix cache when it starts: its prompt, or, resuming
+        from a pause for memory, the tokens its KV held and the token it had drawn."""
+        if seq.requeued is not None:
+            held, drawn = seq.requeued
+            if drawn is not None:
+                return [*held, drawn[0]]
+        return list(seq.req.prompt_tokens)
+
+    def _fetch(self, seq: _Seq) -> tuple[Any, list[int]]:
+        """``seq``'s cached prefix: the one taken before its admission, else a lookup now."""
+        if seq.prefetched is not None:
+            (cache, rest), seq.prefetched = seq.prefetched, None
+            return cache, rest
+        cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), self._lookup_tokens(seq))
+        return cache, rest
 
     def _admit_and_insert(self, *, background: bool = True) -> None:
         # One at a time: each takes its prefix from the cache before the next may evict it.
         while True:
-            admitted = self._admit(self._cache_tokens(), self._evict, background=background, limit=1)
+            admitted = self._admit(self.prompt_cache.nbytes, self._evict, background=background, limit=1)
             if not admitted:
                 break
             seq = admitted[0]
@@ -446,8 +475,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if waiting and time.monotonic() - self._last_wait_log > 5:
             self._last_wait_log = time.monotonic()
             log.info(
-                "%d request(s) waiting for KV memory: %d of %d tokens reserved by %d running, "
-                "prefix cache %d MB", waiting, self.admission.reserved, self.admission.budget_tokens,
+                "%d request(s) waiting for KV memory: %d of %d MB reserved by %d running, "
+                "prefix cache %d MB", waiting, self.admission.reserved // 2**20, self.admission.budget_bytes // 2**20,
                 self.admission.running, self.prompt_cache.nbytes // 2**20,
             )
 
@@ -457,12 +486,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         cache, rest = (None, prompt)
         use_cache = p.prompt_cache != "off" or req.share_prefix
         if use_cache:
-            cache, rest, _ = self.prompt_cache.fetch(self._cache_key(seq), prompt)
-            if cache is not None and not rest:  # exact hit: the last token must still run
-                self.ops.trim_cache(cache, 1)
-                rest = prompt[-1:]
-        if cache is None and self.loaded.kv_cache_bits is not None:
-            cache = self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+            cache, rest = self._fetch(seq)
+        if cache is None:
+            cache = self._new_cache()
         cached = len(prompt) - len(rest)
         if cached:
             self.cache_hits += 1
@@ -486,8 +512,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             seq.drafts = self.speculator.open(req, budget, seq.constraint)
         self._start(seq, segments, cache, prompt[:cached], req.max_tokens)
 
-    def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int) -> None:
-        """Insert ``seq`` into the batch: its prompt ``segments`` after the ``done`` tokens in ``cache``."""
+    def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int,
+               drawn: tuple[int, Any] | None = None) -> None:
+        """Insert ``seq`` into the batch: its prompt ``segments`` after the ``done`` tokens in ``cache``;
+        ``drawn``: the last of them is a token it drew before a pause (fed and emitted)."""
         (uid,) = self._bg.insert_segments(
             [segments],
             max_tokens=[max_tokens],
@@ -495,9 +523,16 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             all_tokens=[done],
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
+            drawn=[Drawn(drawn[1])] if drawn is not None else None,
         )
         seq.uid, seq.prefilling = uid, True
         self._running[uid] = seq
+
+    def _new_cache(self) -> Any:
+        """A fresh row's cache when it is not the model's own (quantized KV); None: the step makes it."""
+        if self.loaded.kv_cache_bits is None:
+            return None
+        return self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
 
     def cache_key(self, namespace: str = "") -> str:
         """The prefix cache's partition for a namespace: prefixes are shared only within one

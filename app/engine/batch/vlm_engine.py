@@ -87,7 +87,7 @@ from app.engine.batch.vision_features import FeatureCache, input_embeddings
 from app.engine.distributed.mirror import LOCAL_OPS
 from app.engine.kv.disk_cache import DiskTier, disk_root, open_disk_tier
 from app.engine.kv.kv_snapshot import kv_identity, probe_layout
-from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, UNBOUNDED, PrefixCache
+from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
 from app.engine.mlx_internals import (
     new_vlm_batch_generator,
     new_vlm_detokenizer,
@@ -141,7 +141,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         # models whose rows can start from cached KV.
         self.prefix = params.prompt_cache != "off" and vlm_prefix_cacheable(loaded.model)
         disk = self._open_disk_tier() if self.prefix and params.prompt_cache_disk_bytes else None
-        self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(UNBOUNDED, UNBOUNDED), params.prompt_cache_entries,
+        self.prompt_cache = PrefixCache(LOCAL_OPS.prompt_cache(), params.prompt_cache_entries,
                                         params.prompt_cache_bytes if self.prefix else 0, disk)
         self.cache_hits = 0
         self.cache_tokens_saved = 0
@@ -227,7 +227,7 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
         return busy
 
     def _schedule(self) -> None:
-        self._starting.extend(self._admit(self._cache_tokens(), self._evict))
+        self._starting.extend(self._admit(self.prompt_cache.nbytes, self._evict))
         self._start_one()
 
     def _new_batch(self) -> Any:
@@ -243,18 +243,14 @@ class VlmEngine(BatchingEngine[_Seq, "LoadedVlm"]):
 
     # ---- the prefix cache: KV accounting as TextEngine's -------------------------------
 
-    def _cache_tokens(self) -> int:
-        """The memory tier in tokens, rounded up: the figure must never be below what is held."""
-        return -(-self.prompt_cache.nbytes // self.bytes_per_token)
-
-    def _evict(self, tokens: int) -> int:
-        """Evict at least ``tokens`` of the memory tier; what it holds then."""
-        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - tokens * self.bytes_per_token))
-        return self._cache_tokens()
+    def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
+        """Evict at least ``nbytes`` of the prefix cache's memory tier; what it holds then."""
+        self.prompt_cache.trim_to(n_bytes=max(0, self.prompt_cache.nbytes - nbytes))
+        return self.prompt_cache.nbytes
 
     def _settle(self) -> None:
         """After a step: the memory tier within what the reservations leave of the budget."""
-        room = (self.admission.budget_tokens - self.admission.reserved) * self.bytes_per_token
+        room = self.admission.budget_bytes - self.admission.reserved
         if self.prompt_cache.nbytes > room:
             self.prompt_cache.trim_to(n_bytes=max(0, room))
 

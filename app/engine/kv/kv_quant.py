@@ -1,7 +1,7 @@
-"""A quantized KV cache that mlx-lm's BatchGenerator can batch.
+"""A quantized KV cache that the decode step can batch.
 
-mlx-lm ships ``QuantizedKVCache`` for one sequence only: BatchGenerator merges
-per-sequence caches into a batch cache (``cache.merge``), pads, filters,
+mlx-lm ships ``QuantizedKVCache`` for one sequence only: the step (``app.engine.step``)
+merges per-sequence caches into a batch cache (``cache.merge``), pads, filters,
 extends and extracts it, and QuantizedKVCache has no batched counterpart. This
 module adds the two halves:
 
@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from app.engine.mlx_internals import (
+    CacheList,
     KVCache,
     QuantizedKVCache,
     _BaseCache,
@@ -37,24 +38,41 @@ from app.errors import ConfigError
 Quantized = tuple[Any, ...]
 
 
-def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int = 64) -> list[SeqQuantizedKVCache]:
-    """One empty quantized cache per layer, for models whose layers all use a plain KVCache."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {KVCache.__name__}:
-        raise ConfigError(
-            f"kv_cache_bits needs a model whose every layer uses a plain KV cache; this one uses "
-            f"{', '.join(sorted(kinds))}"
-        )
-    return [SeqQuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int = 64) -> list[Any]:
+    """The model's own cache (``make_prompt_cache``) with every plain KV layer quantized; its
+    other layers (sliding windows, recurrent state) as they are. Raises ConfigError for a
+    model that keeps no plain KV layer."""
+    cache = [_quantized(c, bits, group_size) for c in make_prompt_cache(model)]
+    if not any(_has_quantized(c) for c in cache):
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+        raise ConfigError(f"kv_cache_bits quantizes plain KV layers; this model has none (its layers keep "
+                          f"{', '.join(kinds)})")
+    return cache
 
 
-def check_quantizable(model: nn.Module, head_dim: int, bits: int, group_size: int = 64) -> None:
-    """Raise ConfigError when this model's KV cannot be quantized at ``group_size``."""
-    make_quantized_prompt_cache(model, bits, group_size)
-    if head_dim % group_size:
-        raise ConfigError(
-            f"kv_cache_bits needs head_dim divisible by {group_size}; this model's head_dim is {head_dim}"
-        )
+def _quantized(cache: Any, bits: int, group_size: int) -> Any:
+    if type(cache) is KVCache:
+        return SeqQuantizedKVCache(group_size=group_size, bits=bits)
+    if type(cache) is CacheList:
+        return CacheList(*(_quantized(c, bits, group_size) for c in cache.caches))
+    return cache
+
+
+def _has_quantized(cache: Any) -> bool:
+    if isinstance(cache, CacheList):
+        return any(_has_quantized(c) for c in cache.caches)
+    return isinstance(cache, SeqQuantizedKVCache)
+
+
+def check_quantizable(model: nn.Module, bits: int, group_size: int = 64) -> None:
+    """Raise ConfigError when this model's KV cannot be quantized at ``group_size``: one token
+    through the model with its quantized cache, as the engine will run it."""
+    cache = make_quantized_prompt_cache(model, bits, group_size)
+    try:
+        mx.eval(model(mx.array([[0]]), cache=cache))
+    except Exception as exc:  # noqa: BLE001 - what the model's attention refuses, said as config
+        raise ConfigError(f"kv_cache_bits={bits} needs every attention layer's head_dim divisible by {group_size} "
+                          f"(the quantization group) and an attention that takes quantized KV: {exc}") from exc
 
 
 class SeqQuantizedKVCache(QuantizedKVCache):

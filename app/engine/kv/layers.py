@@ -35,35 +35,29 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
-from app.engine.mlx_internals import (
-    ArraysCache,
-    BatchKVCache,
-    BatchRotatingKVCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-)
-
 KINDS = ("kv", "quantized", "rotating", "state", "list")
 
-_KIND_OF: dict[type, str] = {
-    KVCache: "kv",
-    BatchKVCache: "kv",
-    SeqQuantizedKVCache: "quantized",
-    BatchQuantizedKVCache: "quantized",
-    RotatingKVCache: "rotating",
-    BatchRotatingKVCache: "rotating",
-    ArraysCache: "state",
-    CacheList: "list",
+# By class name: mlx-lm and mlx-vlm each ship these classes (mlx-vlm's language models keep
+# mlx-vlm's own), and kv_quant adds the batched quantized one.
+_KIND_OF: dict[str, str] = {
+    "KVCache": "kv",
+    "BatchKVCache": "kv",
+    "QuantizedKVCache": "quantized",
+    "BatchQuantizedKVCache": "quantized",
+    "RotatingKVCache": "rotating",
+    "BatchRotatingKVCache": "rotating",
+    "ArraysCache": "state",
+    "CacheList": "list",
 }
 
 
 def kind(cache: Any) -> str:
-    """The layer's kind (``KINDS``), from its class; a class not known here is ``state``."""
+    """The layer's kind (``KINDS``), from its class (or the first base class of a known
+    name); a class not known here is ``state``."""
     for cls in type(cache).__mro__:
-        if cls in _KIND_OF:
-            return _KIND_OF[cls]
+        found = _KIND_OF.get(cls.__name__)
+        if found is not None:
+            return found
     return "state"
 
 
@@ -127,13 +121,38 @@ def restore(cache: Any, snap: Any) -> None:
         setattr(cache, f, _detach(v))
 
 
-# ---- checkpoints of one sequence (the prefix cache) ----------------------------------------
+# ---- one sequence's cache, and its checkpoints (the prefix cache) -------------------------
+
+
+class SeqCache(list[Any]):
+    """One sequence's cache: a cache per layer for its tokens (the list), and its
+    ``checkpoints``: (position, each untrimmable layer's state there, None for the layers
+    that trim) for positions before its end where it can be restored exactly."""
+
+    def __init__(self, layers: Any = (), checkpoints: list[tuple[int, list[Any]]] | None = None) -> None:
+        super().__init__(layers)
+        inherited: list[tuple[int, list[Any]]] = getattr(layers, "checkpoints", [])
+        self.checkpoints: list[tuple[int, list[Any]]] = list(checkpoints if checkpoints is not None else inherited)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its layers and its checkpoints hold."""
+        return nbytes(self) + sum(nbytes(states) for _, states in self.checkpoints)
 
 
 def checkpoint(batch_caches: list[Any], i: int) -> list[Any]:
     """Row ``i``'s state in each untrimmable layer of a batch (None for the layers that trim):
     what restoring the row at its current position needs beyond its trimmed KV."""
     return [None if trims(c) else c.extract(i) for c in batch_caches]
+
+
+def trim_to(cache: Any, n: int) -> None:
+    """Cut a trimmable one-sequence layer back to its first ``n`` tokens."""
+    if kind(cache) == "list":
+        for c in cache.caches:
+            trim_to(c, n)
+    else:
+        cache.trim(max(0, cache.offset - n))
 
 
 def at_checkpoint(caches: list[Any], n: int, states: list[Any]) -> list[Any]:
@@ -144,7 +163,7 @@ def at_checkpoint(caches: list[Any], n: int, states: list[Any]) -> list[Any]:
     for c, s in zip(caches, states, strict=True):
         if s is None:
             c = copy.deepcopy(c)
-            c.trim(c.offset - n) if kind(c) != "list" else [p.trim(p.offset - n) for p in c.caches]
+            trim_to(c, n)
             out.append(c)
         else:
             out.append(copy.deepcopy(s))

@@ -32,13 +32,15 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from app.engine.kv.geometry import KVGeometry, probe_geometry
 from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_image_limit,
     vlm_language_model,
+    vlm_make_cache,
     vlm_text_config,
 )
-from app.engine.models.loader import KVGeometry, activation_dtype, apply_params, kv_geometry
+from app.engine.models.loader import apply_params
 from app.engine.models.vlm_forward import check_features
 from app.engine.models.vlm_prompts import (
     VlmPrompts,
@@ -146,7 +148,10 @@ def load_vlm(
         apply_params(vlm_language_model(model), replace(load, dtype=None))
     config = vlm_text_config(model)
     try:
-        kv = kv_geometry(config, activation_dtype(vlm_language_model(model)), None)
+        language_model = vlm_language_model(model)
+        # The caches the decode step gives its rows (mlx-lm's classes: vlm_make_cache), whose
+        # kinds the geometry reads; the language model's own make_cache() is mlx-vlm's copies.
+        kv = probe_geometry(lambda: vlm_make_cache(model), lambda tokens, cache: language_model(tokens, cache=cache))
     except ConfigError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
     native_len = int(config.get("max_position_embeddings") or 4096)

@@ -12,15 +12,18 @@ from typing import Any
 
 from app.engine.mlx_internals import eos_token_ids
 from app.engine.step.batch import DecodeBatch, Forward
-from app.engine.step.rows import PromptResponse, Response, ScoreResponse, ScoreSpec
+from app.engine.step.rows import Drawn, Feed, PromptResponse, Response, RowInputs, ScoreResponse, ScoreSpec
 from app.engine.step.verify import Outcome, RowProposal
 
 __all__ = [
     "DecodeBatch",
+    "Drawn",
+    "Feed",
     "Forward",
     "Outcome",
     "PromptResponse",
     "Response",
+    "RowInputs",
     "RowProposal",
     "ScoreResponse",
     "ScoreSpec",

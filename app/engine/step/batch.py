@@ -38,13 +38,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from app.engine.kv.layers import all_trim, nbytes
+from app.engine.kv.layers import SeqCache, nbytes
 from app.engine.mlx_internals import TokenBuffer, make_prompt_cache
 from app.engine.step.phase import Phase
 from app.engine.step.rows import (
+    Drawn,
+    Feed,
     LogitsProcessor,
     PromptResponse,
-    Feed,
     Response,
     Row,
     RowInputs,
@@ -109,7 +110,8 @@ class DecodeBatch:
                         samplers: list[Sampler | None] | None = None,
                         logits_processors: list[Sequence[LogitsProcessor] | None] | None = None,
                         scores: list[ScoreSpec | None] | None = None,
-                        inputs: list[RowInputs | None] | None = None) -> list[int]:
+                        inputs: list[RowInputs | None] | None = None,
+                        drawn: list[Drawn | None] | None = None) -> list[int]:
         """Queue sequences: each one's prompt in ``segments`` (the tokens after what its
         ``caches`` hold, which ``all_tokens`` names), its budget and sampling. Returns their uids."""
         n = len(segments)
@@ -126,11 +128,13 @@ class DecodeBatch:
             held = 1 + (score.tail if score is not None else 0)
             parts = _hold_back(parts, held)
             held = len(parts[-1])
-            cache = caches[i] if caches and caches[i] is not None else self._make_cache()
+            given = caches[i] if caches else None
+            cache = given if given is not None else self._make_cache()
             row = Row(uid=self._uids, segments=parts, tokens=list(all_tokens[i]) if all_tokens else [],
                       max_tokens=max_tokens[i], sampler=samplers[i] if samplers else None,
                       processors=normalize_processors(logits_processors[i] if logits_processors else None),
-                      cache=list(cache), score=score, held=held, inputs=inputs[i] if inputs else None)
+                      cache=list(cache), score=score, held=held, inputs=inputs[i] if inputs else None,
+                      drawn=drawn[i] if drawn else None)
             row.total = len(row.tokens) + row.left
             row.done = row.base = len(row.tokens)
             self._uids += 1
@@ -148,8 +152,8 @@ class DecodeBatch:
                 return "queue", i
         return None
 
-    def extract_cache(self, uids: list[int]) -> dict[int, tuple[list[Any], list[int]]]:
-        """Each row's KV now (a copy) and the tokens it holds."""
+    def extract_cache(self, uids: list[int]) -> dict[int, tuple[SeqCache, list[int]]]:
+        """Each row's KV now (a copy, with the checkpoints it took) and the tokens it holds."""
         out = {}
         for uid in uids:
             where = self._find(uid)
@@ -158,10 +162,11 @@ class DecodeBatch:
             name, i = where
             if name == "queue":
                 row = self._queue[i]
-                out[uid] = (row.cache or [], list(row.tokens))
+                out[uid] = (SeqCache(row.cache or [], row.checkpoints), list(row.tokens))
             else:
                 phase = self._decode if name == "decode" else self._prefill
-                out[uid] = (phase.extract(i), list(phase.rows[i].tokens))
+                row = phase.rows[i]
+                out[uid] = (SeqCache(phase.extract(i), row.checkpoints), list(row.tokens))
         return out
 
     def checkpoints_of(self, uid: int) -> list[tuple[int, list[Any]]]:
@@ -173,7 +178,7 @@ class DecodeBatch:
         phase = {"decode": self._decode, "prefill": self._prefill}.get(name)
         return list((phase.rows[i] if phase is not None else self._queue[i]).checkpoints)
 
-    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, tuple[list[Any], list[int]]]:
+    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, tuple[SeqCache, list[int]]]:
         """Take rows out; with ``return_prompt_caches``, each one's KV and tokens."""
         caches = self.extract_cache(uids) if return_prompt_caches else {}
         gone = set(uids)
@@ -204,6 +209,15 @@ class DecodeBatch:
             return {}
         tokens: list[int] = self._next.tolist()  # type: ignore[assignment]
         return {r.uid: t for r, t in zip(self._decode.rows, tokens, strict=True) if r.uid not in self._fresh}
+
+    def pending_of(self, uid: int) -> tuple[int, Any] | None:
+        """A decoding row's drawn token not yet fed (nor emitted), and the distribution it was
+        drawn from; None for a row not decoding, or one whose next token is from its prompt."""
+        i = self._decode.index(uid)
+        if i is None or uid in self._fresh or self._next is None:
+            return None
+        token: int = self._next[i].tolist()  # type: ignore[assignment]
+        return token, self._next_lp[i] if self._next_lp is not None else None
 
     def context(self, uid: int) -> list[int]:
         """The tokens row ``uid``'s KV holds (the list itself)."""
@@ -332,18 +346,20 @@ class DecodeBatch:
                 for row, (a, b) in zip(rows, picks, strict=True)]
 
     def _join_decode(self, rows: list[Row], cache: list[Any]) -> None:
-        """Rows out of prefill into the decode phase: each feeds its held-back prompt token next."""
+        """Rows out of prefill into the decode phase: each feeds its held-back token next (a
+        prompt token, fed not emitted; or, resuming, a token it drew before: emitted)."""
         last = [row.segments[0][0] for row in rows]
         for row in rows:
             row.segments = []
-            self._fresh.add(row.uid)
+            if row.drawn is None:
+                self._fresh.add(row.uid)
         self._decode.add(rows, cache)
         self._contexts.extend(TokenBuffer(r.tokens) if r.processors else None for r in rows)
         new = mx.array(last, dtype=mx.uint32)
         self._next = new if self._next is None or not len(self._decode.rows) - len(rows) else \
             mx.concatenate([self._next, new])
         # A fresh row's fed token was not drawn: no distribution goes with it.
-        pad = [None] * len(rows)
+        pad = [r.drawn.logprobs if r.drawn is not None else None for r in rows]
         self._next_lp = pad if self._next_lp is None or len(self._decode.rows) == len(rows) else \
             [*_as_list(self._next_lp), *pad]
 
@@ -431,7 +447,7 @@ class DecodeBatch:
                 finish = "stop"
             r = Response(row.uid, token, finish, source=sources, index=i)
             if finish is not None:
-                r.prompt_cache, r.all_tokens, r.checkpoints = self._decode.extract(i), row.tokens, row.checkpoints
+                r.prompt_cache, r.all_tokens = SeqCache(self._decode.extract(i), row.checkpoints), row.tokens
             else:
                 keep.append(i)
             responses.append(r)
@@ -466,4 +482,4 @@ def _wire() -> int | None:
     size = mx.device_info().get("max_recommended_working_set_size") if hasattr(mx, "device_info") else None
     if not size:
         return None
-    return int(mx.set_wired_limit(int(size)))  # type: ignore[arg-type]
+    return int(mx.set_wired_limit(int(size)))

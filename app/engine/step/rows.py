@@ -39,6 +39,16 @@ class RowInputs:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A resumed row's held-back token is one it drew before it was paused, not a prompt
+    token: its first decode step feeds it and emits it (as it would have), with
+    ``logprobs``, the distribution it was drawn from. So a paused row resumes on any cache
+    kind without dropping a token from its KV."""
+
+    logprobs: Any = None
+
+
 @dataclass(eq=False)
 class Row:
     """One sequence in the decode step."""
@@ -64,6 +74,7 @@ class Row:
     # when it was inserted (its inputs begin there).
     inputs: RowInputs | None = None
     base: int = 0
+    drawn: Drawn | None = None
     # Prompt tokens held back from prefill (the last one, fed by the first decode step; a
     # score row's tail and the token before it, fed by its score pass).
     held: int = 1
@@ -103,7 +114,8 @@ class PromptResponse:
 
 @dataclass
 class Response:
-    """One token a decoding row emitted; the last of a row carries its KV."""
+    """One token a decoding row emitted; the last of a row carries its KV (a ``SeqCache``: its
+    checkpoints with it) and the tokens the KV holds."""
 
     uid: int
     token: int
@@ -114,8 +126,6 @@ class Response:
     # processors): read only for rows that asked for logprobs (``logprobs``).
     source: Any = None
     index: int = 0
-    # The row's checkpoints (``Row.checkpoints``), on the last response.
-    checkpoints: list[tuple[int, list[Any]]] | None = None
 
     @property
     def logprobs(self) -> mx.array:

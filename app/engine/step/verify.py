@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from app.engine.batch.sampling import RowSampler
-from app.engine.kv.layers import restore, snapshot, trims
+from app.engine.kv.layers import SeqCache, restore, snapshot, trims
 from app.engine.mlx_internals import TokenBuffer
 from app.engine.step.rows import Response
 
@@ -137,8 +137,8 @@ class Verifier:
         keys: list[Any] = []
         for i in range(B):
             n = len(drafts[i]) + 1
-            row = self._processed(i, logits[i, :n], [xs[i], *drafts[i]])
-            lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            processed = self._processed(i, logits[i, :n], [xs[i], *drafts[i]])
+            lp = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
             logprobs.append(lp)
             tokens, used = self._draw(i, lp)
             draws.append(tokens)
@@ -198,7 +198,7 @@ class Verifier:
         for i in finished:  # the finishing response carries the row's KV
             row = phase.rows[i]
             last = by_uid[row.uid]
-            last.prompt_cache, last.all_tokens, last.checkpoints = phase.extract(i), row.tokens, row.checkpoints
+            last.prompt_cache, last.all_tokens = SeqCache(phase.extract(i), row.checkpoints), row.tokens
         if finished:
             done = set(finished)
             b._filter_decode([i for i in range(B) if i not in done])
