@@ -27,9 +27,9 @@ from app.engine.batch.vision_features import FeatureCache, prompt_row_inputs
 from app.engine.kv.layers import all_trim, at_checkpoint
 from app.engine.mlx_internals import vlm_stop_tokens
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
-from app.engine.models.vlm_forward import VlmForward, new_vlm_decode_batch
+from app.engine.models.vlm_forward import VlmForward, new_vlm_decode_batch, rebase
 from app.engine.prompt import MultimodalPrompt, Prompt
-from app.engine.step import DecodeBatch, RowProposal
+from app.engine.step import DecodeBatch, Drawn, RowProposal
 from app.engine.step.phase import merge
 from app.engine.step.rows import Feed, Row
 from app.specs import load_params
@@ -85,6 +85,12 @@ def run(batch: DecodeBatch, prompts: list[Prompt], inputs: list[Any], *, caches:
     uids = batch.insert_segments([[p.tokens[d:]] for p, d in zip(prompts, done, strict=True)],
                                  max_tokens=[TOKENS] * len(prompts), inputs=inputs, caches=caches,
                                  all_tokens=[p.tokens[:d] for p, d in zip(prompts, done, strict=True)])
+    return finish(batch, uids, proposals=proposals, outcomes=outcomes)
+
+
+def finish(batch: DecodeBatch, uids: list[int], *, proposals: Callable[[int, list[int]], tuple[int, ...]] | None = None,
+           outcomes: list[Any] | None = None) -> tuple[list[list[int]], dict[int, Any]]:
+    """Steps until the rows ``uids`` finish: their tokens, and each one's last response."""
     out: dict[int, list[int]] = {u: [] for u in uids}
     last: dict[int, Any] = {}
     while len(last) < len(uids):
@@ -174,8 +180,7 @@ def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm,
     kv, held = last[0].prompt_cache, last[0].all_tokens
     turn2 = extend(vlm, answer, [image(*CASES[0][1][0]), image(5)])
     assert isinstance(turn2, MultimodalPrompt)
-    starts = [(n, at_checkpoint(kv, n, states)) for n, states in last[0].checkpoints
-              if turn2.tokens[:n] == held[:n]]
+    starts = [(n, at_checkpoint(kv, n, states)) for n, states in kv.checkpoints if turn2.tokens[:n] == held[:n]]
     if all_trim(kv):
         n = next(i for i, (a, b) in enumerate(zip([*held, -1], [*turn2.tokens, -2], strict=False)) if a != b)
         starts.append((n, at_checkpoint(kv, n, [None] * len(kv))))
@@ -188,6 +193,29 @@ def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm,
             resumed, _ = run(vlm.batch(), [turn2], [vlm.inputs(turn2, done, held_features)],
                              caches=[copy.deepcopy(cache)], done=[done])
             assert resumed == full
+
+
+@pytest.mark.parametrize("emitted", [0, 3])
+def test_a_row_taken_out_and_put_back_answers_as_if_never_paused(vlm, references, emitted):
+    """An image row removed with its KV (in prefill, after a chunk; or decoding, after 3
+    tokens) and re-inserted (the rest of its prompt; or the token it had drawn, ``Drawn``)
+    with its inputs rebased to what its KV holds gives its uninterrupted answer."""
+    prompt, expected = references[2]
+    inputs = vlm.inputs(prompt)
+    b = vlm.batch(prefill_step_size=5)
+    (uid,) = b.insert_segments([[prompt.tokens]], max_tokens=[TOKENS], inputs=[inputs])
+    out: list[int] = []
+    b.next()
+    while len(out) < emitted:
+        out += [r.token for r in b.next()[1]]
+    drawn = b.pending_of(uid)
+    cache, held = b.remove([uid], return_prompt_caches=True)[uid]
+    assert (drawn is not None) == bool(emitted) and 0 < len(held) <= len(prompt.tokens) + emitted
+    rest = [drawn[0]] if drawn is not None else prompt.tokens[len(held):]
+    again = b.insert_segments([[rest]], max_tokens=[TOKENS - len(out)], caches=[cache], all_tokens=[held],
+                              inputs=[rebase(inputs, len(held))], drawn=[Drawn(drawn[1]) if drawn else None])
+    resumed, _ = finish(b, again)
+    assert out + resumed[0] == expected
 
 
 def extend(vlm: Vlm, answer: list[int], images: list[Image.Image]) -> Prompt:

@@ -102,6 +102,24 @@ def row_inputs(features: dict[str, Any], start: int) -> RowInputs:
     return RowInputs(embeddings=features["inputs_embeds"][0, start:], extras=extras)
 
 
+def rebase(inputs: RowInputs | None, n: int) -> RowInputs | None:
+    """A row's inputs for its sequence re-inserted with ``n`` more tokens in its cache than
+    when ``inputs`` were made (a row paused, for memory or for interactive work, and resumed
+    from its KV): the per-token inputs from there on, the per-row ones as they are."""
+    if inputs is None or n == 0:
+        return inputs
+    extras = dict(inputs.extras)
+    if "position_ids" in extras:
+        extras["position_ids"] = extras["position_ids"][:, n:]
+    visual = extras.get("visual_pos_masks")
+    if visual is not None:
+        before = int(visual[:n].sum())
+        extras["visual_pos_masks"] = visual[n:]
+        extras["deepstack_visual_embeds"] = [layer[before:] for layer in extras["deepstack_visual_embeds"]]
+    embeddings = inputs.embeddings[n:] if inputs.embeddings is not None else None
+    return RowInputs(embeddings=embeddings, extras=extras)
+
+
 class VlmForward:
     """The decode step's forward call for an mlx-vlm model (see the module docstring)."""
 
