@@ -1,13 +1,14 @@
-"""Native VLM rows in Tandem's decode step (``DecodeBatch`` with ``VlmForward``), on tiny
-random-weight VLMs of each mlx-vlm family, through mlx-vlm's real processors, vision
-towers and language models.
+"""Native VLM rows in Tandem's decode step (``DecodeBatch`` over ``VlmForward``), on tiny
+random-weight VLMs of every mlx-vlm type Tandem lists (Qwen2-VL from tiny_vlm, the rest from
+the zoo), through mlx-vlm's real processors, vision towers and language models.
 
-For each family, at temperature 0: a row's tokens are mlx-vlm's own ``stream_generate``'s
-for the same prompt and images; three image rows and a text row in one batch each give
-their lone answer, whatever the prefill chunk cuts; a row resumed from its first turn's KV
-(taken from the step) gives what a full prefill of the second turn gives; proposals
-verified in the batch (all kept, or rejected) leave the answer as it is; two different
-images give different answers.
+For each type, at temperature 0: a row's tokens are mlx-vlm's own ``stream_generate``'s for
+the same prompt and images; three image rows and a text row in one batch each give their
+lone answer, whatever the prefill chunk cuts (and with 8-bit KV); proposals verified in the
+batch (all kept, or rejected and rolled back) leave every answer as it is; a row resumed from
+its first turn's KV (taken from the step) gives what a full prefill of the second turn
+gives; a row taken out (in prefill, or decoding) and put back answers as if never paused;
+two images in one batch change the first token's distribution.
 """
 
 from __future__ import annotations
@@ -168,6 +169,22 @@ def test_proposals_verified_in_the_batch_keep_the_answer(vlm, references):
         assert tokens == [e for _, e in references]
         accepted = sum(o.accepted for o in outcomes)
         assert (accepted > 0) if proposals is right else (accepted < sum(o.proposed for o in outcomes))
+
+
+def test_quantized_kv_rows_keep_their_lone_answers(vlm, references):
+    """With 8-bit KV (``kv_cache_bits``: the plain KV layers quantized, windows and recurrent
+    state as they are), image and text rows sharing every pass keep their lone answers."""
+    forward = VlmForward(vlm.loaded.model)
+    prompts = [p for p, _ in references]
+    try:
+        caches = [forward.quantized_cache(8, 32) for _ in prompts]
+        run(vlm.batch(), prompts[:1], [vlm.inputs(prompts[0])], caches=caches[:1])
+    except Exception as exc:  # noqa: BLE001 - the tiny model's head_dim is no multiple of a quantization group
+        pytest.skip(f"{vlm.loaded.name}: no 8-bit KV at group 32 ({exc})")
+    lone = [run(vlm.batch(), [p], [vlm.inputs(p)], caches=[forward.quantized_cache(8, 32)])[0][0] for p in prompts]
+    together, _ = run(vlm.batch(3), prompts, [vlm.inputs(p) for p in prompts],
+                      caches=[forward.quantized_cache(8, 32) for _ in prompts])
+    assert together == lone
 
 
 def test_a_row_resumed_from_its_first_turns_kv_gives_a_full_prefills_answer(vlm, references):

@@ -57,6 +57,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from app.engine.kv.kv_quant import make_quantized_prompt_cache
 from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_forward,
@@ -140,6 +141,12 @@ class VlmForward:
         """A fresh cache for one row (mlx-lm's classes, one per layer)."""
         return vlm_make_cache(self.model)
 
+    def quantized_cache(self, bits: int, group_size: int) -> list[Any]:
+        """A fresh cache for one row with its plain KV layers quantized (``kv_cache_bits``),
+        its windows and recurrent state as they are (``kv_quant.make_quantized_prompt_cache``
+        over this model's caches). ConfigError for a model without plain KV layers."""
+        return make_quantized_prompt_cache(_Caches(self.model), bits, group_size)
+
     def __call__(self, tokens: mx.array, cache: list[Any], feed: Feed) -> mx.array:
         width = tokens.shape[1]
         covered = [_covered(row, start, n) for row, start, n in zip(feed.rows, feed.starts, feed.lengths, strict=True)]
@@ -166,6 +173,16 @@ class VlmForward:
             own = row.inputs.embeddings[start:start + n].astype(text.dtype)
             rows.append(own if n == tokens.shape[1] else mx.concatenate([own, text[i, n:]]))
         return mx.stack(rows)
+
+
+class _Caches:
+    """A VLM seen as ``make_prompt_cache`` sees a model: its caches are ``vlm_make_cache``'s."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def make_cache(self) -> list[Any]:
+        return vlm_make_cache(self._model)
 
 
 def new_vlm_decode_batch(model: Any, processor: Any, *, completion_batch_size: int, prefill_batch_size: int,
