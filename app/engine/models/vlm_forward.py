@@ -52,7 +52,7 @@ step. MLX thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -145,7 +145,7 @@ class VlmForward:
         """A fresh cache for one row with its plain KV layers quantized (``kv_cache_bits``),
         its windows and recurrent state as they are (``kv_quant.make_quantized_prompt_cache``
         over this model's caches). ConfigError for a model without plain KV layers."""
-        return make_quantized_prompt_cache(_Caches(self.model), bits, group_size)
+        return make_quantized_prompt_cache(cast(Any, _Caches(self.model)), bits, group_size)  # asks only make_cache()
 
     def __call__(self, tokens: mx.array, cache: list[Any], feed: Feed) -> mx.array:
         width = tokens.shape[1]
