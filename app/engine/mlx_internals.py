@@ -48,7 +48,8 @@ caches:
 
 mlx-vlm
 - the processor's ``tokenizer.stopping_criteria.reset(eos_token_id)``, which
-  ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not);
+  ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not), and
+  its ``eos_token_ids`` after it: the tokens a generation stops at (``vlm_stop_tokens``);
 - ``processor.clean_output(text)`` when the model defines one;
 - ``generate.ar.BatchGenerator(language_model, processor, completion_batch_size=,
   prefill_batch_size=, prefill_step_size=, compute_logprobs=, sampler=)``: one
@@ -90,6 +91,16 @@ mlx-vlm
   image, each image's rows its own (block-diagonal attention over ``grid_thw``),
   which is what lets ``batch/vision_features`` encode and cache images one by one;
   ``model.language_model``; ``model.config.text_config`` (a dataclass);
+- for Tandem's decode step (``models/vlm_forward``): ``model.language_model(tokens,
+  cache=, inputs_embeds=, position_ids=, visual_pos_masks=, deepstack_visual_embeds=)``
+  returning a ``LanguageModelOutput`` (``logits``), which given its own text embeddings
+  computes what it computes from the ids, and places each token where explicit
+  ``position_ids`` say (M-RoPE: (3, B, L)), in mlx-lm's batch caches; its
+  ``make_cache()``, of mlx-vlm's own copies of mlx-lm's cache classes (``KVCache``,
+  ``RotatingKVCache`` ``max_size, keep``, ``ArraysCache`` ``cache``, ``ChunkedKVCache``
+  ``chunk_size``, ``CacheList`` ``caches``), which ``vlm_make_cache`` translates to
+  mlx-lm's; ``get_input_embeddings(input_ids, None)`` for text alone, and the fields of
+  its ``InputEmbeddingsFeatures`` (``to_dict``) that ``vlm_forward`` batches.
 - ``utils.should_add_special_tokens(model_type, processor)``, the rule
   ``mlx_vlm.generate`` applies before ``prepare_inputs``; without images,
   ``prepare_inputs`` is the tokenizer alone (``vlm_text_tokens`` calls it so);
@@ -146,12 +157,21 @@ list and the contract tests in step):
     mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS
     mlx_vlm.tokenizer_utils.make_streaming_detokenizer
     <vlm processor>.tokenizer.stopping_criteria.reset
+    <vlm processor>.tokenizer.stopping_criteria.eos_token_ids
     <vlm processor>.clean_output
     <vlm model>.get_input_embeddings
     <vlm model>.get_input_embeddings.cached_image_features
     <vlm model>.vision_tower
     <vlm model>.language_model
     <vlm model>.config.text_config
+    <vlm model>.language_model.__call__
+    <vlm model>.language_model.make_cache
+    mlx_vlm.models.base.InputEmbeddingsFeatures
+    mlx_vlm.models.base.LanguageModelOutput.logits
+    mlx_vlm.models.cache.RotatingKVCache
+    mlx_vlm.models.cache.ArraysCache
+    mlx_vlm.models.cache.ChunkedKVCache
+    mlx_vlm.models.cache.CacheList
     mlx_embeddings.utils.load_model
 """
 
@@ -198,6 +218,11 @@ __all__ = [
     "trim_prompt_cache",
     "vlm_blank_features",
     "vlm_clean_output",
+    "vlm_embedding_features",
+    "vlm_forward",
+    "vlm_make_cache",
+    "vlm_stop_tokens",
+    "vlm_text_embeddings",
     "vlm_image_limit",
     "vlm_input_embeddings",
     "vlm_encode_images",
@@ -276,6 +301,19 @@ def reset_vlm_stopping(processor: Any, model: Any) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     if hasattr(tokenizer, "stopping_criteria"):
         tokenizer.stopping_criteria.reset(model.config.eos_token_id)
+
+
+def vlm_stop_tokens(processor: Any, model: Any) -> list[int]:
+    """Every token id ``mlx_vlm.generate`` stops at: its stopping criteria's ``eos_token_ids``
+    after the reset it makes (the config's EOS ids, the tokenizer's, and the processor's
+    additional ones, such as Idefics3's ``<end_of_utterance>``)."""
+    reset_vlm_stopping(processor, model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    criteria = getattr(tokenizer, "stopping_criteria", None)
+    if criteria is not None:
+        return list(criteria.eos_token_ids)
+    eos = model.config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def vlm_clean_output(processor: Any, text: str) -> str:
@@ -508,11 +546,78 @@ def vlm_input_embeddings(model: Any, inputs: dict[str, Any], image_features: Any
     as mlx-vlm's own server builds them. The vision tower runs here unless
     ``image_features`` (``vlm_encode_images``' rows for every image, in order) are given."""
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    return {**extras, **vlm_embedding_features(model, inputs, image_features)}
+
+
+def vlm_embedding_features(model: Any, inputs: dict[str, Any], image_features: Any = None) -> dict[str, Any]:
+    """What ``get_input_embeddings`` gives for one prompt (its processor's ``inputs``): the
+    fields of mlx-vlm's ``InputEmbeddingsFeatures`` that are set. ``inputs_embeds`` (1, L,
+    hidden), the image features merged in, and the model's extras: ``position_ids`` (3, 1, L)
+    and ``rope_deltas`` (1, 1) for M-RoPE (a text-only prompt: (1, L) and zeros),
+    ``visual_pos_masks`` (1, L) and ``deepstack_visual_embeds`` (one (image tokens, hidden)
+    array per layer) for Qwen3-VL, ``attention_mask_4d`` for Gemma 3. The vision tower runs
+    here unless ``image_features`` (``vlm_encode_images``' rows for every image) are given."""
+    extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     cached = {"cached_image_features": image_features} if image_features is not None else {}
     features = model.get_input_embeddings(
         inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extras, **cached
     )
-    return {**extras, **{k: v for k, v in features.to_dict().items() if v is not None}}
+    return {k: v for k, v in features.to_dict().items() if v is not None}
+
+
+def vlm_text_embeddings(model: Any, tokens: Any) -> Any:
+    """The model's own embeddings of token ids (B, L) with no image: (B, L, hidden), as
+    ``get_input_embeddings`` gives a text-only prompt. The language model given these as
+    ``inputs_embeds`` computes what it computes from the ids themselves."""
+    return model.get_input_embeddings(tokens, None).inputs_embeds
+
+
+def vlm_forward(model: Any, tokens: Any, cache: list[Any], **features: Any) -> Any:
+    """One pass of the language model (``model.language_model``) over ``tokens`` (B, L) and
+    the batch caches, with ``features`` (``inputs_embeds``, ``position_ids``, ...) as mlx-vlm's
+    own generators pass them: the logits (B, L, vocab) of its ``LanguageModelOutput``."""
+    out = model.language_model(tokens, cache=cache, **features)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def vlm_make_cache(model: Any) -> list[Any]:
+    """A fresh cache for one sequence of the VLM's language model, one per layer, as
+    mlx-lm's classes (what Tandem's decode step, its batch caches, snapshots and KV files
+    know): the language model's own ``make_cache()`` translated kind by kind (mlx-vlm keeps
+    its own copies of mlx-lm's cache classes, with the same fields), or a ``KVCache`` per
+    layer where it has none (mlx-lm's ``make_prompt_cache`` rule). ``ConfigError`` for a
+    kind mlx-lm has no class for."""
+    from app.errors import ConfigError
+
+    lm = vlm_language_model(model)
+    if not hasattr(lm, "make_cache"):
+        return [KVCache() for _ in lm.layers]
+    out = []
+    for layer in lm.make_cache():
+        cache = _mlx_lm_cache(layer)
+        if cache is None:
+            raise ConfigError(f"the language model keeps a {type(layer).__name__} cache, which mlx-lm has no class for")
+        out.append(cache)
+    return out
+
+
+def _mlx_lm_cache(layer: Any) -> Any:
+    """mlx-lm's fresh cache of the same kind and settings as mlx-vlm's ``layer``; None if none."""
+    from mlx_lm.models.cache import ChunkedKVCache
+    from mlx_vlm.models import cache as vc
+
+    if isinstance(layer, vc.CacheList):
+        parts = [_mlx_lm_cache(c) for c in layer.caches]
+        return None if any(p is None for p in parts) else CacheList(*parts)
+    if isinstance(layer, vc.RotatingKVCache):
+        return RotatingKVCache(max_size=layer.max_size, keep=layer.keep)
+    if isinstance(layer, vc.ChunkedKVCache):
+        return ChunkedKVCache(layer.chunk_size)
+    if isinstance(layer, vc.ArraysCache):
+        return ArraysCache(len(layer.cache))
+    if type(layer) is vc.KVCache:
+        return KVCache()
+    return None
 
 
 # Model types whose get_input_embeddings takes ``cached_image_features`` and whose vision

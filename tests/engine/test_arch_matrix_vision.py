@@ -47,23 +47,15 @@ def image(seed: int) -> str:
 
 # ---- what fails today, and why (issue 29) ------------------------------------------------
 
-_RUNS = ("refused at load: the worst-case input fails with 'the processor of vlm made {} image token run(s) for "
-         "2 image(s)': the engine takes an image's placeholders for one run, and {}")
-MODEL_GAPS: dict[str, str] = {
-    "mistral3": _RUNS.format(8, "Pixtral ends each row of an image with [IMG_BREAK] and the image with [IMG_END]"),
-    "idefics3": _RUNS.format(10, "Idefics3 splits an image into tiles (<row_i_col_j>) and a <global-img>"),
-    "smolvlm": _RUNS.format(10, "SmolVLM splits an image into tiles (<row_i_col_j>) and a <global-img>"),
-    "lfm2_vl": _RUNS.format(20, "LFM2-VL splits an image past its patch budget into tiles and a thumbnail"),
-    "gemma3": ("refused at load: 'the chat template of vlm wrote 0 image placeholder(s) for 2 image(s)': Gemma 3's "
-               "template writes <start_of_image> and its processor expands it into <image_soft_token>s, while the "
-               "engine counts the expanded token in the rendered text"),
-}
+# Models the engine refuses today (none: an image's placeholders in several runs, and a
+# template marker the processor expands, load since the vlm branch, issue 29).
+MODEL_GAPS: dict[str, str] = {}
 GAPS: dict[str, dict[str, str]] = {
     "batch": {"qwen3_vl": "image rows prefilled in one step change each other's answers (one row of three, in 5 "
                           "of 6 runs of a round; rows that join the batch at different steps keep theirs; "
                           "the cause is not diagnosed here, Qwen2.5-VL's rows keep theirs)"},
     "turn_2": {name: "turn 2 reuses 0 tokens: the native VLM engine's prefix cache serves Qwen2-VL and Qwen2.5-VL only"
-               for name in ("qwen3_vl", "lfm2_vl_small")},
+               for name in ("qwen3_vl", "lfm2_vl_small", "mistral3", "gemma3", "idefics3", "smolvlm", "lfm2_vl")},
 }
 
 

@@ -80,12 +80,22 @@ BEHAVIOUR = {
         test_mlx_lm_internals, "test_contract_batch_kv_rolls_back_to_what_each_row_kept"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
+    "<vlm processor>.tokenizer.stopping_criteria.eos_token_ids": (M, "test_vlm_stop_tokens_are_where_generate_stops"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),
     "<vlm model>.get_input_embeddings.cached_image_features": (
         M, "test_vlm_cached_image_features_merge_in_place_of_the_tower"),
     "<vlm model>.vision_tower": (M, "test_vlm_vision_tower_gives_each_image_its_own_rows"),
-    "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
+    "<vlm model>.language_model": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
     "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
+    "<vlm model>.language_model.__call__": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "<vlm model>.language_model.make_cache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.base.InputEmbeddingsFeatures": (M, "test_vlm_embedding_features_are_the_fields_the_step_feeds"),
+    "mlx_vlm.models.base.LanguageModelOutput.logits": (
+        M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "mlx_vlm.models.cache.RotatingKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ArraysCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ChunkedKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.CacheList": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
     "mlx_vlm.generate.ar.PromptProcessingBatch._token_context": (
         M, "test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv"),
 }

@@ -88,6 +88,67 @@ def test_vlm_cached_image_features_merge_in_place_of_the_tower(vlm):
     assert not mx.array_equal(other["inputs_embeds"], ran["inputs_embeds"]).item()
 
 
+def test_vlm_embedding_features_are_the_fields_the_step_feeds(vlm):
+    """``get_input_embeddings`` gives an image prompt its embeddings and M-RoPE positions,
+    and a text-only prompt (no pixels) its token indices as positions, deltas 0."""
+    model, processor, prompt = vlm
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    features = mi.vlm_embedding_features(model, inputs)
+    length = inputs["input_ids"].shape[1]
+    assert set(features) == {"inputs_embeds", "position_ids", "rope_deltas"}
+    assert features["position_ids"].shape == (3, 1, length) and features["rope_deltas"].shape == (1, 1)
+    text = mi.vlm_embedding_features(model, {"input_ids": mx.array([[5, 6, 7]])})
+    assert text["position_ids"].tolist() == [[0, 1, 2]] and text["rope_deltas"].tolist() == [[0]]
+    embeds = mi.vlm_text_embeddings(model, mx.array([[5, 6, 7]]))
+    assert mx.array_equal(embeds, text["inputs_embeds"]).item()
+
+
+def test_vlm_language_model_takes_embeddings_and_explicit_positions(vlm):
+    """The language model given its own text embeddings computes what it computes from the
+    ids; it places tokens where explicit ``position_ids`` say (and nowhere else), in a batch
+    cache of mlx-lm's classes (``vlm_make_cache``); it returns ``LanguageModelOutput.logits``."""
+    model, _, _ = vlm
+    ids = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+    def logits(**features):
+        from app.engine.step.phase import merge
+
+        cache = merge([mi.vlm_make_cache(model) for _ in range(2)])
+        return mi.vlm_forward(model, ids, cache, **features)
+
+    plain = logits()
+    assert plain.shape[:2] == (2, 4)
+    assert mx.allclose(logits(inputs_embeds=mi.vlm_text_embeddings(model, ids)), plain, atol=1e-5).item()
+    at = mx.broadcast_to(mx.arange(4)[None, None], (3, 2, 4))
+    assert mx.allclose(logits(position_ids=at), plain, atol=1e-5).item()
+    gap = at + mx.array([0, 0, 0, 7])  # RoPE is relative: only a change of distances shows
+    assert not mx.allclose(logits(position_ids=gap)[:, 3], plain[:, 3], atol=1e-3).item()
+
+
+def test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind():
+    """mlx-vlm's cache classes (a language model's ``make_cache()``) as mlx-lm's, kind by kind."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import cache as lc
+    from mlx_vlm.models import cache as vc
+
+    from app.errors import ConfigError
+
+    def made(*layers):
+        return mi.vlm_make_cache(SimpleNamespace(language_model=SimpleNamespace(make_cache=lambda: list(layers))))
+
+    kv, window, state, chunked, both = made(vc.KVCache(), vc.RotatingKVCache(max_size=8, keep=2), vc.ArraysCache(3),
+                                            vc.ChunkedKVCache(16), vc.CacheList(vc.KVCache(), vc.ArraysCache(1)))
+    assert type(kv) is lc.KVCache and type(window) is lc.RotatingKVCache and type(chunked) is lc.ChunkedKVCache
+    assert (window.max_size, window.keep, chunked.chunk_size, len(state.cache)) == (8, 2, 16, 3)
+    assert type(state) is lc.ArraysCache and isinstance(both, lc.CacheList)
+    assert [type(c) for c in both.caches] == [lc.KVCache, lc.ArraysCache]
+    with pytest.raises(ConfigError, match="SimpleKVCache"):
+        made(vc.SimpleKVCache())
+    no_own = SimpleNamespace(language_model=SimpleNamespace(layers=[1, 2]))
+    assert [type(c) for c in mi.vlm_make_cache(no_own)] == [lc.KVCache, lc.KVCache]
+
+
 def test_vlm_batch_generator_insert_next_remove(vlm):
     model, processor, prompt = vlm
     bg = mi.new_vlm_batch_generator(model, processor, max_num_seqs=2, prefill_batch_size=1, prefill_step_size=16)
@@ -117,6 +178,15 @@ def test_vlm_batch_generator_stops_at_the_models_eos(vlm):
     model, processor, _ = vlm
     eos = model.config.eos_token_id
     assert set(processor.tokenizer.stopping_criteria.eos_token_ids) >= set(eos if isinstance(eos, list) else [eos])
+
+
+def test_vlm_stop_tokens_are_where_generate_stops(vlm):
+    """The config's EOS ids, and the processor's stopping criteria's, once reset as generate does."""
+    model, processor, _ = vlm
+    eos = model.config.eos_token_id
+    stops = mi.vlm_stop_tokens(processor, model)
+    assert set(stops) >= set(eos if isinstance(eos, list) else [eos])
+    assert stops == list(processor.tokenizer.stopping_criteria.eos_token_ids)
 
 
 def test_vlm_text_config_has_the_kv_geometry(vlm):
