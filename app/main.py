@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
@@ -38,6 +37,7 @@ from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.roles import ROLES
+from app.engine.types import ModelHandle
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
@@ -157,7 +157,7 @@ async def _drain(state: AppState) -> None:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
 
 
-async def _abort(engine: Any, exc: BaseException) -> None:
+async def _abort(engine: ModelHandle, exc: BaseException) -> None:
     try:
         await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
     except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11

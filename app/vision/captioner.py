@@ -4,7 +4,7 @@
 ``VlmCaptioner`` captions with a VLM the registry serves: a ``role: vision``
 entry, or a native VLM chat model (``vision_mode: native``), whose one loaded
 copy then serves both. Either is an ordinary registry slot run by a
-``VlmEngine``: it loads on demand, unloads when idle (its ``idle_unload_secs``)
+the chat engine serving a VLM: it loads on demand, unloads when idle (its ``idle_unload_secs``)
 or to make room, counts in the memory budget, and is never unloaded
 mid-caption, since the captioner holds a lease while it captions.
 
@@ -129,7 +129,8 @@ class VlmCaptioner:
             room = completion_room(len(prompt.tokens), engine.max_model_len, engine.stats().kv_max_sequence_tokens)
             req = GenerationRequest(prompt, max_tokens=min(self.max_tokens, room), request_id=CAPTION_REQUEST_ID)
             out = [delta.text async for delta in engine.stream(req)]
-            return str(vlm_clean_output(engine.loaded.processor, "".join(out))).strip()
+            assert engine.vision is not None  # acquire_captioner leases VLMs only
+            return str(vlm_clean_output(engine.vision.loaded.processor, "".join(out))).strip()
         except InvalidRequestError as exc:  # the caption's own prompt, never the client's request
             raise EngineError(f"vision model {self.name} failed: {exc.message}") from exc
         finally:

@@ -47,16 +47,10 @@ def image(seed: int) -> str:
 
 # ---- what fails today, and why (issue 29) ------------------------------------------------
 
-# Models the engine refuses today (none: an image's placeholders in several runs, and a
-# template marker the processor expands, load since the vlm branch, issue 29).
+# Gaps of every test on one model, and of one test by model: none since one engine serves
+# every VLM's rows in Tandem's decode step (issue 29).
 MODEL_GAPS: dict[str, str] = {}
-GAPS: dict[str, dict[str, str]] = {
-    "batch": {"qwen3_vl": "image rows prefilled in one step change each other's answers (one row of three, in 5 "
-                          "of 6 runs of a round; rows that join the batch at different steps keep theirs; "
-                          "the cause is not diagnosed here, Qwen2.5-VL's rows keep theirs)"},
-    "turn_2": {name: "turn 2 reuses 0 tokens: the native VLM engine's prefix cache serves Qwen2-VL and Qwen2.5-VL only"
-               for name in ("qwen3_vl", "lfm2_vl_small", "mistral3", "gemma3", "idefics3", "smolvlm", "lfm2_vl")},
-}
+GAPS: dict[str, dict[str, str]] = {}
 
 
 def cases(test: str) -> list[Any]:

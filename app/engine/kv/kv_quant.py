@@ -67,9 +67,14 @@ def _has_quantized(cache: Any) -> bool:
 def check_quantizable(model: nn.Module, bits: int, group_size: int = 64) -> None:
     """Raise ConfigError when this model's KV cannot be quantized at ``group_size``: one token
     through the model with its quantized cache, as the engine will run it."""
-    cache = make_quantized_prompt_cache(model, bits, group_size)
+    check_quantized(lambda tokens: model(tokens, cache=make_quantized_prompt_cache(model, bits, group_size)),
+                    bits, group_size)
+
+
+def check_quantized(run: Any, bits: int, group_size: int) -> None:
+    """Raise ConfigError when ``run(tokens)`` (a model's call with its quantized cache) fails."""
     try:
-        mx.eval(model(mx.array([[0]]), cache=cache))
+        mx.eval(run(mx.array([[0]])))
     except Exception as exc:  # noqa: BLE001 - what the model's attention refuses, said as config
         raise ConfigError(f"kv_cache_bits={bits} needs every attention layer's head_dim divisible by {group_size} "
                           f"(the quantization group) and an attention that takes quantized KV: {exc}") from exc

@@ -4,7 +4,7 @@ A chat entry with ``vision_mode: native`` is served by mlx-vlm itself: its
 chat template places one image placeholder per image part (never a string we
 guess), its processor expands each placeholder into the image's tokens, and
 its vision tower turns the pixels into the features merged at those tokens.
-``VlmEngine`` (``app.engine.batch.vlm_engine``, re-exported here) generates with it.
+The chat engine (``app.engine.batch.engine``, with ``vision_rows``) generates with it.
 
 The discipline of vLLM's multimodal profiling (``get_supported_mm_limits``,
 dummy inputs): ``max_images_per_request`` is the model's own (refused at load
@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from app.engine.kv.geometry import KVGeometry, probe_geometry
+from app.engine.kv.kv_quant import check_quantized
 from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_image_limit,
@@ -40,8 +41,8 @@ from app.engine.mlx_internals import (
     vlm_make_cache,
     vlm_text_config,
 )
-from app.engine.models.loader import apply_params
-from app.engine.models.vlm_forward import check_features
+from app.engine.models.loader import KV_GROUP_SIZE, apply_params
+from app.engine.models.vlm_forward import VlmForward, check_features
 from app.engine.models.vlm_prompts import (
     VlmPrompts,
     count_images,
@@ -74,7 +75,7 @@ class VlmProfile:
 
 @dataclass
 class LoadedVlm:
-    """A VLM loaded with mlx-vlm, ready for ``VlmEngine`` (a native chat model or a vision entry)."""
+    """A VLM loaded with mlx-vlm, ready for the chat engine (a native chat model or a vision entry)."""
 
     name: str
     model: Any  # mlx-vlm Model: vision_tower, language_model
@@ -92,6 +93,8 @@ class LoadedVlm:
     # What the chat template writes for one image (``image_marker``), which the processor
     # expands to the image's placeholder tokens.
     marker: str = ""
+    # The KV cache's bits per element when its plain KV layers are quantized (kv_cache_bits).
+    kv_cache_bits: int | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -129,8 +132,6 @@ def load_vlm(
     from mlx_vlm import load as mlx_vlm_load
 
     started = time.perf_counter()
-    if load.kv_cache_bits is not None:
-        raise ConfigError(f"model {name!r}: kv_cache_bits is not supported for native VLMs")
     try:
         model, processor = mlx_vlm_load(source)
     except Exception as exc:  # noqa: BLE001 - any load failure is a config problem for the user
@@ -151,7 +152,12 @@ def load_vlm(
         language_model = vlm_language_model(model)
         # The caches the decode step gives its rows (mlx-lm's classes: vlm_make_cache), whose
         # kinds the geometry reads; the language model's own make_cache() is mlx-vlm's copies.
-        kv = probe_geometry(lambda: vlm_make_cache(model), lambda tokens, cache: language_model(tokens, cache=cache))
+        make = lambda: vlm_make_cache(model)  # noqa: E731
+        bits = load.kv_cache_bits
+        if bits is not None:  # its plain KV layers quantized, as the engine keeps them
+            make = lambda: VlmForward(model, name).quantized_cache(bits, KV_GROUP_SIZE)  # noqa: E731
+            check_quantized(lambda tokens: language_model(tokens, cache=make()), bits, KV_GROUP_SIZE)
+        kv = probe_geometry(make, lambda tokens, cache: language_model(tokens, cache=cache))
     except ConfigError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
     native_len = int(config.get("max_position_embeddings") or 4096)
@@ -160,7 +166,7 @@ def load_vlm(
         max_model_len=min(load.max_model_len or native_len, native_len), path=source,
         max_pixels=max_pixels, min_pixels=min_pixels, max_images=max_images,
         weights_bytes=_weights_bytes(model),
-        profile=VlmProfile(0, (0, 0), 0, 0, 0.0), load_s=0.0, marker=marker,
+        profile=VlmProfile(0, (0, 0), 0, 0, 0.0), load_s=0.0, marker=marker, kv_cache_bits=load.kv_cache_bits,
     )
     loaded.profile = profile_worst_case(loaded)
     loaded.load_s = time.perf_counter() - started
@@ -242,7 +248,5 @@ def check_vlm(name: str, model: Any, processor: Any) -> str:
     return marker
 
 
-from app.engine.batch.vlm_engine import VlmEngine  # noqa: E402 - re-exported: the engine half of this module
-
-__all__ = ["LoadedVlm", "VlmEngine", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image",
+__all__ = ["LoadedVlm", "VlmProfile", "VlmPrompts", "check_vlm", "count_images", "fit_image",
            "image_marker", "image_spans", "load_vlm", "profile_worst_case", "prompt_inputs"]
