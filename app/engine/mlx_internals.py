@@ -51,37 +51,6 @@ mlx-vlm
   ``mlx_vlm.generate`` calls before each generation (``stream_generate`` does not), and
   its ``eos_token_ids`` after it: the tokens a generation stops at (``vlm_stop_tokens``);
 - ``processor.clean_output(text)`` when the model defines one;
-- ``generate.ar.BatchGenerator(language_model, processor, completion_batch_size=,
-  prefill_batch_size=, prefill_step_size=, compute_logprobs=, sampler=)``: one
-  batch-wide sampler; ``insert([ids], max_tokens=, prompt_kwargs=[kw],
-  logits_processors=[[...]]) -> uids`` where ``kw`` carries the prompt's
-  ``inputs_embeds``; ``next() -> (prompt_progress, responses)`` with ``uid, token,
-  finish_reason`` ("stop" at an EOS of the processor's stopping criteria,
-  "length"); ``remove(uid)``; ``close()``. It admits waiting prompts only while
-  ``completion_batch_size - decoding >= prefill_batch_size``.
-- for the prefix cache (``vlm_prefix_batch_generator``, ``_vlm_prefix_batch_class``):
-  ``BatchGenerator._build_mixed_prompt_batch(sequences)``, called by ``_next`` with the
-  prompts it is about to prefill (tuples ``uid, ids, max_tokens, prompt_kwargs,
-  logits_processors, thinking_budget_criteria``) and returning a prompt batch for all of
-  them, or None for its own cold prefill; ``BatchGenerator._extend_generation_batch(
-  gen_batch)``, each finished prefill's rows handed to the generation batch, which is
-  the generator's ``_generation_batch`` (replaced once, at construction, by an empty one of
-  ours made from its ``model``, ``sampler``, ``tokenizer.stopping_criteria``,
-  ``compute_logprobs``, ``top_logprobs_k`` and ``greedy_sampling``);
-  ``GenerationBatch.empty(model, sampler, stop_criteria, compute_logprobs=,
-  top_logprobs_k=, greedy_sampling=)``, its ``extend`` (into an empty one too), its
-  ``filter(keep)``, through which every leaving row goes (finished inside ``next()``,
-  or ``remove``d), and its ``uids`` and ``prompt_cache`` (one cache per layer, rows in
-  ``uids`` order); ``PromptProcessingBatch(model=, uids=, input_ids=, max_tokens=,
-  inputs_embeds=, prompt_kwargs=, logits_processors=, thinking_budget_criteria=,
-  prefill_step_size=, warm_cache=, right_pad_per_row=, suffix_lens=, greedy_sampling=)``,
-  mlx-vlm's warm prefill (the layers' caches given, right-padded rows rolled left after
-  the last chunk), whose ``_token_context`` is the context its rows' logits processors
-  see; ``models.cache.BatchKVCache.merge`` and ``extract``, ``models.cache.KVCache``
-  (``keys``, ``values``, ``offset``). The language model takes explicit M-RoPE
-  ``position_ids`` for the tokens it is given and, decoding, adds ``rope_deltas`` to each
-  row's cache offset: so a row prefilled from a cached prefix gets the positions a full
-  prefill gives.
 - ``model.get_input_embeddings(input_ids, pixel_values, mask=, **processor_extras)
   .to_dict()``: the prompt's embeddings with the image features merged in, and
   the model's position extras (Qwen2-VL's M-RoPE ``position_ids``, ``rope_deltas``);
@@ -139,19 +108,6 @@ list and the contract tests in step):
     mlx_lm.tokenizer_utils.SPMStreamingDetokenizer
     mlx_lm.tokenizer_utils.BPEStreamingDetokenizer
     mlx_vlm.prepare_inputs
-    mlx_vlm.generate.ar.BatchGenerator
-    mlx_vlm.generate.ar.BatchGenerator.insert
-    mlx_vlm.generate.ar.BatchGenerator.next
-    mlx_vlm.generate.ar.BatchGenerator.remove
-    mlx_vlm.generate.ar.BatchGenerator.close
-    mlx_vlm.generate.ar.BatchGenerator._build_mixed_prompt_batch
-    mlx_vlm.generate.ar.BatchGenerator._extend_generation_batch
-    mlx_vlm.generate.ar.GenerationBatch.empty
-    mlx_vlm.generate.ar.GenerationBatch.extend
-    mlx_vlm.generate.ar.GenerationBatch.filter
-    mlx_vlm.generate.ar.PromptProcessingBatch
-    mlx_vlm.generate.ar.PromptProcessingBatch._token_context
-    mlx_vlm.models.cache.BatchKVCache
     mlx_vlm.models.cache.KVCache
     mlx_vlm.utils.should_add_special_tokens
     mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS
@@ -177,7 +133,6 @@ list and the contract tests in step):
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from mlx_lm.models.base import create_causal_mask
@@ -224,18 +179,12 @@ __all__ = [
     "vlm_stop_tokens",
     "vlm_text_embeddings",
     "vlm_image_limit",
-    "vlm_input_embeddings",
     "vlm_encode_images",
     "vlm_feature_rows",
     "vlm_language_model",
-    "vlm_lm_cache",
-    "vlm_prefix_batch_generator",
-    "vlm_prefix_cacheable",
     "vlm_prompt_inputs",
-    "vlm_rest_kwargs",
     "vlm_text_config",
     "vlm_text_tokens",
-    "new_vlm_batch_generator",
     "new_vlm_detokenizer",
     "load_embedding_model",
 ]
@@ -325,192 +274,6 @@ def vlm_clean_output(processor: Any, text: str) -> str:
 # ---- mlx-vlm: native VLM chat models (app/engine/models/vlm.py, vlm_engine.py) ----------------
 
 
-def new_vlm_batch_generator(
-    model: Any, processor: Any, *, max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int,
-) -> Any:
-    """mlx-vlm's BatchGenerator over ``model``'s language model, greedy over the
-    logits each row's processors leave (per-request sampling is one of them),
-    stopping at the model's EOS tokens. Admission caps running sequences at
-    ``max_num_seqs`` outside; the completion batch is sized so that a waiting
-    prompt always finds room (mlx-vlm starts prompts only while
-    ``completion_batch_size - decoding >= prefill_batch_size``)."""
-    import mlx.core as mx
-    from mlx_vlm.generate.ar import BatchGenerator as VlmBatchGenerator
-
-    return VlmBatchGenerator(
-        vlm_language_model(model),
-        processor,
-        completion_batch_size=max_num_seqs + prefill_batch_size - 1,
-        prefill_batch_size=prefill_batch_size,
-        prefill_step_size=prefill_step_size,
-        compute_logprobs=False,
-        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-    )
-
-
-def vlm_prefix_batch_generator(
-    model: Any, processor: Any, *, max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int,
-) -> Any:
-    """``new_vlm_batch_generator``'s generator, with a way in and out for a row's KV
-    (``_vlm_prefix_batch_class``): what the prefix cache of a native VLM needs."""
-    import mlx.core as mx
-
-    return _vlm_prefix_batch_class()(
-        vlm_language_model(model),
-        processor,
-        completion_batch_size=max_num_seqs + prefill_batch_size - 1,
-        prefill_batch_size=prefill_batch_size,
-        prefill_step_size=prefill_step_size,
-        compute_logprobs=False,
-        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-    )
-
-
-@functools.cache
-def _vlm_prefix_batch_class() -> type:
-    """mlx-vlm's BatchGenerator with a row's KV in (``insert_row(cache=)``) and out
-    (``keep_cache`` then ``take_cache``), made here once on first use (mlx-vlm is
-    imported only where a VLM is loaded).
-
-    In: a row that starts from cached KV is prefilled by ``_build_mixed_prompt_batch``,
-    the hook mlx-vlm's own prefix cache (APC) uses, reached when the generator takes
-    its next prompts: every row of that prefill batch (cold rows with an empty cache)
-    gets its KV merged into one ``BatchKVCache`` (left-padded to the longest cached
-    prefix), its remaining prompt right-padded to the longest, ``prepare(right_padding=)``
-    and, after the last chunk, ``finalize()`` roll each row's padding left: mlx-vlm's
-    warm-prefill path, given our caches instead of its block pool. A row prefilled alone
-    keeps a plain ``KVCache``, as mlx-vlm's own one-row prefill does (its decode then
-    needs no padding mask). Each row's
-    ``prompt_kwargs`` hold the embeddings and M-RoPE ``position_ids`` of exactly its
-    remaining tokens (sliced from the whole prompt's, so every position is what a full
-    prefill gives it) and the whole prompt's ``rope_deltas``, which decode adds to
-    each row's cache offset. The logits processors see the whole prompt as context.
-
-    Out: the generation batch is one ``GenerationBatch`` for the generator's life (each
-    new prefill's rows are ``extend``-ed into it), whose ``filter`` first copies out the
-    KV of every leaving row marked ``keep_cache`` (finished, or removed): mlx-vlm
-    gives a finished row's KV to no one, and a removed one's back to no one.
-    """
-    import mlx.core as mx
-    from mlx_vlm.generate.ar import BatchGenerator as VlmBatchGenerator
-    from mlx_vlm.generate.ar import GenerationBatch, PromptProcessingBatch
-    from mlx_vlm.models.cache import BatchKVCache as VlmBatchKVCache
-    from mlx_vlm.models.cache import KVCache as VlmKVCache
-
-    class KeepingGenerationBatch(GenerationBatch):
-        keep: set[int]
-        kept: dict[int, list[Any]]
-
-        def filter(self, keep: list[int]) -> None:
-            staying = set(keep)
-            for i, uid in enumerate(self.uids):
-                if i not in staying and uid in self.keep:
-                    self.keep.discard(uid)
-                    rows = [c.extract(i) for c in self.prompt_cache]
-                    mx.eval([(r.keys, r.values) for r in rows])
-                    self.kept[uid] = rows
-            super().filter(keep)
-
-    class PrefixBatchGenerator(VlmBatchGenerator):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            # uid -> (the cached prefix's KV, the whole prompt's tokens) until its prefill starts.
-            self._warm: dict[int, tuple[list[Any], list[int]]] = {}
-            gen = KeepingGenerationBatch.empty(
-                self.model, self.sampler, self.tokenizer.stopping_criteria, compute_logprobs=self.compute_logprobs,
-                top_logprobs_k=self.top_logprobs_k, greedy_sampling=self.greedy_sampling,
-            )
-            gen.keep, gen.kept = set(), {}
-            self._generation_batch = gen
-
-        def insert_row(self, rest: list[int], *, max_tokens: int, prompt_kwargs: dict[str, Any],
-                       logits_processors: list[Any], cache: list[Any] | None = None,
-                       prompt: list[int] | None = None) -> int:
-            """One prompt: ``rest`` (its tokens after ``cache``'s, all of them without a
-            cache); ``prompt``, the whole prompt, with a cache."""
-            (uid,) = self.insert([rest], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs],
-                                 logits_processors=[logits_processors])
-            if cache is not None:
-                self._warm[uid] = (cache, list(prompt if prompt is not None else rest))
-            return uid
-
-        def keep_cache(self, uid: int) -> None:
-            """When row ``uid`` leaves the generation batch, keep its KV for ``take_cache``."""
-            self._generation_batch.keep.add(uid)
-
-        def take_cache(self, uid: int) -> list[Any] | None:
-            """The KV row ``uid`` left with (mlx-vlm ``KVCache`` layers), once; None if none was kept."""
-            self._generation_batch.keep.discard(uid)
-            return self._generation_batch.kept.pop(uid, None)
-
-        def remove(self, uid: int) -> bool:
-            self._warm.pop(uid, None)
-            return bool(super().remove(uid))
-
-        def _extend_generation_batch(self, gen_batch: Any) -> None:
-            self._generation_batch.extend(gen_batch)  # never replaced: it keeps what leaves
-
-        def _build_mixed_prompt_batch(self, sequences: list[tuple[Any, ...]]) -> Any:
-            warm = [self._warm.pop(s[0], None) for s in sequences]
-            if all(w is None for w in warm):
-                return None  # mlx-vlm's own cold prefill
-            rest = [list(s[1]) for s in sequences]
-            width = max(len(r) for r in rest)
-            embeds, positions, deltas = [], [], []
-            for s, r in zip(sequences, rest, strict=True):
-                kw, pad = s[3], width - len(r)
-                embeds.append(mx.pad(kw["inputs_embeds"], [(0, 0), (0, pad), (0, 0)]))
-                pos = kw["position_ids"]
-                if pos.ndim == 2:  # text-only prompts: one row of positions for all three sections
-                    pos = mx.broadcast_to(pos[None], (3, *pos.shape))
-                positions.append(mx.pad(pos, [(0, 0), (0, 0), (0, pad)]))
-                deltas.append(kw["rope_deltas"].reshape(1, 1))
-            layers = len(self.model.layers)
-            rows = [w[0] if w is not None else [VlmKVCache() for _ in range(layers)] for w in warm]
-            if len(rows) == 1:  # alone: a plain cache, as mlx-vlm's own one-row prefill has
-                return self._warm_batch(sequences, rest, [_vlm_kv(c) for c in rows[0]], mx.concatenate(embeds),
-                                        positions, deltas, warm, None)
-            merged = [VlmBatchKVCache.merge([row[i] for row in rows]) for i in range(layers)]
-            return self._warm_batch(sequences, rest, merged, mx.concatenate(embeds, axis=0), positions, deltas, warm,
-                                    [width - len(r) for r in rest])
-
-        def _warm_batch(self, sequences: list[tuple[Any, ...]], rest: list[list[int]], cache: list[Any],
-                        embeds: Any, positions: list[Any], deltas: list[Any],
-                        warm: list[tuple[list[Any], list[int]] | None], right_pad: list[int] | None) -> Any:
-            batch = PromptProcessingBatch(
-                model=self.model, uids=[s[0] for s in sequences], input_ids=rest,
-                max_tokens=[s[2] for s in sequences], inputs_embeds=embeds,
-                prompt_kwargs={"position_ids": mx.concatenate(positions, axis=1),
-                               "rope_deltas": mx.concatenate(deltas, axis=0)},
-                logits_processors=[s[4] for s in sequences], thinking_budget_criteria=[s[5] for s in sequences],
-                prefill_step_size=self.prefill_step_size, warm_cache=cache, right_pad_per_row=right_pad,
-                suffix_lens=[len(r) for r in rest] if right_pad is not None else None,
-                greedy_sampling=self.greedy_sampling,
-            )
-            if batch._token_context:  # the processors see the whole prompt, as after a full prefill
-                batch._token_context = [list(w[1]) if w is not None else r for w, r in zip(warm, rest, strict=True)]
-            return batch
-
-    def _vlm_kv(c: Any) -> Any:
-        """A cached layer (mlx-lm ``KVCache``) as mlx-vlm's own single-row ``KVCache``."""
-        out = VlmKVCache()
-        out.keys, out.values, out.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
-        return out
-
-    return PrefixBatchGenerator
-
-
-def vlm_lm_cache(rows: list[Any]) -> list[KVCache]:
-    """A row's KV from the VLM generator (mlx-vlm ``KVCache`` layers) as mlx-lm ``KVCache``
-    layers: what the prefix cache and its disk tier hold. The arrays are shared."""
-    out = []
-    for r in rows:
-        c = KVCache()
-        c.keys, c.values, c.offset = r.keys[..., : r.offset, :], r.values[..., : r.offset, :], r.offset
-        out.append(c)
-    return out
-
-
 def vlm_prompt_inputs(model: Any, processor: Any, prompt_text: str, images: list[Any]) -> dict[str, Any]:
     """The processor's inputs for one prompt (``input_ids`` with every image
     placeholder expanded to the image's tokens, ``pixel_values``, ``attention_mask``
@@ -538,15 +301,6 @@ def vlm_text_tokens(model: Any, processor: Any, text: str) -> list[int]:
     tokenizer = getattr(processor, "tokenizer", processor)
     add = should_add_special_tokens(model.config.model_type, processor)
     return list(tokenizer(text, add_special_tokens=add)["input_ids"])
-
-
-def vlm_input_embeddings(model: Any, inputs: dict[str, Any], image_features: Any = None) -> dict[str, Any]:
-    """The ``prompt_kwargs`` BatchGenerator.insert takes for one prompt: its
-    embeddings with the image features merged in, and the model's position extras,
-    as mlx-vlm's own server builds them. The vision tower runs here unless
-    ``image_features`` (``vlm_encode_images``' rows for every image, in order) are given."""
-    extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    return {**extras, **vlm_embedding_features(model, inputs, image_features)}
 
 
 def vlm_embedding_features(model: Any, inputs: dict[str, Any], image_features: Any = None) -> dict[str, Any]:
@@ -644,13 +398,6 @@ def vlm_encode_images(model: Any, pixel_values: Any, grid_thw: Any) -> Any:
     return model.vision_tower(pixel_values.astype(dtype), grid_thw, output_hidden_states=False)
 
 
-def vlm_prefix_cacheable(model: Any) -> bool:
-    """Whether a row of this model can start from cached KV (``vlm_prefix_batch_generator``):
-    its embeddings come with explicit M-RoPE ``position_ids`` and ``rope_deltas``, and its
-    image features can be left out image by image (Qwen2-VL, Qwen2.5-VL)."""
-    return model.config.model_type in _FEATURE_CACHE_MODEL_TYPES
-
-
 def vlm_blank_features(model: Any, rows: int) -> Any:
     """Zero features for an image whose KV comes from the prefix cache: its rows of the
     embeddings are never prefilled, only their count and dtype matter."""
@@ -658,14 +405,6 @@ def vlm_blank_features(model: Any, rows: int) -> Any:
 
     hidden = int(vlm_text_config(model)["hidden_size"])
     return mx.zeros((rows, hidden), dtype=model.vision_tower.patch_embed.proj.weight.dtype)
-
-
-def vlm_rest_kwargs(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
-    """The ``prompt_kwargs`` of a prompt's tokens from ``start`` on, for a row whose first
-    ``start`` tokens' KV is cached: the whole prompt's embeddings and M-RoPE positions
-    sliced (each position what a full prefill gives it), its ``rope_deltas`` as they are."""
-    return {"inputs_embeds": kwargs["inputs_embeds"][:, start:], "position_ids": kwargs["position_ids"][..., start:],
-            "rope_deltas": kwargs["rope_deltas"]}
 
 
 def vlm_language_model(model: Any) -> Any:

@@ -37,7 +37,6 @@ from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_encode_images,
     vlm_feature_rows,
-    vlm_input_embeddings,
 )
 from app.engine.models.vlm_forward import row_inputs
 from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage
@@ -104,21 +103,11 @@ def feature_key(scope: str, image: PromptImage, grid: Sequence[int], max_pixels:
     return "\x00".join((scope, image.digest, f"{max_pixels}/{min_pixels}", "x".join(map(str, grid))))
 
 
-def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,
-                     scope: str, max_pixels: int, min_pixels: int, *, cached_tokens: int = 0) -> dict[str, Any]:
-    """``vlm_input_embeddings`` for one prompt, each image's features from ``cache`` when
-    it holds them, the rest through the vision tower (then kept). An image within the
-    first ``cached_tokens`` tokens, whose KV the prefix cache gave, needs none: blank rows
-    stand for it, and those tokens are never prefilled. MLX thread."""
-    features = image_features(model, inputs, images, cache, scope, max_pixels, min_pixels, cached_tokens)
-    return vlm_input_embeddings(model, inputs, features)
-
-
 def prompt_row_inputs(model: Any, prompt: Prompt, cache: FeatureCache | None, scope: str, max_pixels: int,
                       min_pixels: int, *, cached_tokens: int = 0) -> RowInputs | None:
     """A native VLM's row for ``prompt`` in the decode step, from its ``cached_tokens`` on:
     its embeddings (image features merged in, from ``cache`` where the model allows, as
-    ``input_embeddings``) and the model's extras, cut where the cached prefix ends
+    ``image_features``) and the model's extras, cut where the cached prefix ends
     (``vlm_forward.row_inputs``). None for a prompt without images: a text row, which the
     forward call embeds and places itself as the model does a text prompt. MLX thread."""
     if not isinstance(prompt, MultimodalPrompt):
