@@ -52,7 +52,7 @@ def test_one_keys_abandoned_prompts_leave_another_keys_prefix_on_disk(tiny_model
     eng = small_disk(tiny_model_dir, tmp_path)
     try:
         _, last = asyncio.run(run(eng, request(eng, " How many sheep?", cache_namespace="bob")))
-        assert last.cached_tokens == bob.cache_prefix_len
+        assert last.cached_tokens == len(bob.prompt_tokens) - 1  # where bob's prompt ended
         assert eng.stats().prompt_cache_tiers["disk"].hits == 1
     finally:
         stop(eng)

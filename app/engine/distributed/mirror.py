@@ -312,7 +312,9 @@ class _MirroredBatch:
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
                         logits_processors: list[Any], drawn: list[Drawn | None] | None = None,
-                        scores: list[ScoreSpec | None] | None = None) -> list[int]:
+                        scores: list[ScoreSpec | None] | None = None, inputs: list[Any] | None = None) -> list[int]:
+        if inputs is not None and any(i is not None for i in inputs):
+            raise DesyncError("a VLM's rows are never split across ranks")
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
@@ -360,6 +362,11 @@ class _MirroredBatch:
 
     def close(self) -> None:
         self.bg.close()
+
+    def pending_of(self, uid: int) -> tuple[int, Any] | None:
+        """A decoding row's drawn token not yet fed: the same on every rank (rank 0's draws reach
+        every rank through the step's all_sum), so nothing is recorded."""
+        return self.bg.pending_of(uid)
 
     @property
     def prompt_cache_nbytes(self) -> int:
