@@ -53,8 +53,10 @@ class _BatchParams(_Params):
     quantization_group_size: Literal[32, 64, 128] = Field(
         default=64, description="Quantization group size used with `quantization`.")
     kv_cache_bits: KVBits | None = Field(
-        default=None, description="Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the "
-        "model dtype.")
+        default=None, description="Quantized KV cache (4 or 8 bits) lowers the bytes per token of the model's "
+        "full-attention layers (sliding windows and recurrent state stay as they are); a model whose attention "
+        "reads plain K/V only (attention sinks: gpt-oss; Gemma 4) keeps it quantized and dequantizes it each step. "
+        "None keeps the model dtype.")
     distributed: Distributed = Field(
         default="tensor", description="Under mlx.launch (several ranks): \"tensor\" splits every layer over the "
         "ranks (faster decoding), \"pipeline\" gives each rank a run of layers (a bigger model fits; mlx-lm "

@@ -142,7 +142,9 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
                 identity, layout = vision.identity(), lambda: vision.layout(bits, KV_GROUP_SIZE)
             else:
                 assert isinstance(loaded, LoadedModel)
-                identity, layout = loaded.kv_identity, lambda: model_layout(loaded.model, bits, KV_GROUP_SIZE)
+                identity = loaded.kv_identity
+                layout = lambda: model_layout(loaded.model, bits, KV_GROUP_SIZE,  # noqa: E731
+                                              plain=loaded.kv_plain_attention)
             disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, identity,
                                   params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
                                   layout, key_share=params.prompt_cache_key_share)
@@ -600,7 +602,7 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             return None
         if self.vision is not None:
             return self.vision.quantized_cache(bits, KV_GROUP_SIZE)
-        return self.ops.quantized_cache(self.loaded.model, bits, KV_GROUP_SIZE)
+        return self.ops.quantized_cache(self.loaded.model, bits, KV_GROUP_SIZE, self.loaded.kv_plain_attention)
 
     def cache_key(self, namespace: str = "") -> str:
         """The prefix cache's partition for a namespace: prefixes are shared only within one

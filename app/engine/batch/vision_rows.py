@@ -27,7 +27,7 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 from app.engine.batch.vision_features import FeatureCache, prompt_row_inputs
-from app.engine.kv.kv_layout import KVLayout, probe_layout
+from app.engine.kv.kv_layout import KVLayout, model_layout
 from app.engine.kv.kv_snapshot import kv_identity
 from app.engine.mlx_internals import new_vlm_detokenizer, vlm_language_model
 from app.engine.models.vlm_forward import VlmForward, new_vlm_decode_batch, rebase
@@ -65,7 +65,7 @@ class VisionRows:
 
     def quantized_cache(self, bits: int, group_size: int) -> list[Any]:
         """An empty cache for a row, its plain KV layers quantized (``kv_cache_bits``)."""
-        return self.forward.quantized_cache(bits, group_size)
+        return self.forward.quantized_cache(bits, group_size, self.loaded.kv_plain_attention)
 
     def detokenizer(self) -> Any:
         return new_vlm_detokenizer(self.loaded.processor)
@@ -115,8 +115,9 @@ class VisionRows:
     def layout(self, bits: int | None, group_size: int) -> KVLayout:
         """The tensors a row's caches are made of, as the step keeps them (mlx-lm's classes)."""
         language_model = vlm_language_model(self.loaded.model)
-        make = (lambda: self.forward.quantized_cache(bits, group_size)) if bits else self.forward.make_cache
-        return probe_layout(make, lambda tokens, cache: language_model(tokens, cache=cache))
+        return model_layout(language_model, bits, group_size, plain=self.loaded.kv_plain_attention,
+                            make_cache=self.forward.make_cache,
+                            forward=lambda tokens, cache: language_model(tokens, cache=cache))
 
     def close(self) -> None:
         if self.features is not None:

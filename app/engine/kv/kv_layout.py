@@ -26,12 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
-from app.engine.kv.kv_quant import make_quantized_prompt_cache
+from app.engine.kv.kv_quant import quantize_caches
 from app.engine.kv.layers import kind
 from app.engine.mlx_internals import make_prompt_cache
 
@@ -166,11 +166,29 @@ def _dtype(x: mx.array, cls: str) -> str:
     return DTYPE_NAMES[x.dtype]
 
 
-def model_layout(model: Any, bits: int | None = None, group_size: int = 64) -> KVLayout:
-    """The layout of a language model's caches as the engine keeps them (with ``bits``, its
-    plain KV layers quantized, as ``kv_cache_bits`` says). Raises LayoutError. MLX thread."""
-    if bits:
-        make = lambda: make_quantized_prompt_cache(model, bits, group_size)  # noqa: E731
-    else:
-        make = lambda: make_prompt_cache(model)  # noqa: E731
-    return probe_layout(make, lambda tokens, cache: model(tokens, cache=cache))
+def model_layout(model: Any, bits: int | None = None, group_size: int = 64, *, plain: bool = False,
+                 make_cache: Callable[[], list[Any]] | None = None,
+                 forward: Callable[[mx.array, list[Any]], Any] | None = None) -> KVLayout:
+    """The layout of a language model's caches as the engine keeps them: read off its fresh
+    caches (``make_cache``, the model's own unless given) as ``forward`` fills them, and with
+    ``bits`` its plain KV layers quantized, as ``kv_cache_bits`` says (``plain``: handed back
+    dequantized; the quantized tensors follow from the plain ones' heads, width and dtype).
+    Raises LayoutError. MLX thread."""
+    make = make_cache or (lambda: make_prompt_cache(model))
+    layout = probe_layout(make, forward or (lambda tokens, cache: model(tokens, cache=cache)))
+    if not bits:
+        return layout
+    specs = tuple(_quantized(s, bits, group_size, plain) for s in layout.layers)
+    return KVLayout(specs, lambda: quantize_caches(make(), bits, group_size, plain=plain))
+
+
+def _quantized(spec: LayerSpec, bits: int, group_size: int, plain: bool) -> LayerSpec:
+    """A plain KV layer's spec as ``kv_quant`` keeps it: codes, scales and biases for K and V."""
+    if spec.kind == "list":
+        return replace(spec, parts=tuple(_quantized(p, bits, group_size, plain) for p in spec.parts))
+    if spec.kind != "kv":
+        return spec
+    seq = tuple(part for suffix, heads, width, dtype in spec.seq for part in (
+        (f"{suffix}.0", heads, width * bits // 32, "U32"), (f"{suffix}.1", heads, width // group_size, dtype),
+        (f"{suffix}.2", heads, width // group_size, dtype)))
+    return replace(spec, kind="quantized", cls="SeqDequantizedKVCache" if plain else "SeqQuantizedKVCache", seq=seq)

@@ -33,7 +33,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from app.engine.kv.geometry import KVGeometry, probe_geometry
-from app.engine.kv.kv_quant import check_quantized
+from app.engine.kv.kv_quant import quantize_caches, quantized_attention
+from app.engine.kv.layers import batched
 from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_image_limit,
@@ -42,7 +43,7 @@ from app.engine.mlx_internals import (
     vlm_text_config,
 )
 from app.engine.models.loader import KV_GROUP_SIZE, apply_params
-from app.engine.models.vlm_forward import VlmForward, check_features
+from app.engine.models.vlm_forward import check_features
 from app.engine.models.vlm_prompts import (
     VlmPrompts,
     count_images,
@@ -93,8 +94,10 @@ class LoadedVlm:
     # What the chat template writes for one image (``image_marker``), which the processor
     # expands to the image's placeholder tokens.
     marker: str = ""
-    # The KV cache's bits per element when its plain KV layers are quantized (kv_cache_bits).
+    # The KV cache's bits per element when its plain KV layers are quantized (kv_cache_bits),
+    # handed back dequantized where the attention reads plain K/V only (``quantized_attention``).
     kv_cache_bits: int | None = None
+    kv_plain_attention: bool = False
 
     @property
     def tokenizer(self) -> Any:
@@ -153,11 +156,13 @@ def load_vlm(
         # The caches the decode step gives its rows (mlx-lm's classes: vlm_make_cache), whose
         # kinds the geometry reads; the language model's own make_cache() is mlx-vlm's copies.
         make = lambda: vlm_make_cache(model)  # noqa: E731
-        bits = load.kv_cache_bits
+        bits, plain = load.kv_cache_bits, False
         if bits is not None:  # its plain KV layers quantized, as the engine keeps them
-            make = lambda: VlmForward(model, name).quantized_cache(bits, KV_GROUP_SIZE)  # noqa: E731
-            check_quantized(lambda tokens: language_model(tokens, cache=make()), bits, KV_GROUP_SIZE)
-        kv = probe_geometry(make, lambda tokens, cache: language_model(tokens, cache=cache))
+            plain = quantized_attention(lambda cache: language_model(mx.array([[0]]), cache=cache),
+                                        lambda p: quantize_caches(vlm_make_cache(model), bits, KV_GROUP_SIZE, plain=p),
+                                        bits, KV_GROUP_SIZE)
+            make = lambda: quantize_caches(vlm_make_cache(model), bits, KV_GROUP_SIZE, plain=plain)  # noqa: E731
+        kv = probe_geometry(lambda: batched(make()), lambda tokens, cache: language_model(tokens, cache=cache))
     except ConfigError as exc:
         raise ConfigError(f"model {name!r}: {exc.message}") from exc
     native_len = int(config.get("max_position_embeddings") or 4096)
@@ -167,6 +172,7 @@ def load_vlm(
         max_pixels=max_pixels, min_pixels=min_pixels, max_images=max_images,
         weights_bytes=_weights_bytes(model),
         profile=VlmProfile(0, (0, 0), 0, 0, 0.0), load_s=0.0, marker=marker, kv_cache_bits=load.kv_cache_bits,
+        kv_plain_attention=plain,
     )
     loaded.profile = profile_worst_case(loaded)
     loaded.load_s = time.perf_counter() - started

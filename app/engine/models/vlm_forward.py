@@ -52,12 +52,12 @@ step. MLX thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from app.engine.kv.kv_quant import make_quantized_prompt_cache
+from app.engine.kv.kv_quant import quantize_caches
 from app.engine.mlx_internals import (
     vlm_embedding_features,
     vlm_forward,
@@ -141,11 +141,12 @@ class VlmForward:
         """A fresh cache for one row (mlx-lm's classes, one per layer)."""
         return vlm_make_cache(self.model)
 
-    def quantized_cache(self, bits: int, group_size: int) -> list[Any]:
+    def quantized_cache(self, bits: int, group_size: int, plain: bool = False) -> list[Any]:
         """A fresh cache for one row with its plain KV layers quantized (``kv_cache_bits``),
-        its windows and recurrent state as they are (``kv_quant.make_quantized_prompt_cache``
-        over this model's caches). ConfigError for a model without plain KV layers."""
-        return make_quantized_prompt_cache(cast(Any, _Caches(self.model)), bits, group_size)  # asks only make_cache()
+        its windows and recurrent state as they are (``kv_quant.quantize_caches`` over this
+        model's caches; ``plain``: handed back dequantized). ConfigError for a model without
+        plain KV layers."""
+        return quantize_caches(self.make_cache(), bits, group_size, plain=plain)
 
     def __call__(self, tokens: mx.array, cache: list[Any], feed: Feed) -> mx.array:
         width = tokens.shape[1]
