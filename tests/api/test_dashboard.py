@@ -5,6 +5,7 @@ the tiny chat model and the embedded embedding model."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -76,9 +77,12 @@ def test_page_is_served_with_a_strict_csp(served: Served, path: str) -> None:
         assert "http://" not in a.text and "https://" not in a.text
 
 
-def test_unknown_assets_are_404s_in_openai_shape(served: Served) -> None:
-    for name in ("nope.js", "..%2Fdashboard.py", "index.py"):
-        assert_openai_error(served.get("/ui/static/" + name), 404)
+def test_unknown_assets_are_404s_in_openai_shape(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    # A 5,000-character name was a 500 with a traceback: the file system refused the name (issue 30).
+    with caplog.at_level(logging.INFO):
+        for name in ("nope.js", "..%2Fdashboard.py", "index.py", "a" * 4997 + ".js", "static", ".", "%00.js"):
+            assert_openai_error(served.get("/ui/static/" + name), 404)
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
 
 
 def test_dashboard_off_is_404(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:

@@ -42,11 +42,17 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
            "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 
 
+# The page's files by name, read once: a client's name is looked up here, never given to the
+# file system (a 5,000-character name made ``is_file`` raise ENAMETOOLONG: a 500).
+_FILES = {p.name: (p.read_bytes(), _TYPES[p.suffix]) for p in STATIC.iterdir() if p.suffix in _TYPES}
+
+
 def _asset(name: str) -> Response[bytes]:
-    path = STATIC / name
-    if "/" in name or path.suffix not in _TYPES or not path.is_file():
+    found = _FILES.get(name)
+    if found is None:
         raise NotFoundError(f"no dashboard file {name[:64]!r}")
-    return Response(path.read_bytes(), media_type=_TYPES[path.suffix], headers=HEADERS)
+    body, media_type = found
+    return Response(body, media_type=media_type, headers=HEADERS)
 
 
 @get(["/", "/ui"], summary="The dashboard page (server.dashboard)", include_in_schema=False)
