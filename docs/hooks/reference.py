@@ -21,7 +21,7 @@ Where the facts come from:
 - cli: the argparse parser's actions (flags, choices, defaults, help), recursively.
 - endpoints: the app ``create_app`` builds around a stand-in state that holds only real
   settings and real metrics: no engine starts and no model loads. Whether a route needs the
-  API key is read from its guards in an app built with a key set.
+  API key (or an admin key) is read from its guards in an app built with a key set.
 - metrics: the module's source, read with ``ast``: each ``Counter`` / ``Histogram`` /
   ``*MetricFamily`` call, with the loops over literal tuples that name several of them.
 - layers: the test's ``LAYERS`` and ``OUTSIDE`` tables (literals, read with ``ast``): each
@@ -138,6 +138,10 @@ def _cli_default(a: argparse.Action) -> str:
 # ---- endpoints: the Litestar app's routes -----------------------------------------------------
 
 
+# What a route needs, least first.
+NEEDS = ["never", "when keys are set", "an admin key"]
+
+
 def render_endpoints(target: str) -> str:
     from pydantic import SecretStr
 
@@ -151,10 +155,14 @@ def render_endpoints(target: str) -> str:
         state = types.SimpleNamespace(config=types.SimpleNamespace(server=server), metrics=Metrics())
         return create_app(state)
 
+    from app.api.guards import admin_only
+
     with_key = app_with(ServerSettings(api_key=SecretStr("docs")))
-    keyed = {(r.path, m): bool(h.resolve_guards()) for r in with_key.routes for h in r.route_handlers
-             for m in h.http_methods}
-    rows: dict[tuple[str, str], tuple[list[str], list[bool]]] = {}
+    # Per route and method: no key, any key, or an admin key (Security: key roles).
+    keyed = {(r.path, m): "an admin key" if admin_only in h.resolve_guards() else
+             "when keys are set" if h.resolve_guards() else "never"
+             for r in with_key.routes for h in r.route_handlers for m in h.http_methods}
+    rows: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     schema_paths: list[str] = []
     for route in app_with(ServerSettings()).routes:
         # A route's handlers come in no fixed order (a set of methods each): sorted, the page is stable.
@@ -170,13 +178,13 @@ def render_endpoints(target: str) -> str:
             endpoints, guarded = rows.setdefault((h.summary or (inspect.getdoc(h.fn) or "").split("\n")[0], module),
                                                  ([], []))
             endpoints += [f"{m} {path}" for m in methods]
-            guarded += [keyed.get((route.path, m), False) for m in methods]
+            guarded += [keyed.get((route.path, m), "never") for m in methods]
     if not rows:
         raise PluginError(f"{target}: the app has no routes of its own")
     out = ["| endpoint | what | API key | handler |", "| --- | --- | --- | --- |"]
     for (summary, module), (endpoints, guarded) in rows.items():
         out.append(f"| {', '.join(code(e) for e in endpoints)} | {cell(summary)} | "
-                   f"{'when keys are set' if any(guarded) else 'never'} | `{module}` |")
+                   f"{max(guarded, key=NEEDS.index)} | `{module}` |")
     if schema_paths:
         base = min(schema_paths, key=len)
         others = ", ".join(code(p) for p in sorted(set(schema_paths)) if p != base)

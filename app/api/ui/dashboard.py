@@ -11,7 +11,12 @@ with ``fetch`` rather than ``EventSource`` so the header can go with it).
 
 The admin endpoints are POSTs with a JSON body (the request guard refuses any other
 Content-Type with a 415, so a cross-site form cannot press the buttons), under the
-API key like every /v1 route, and answer with the model's new state.
+API key like every /v1 route and, when keys are set, for admin keys only (403 for
+the others); they answer with the model's new state.
+
+What a page sees depends on its key: an admin key (or any request, when no key is
+set) sees every request in the request list; another key sees its own requests
+only. The models, memory and charts are the server's, the same for every key.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath, JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.guards import admin_only, sees_everything
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, to_json
 from app.api.ui.activity import Activity
 from app.errors import NotFoundError
 from app.pipeline.runtime import ModelState, Overview
+from app.request_context import CLIENT
 
 STATIC = Path(__file__).resolve().parent / "static"
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -75,11 +82,13 @@ def overview_json(view: Overview) -> dict[str, Any]:
             "distributed": view.distributed}
 
 
-def tick_text(sample: dict[str, Any] | None, view: Overview, activity: Activity, requests: bool) -> str:
-    """A tick's JSON: the sample, the overview read with it, and the request list when asked."""
+def tick_text(sample: dict[str, Any] | None, view: Overview, activity: Activity, requests: bool,
+              key: str | None) -> str:
+    """A tick's JSON: the sample, the overview read with it, and the request list when asked
+    (``key``'s requests; None: everyone's)."""
     tick: dict[str, Any] = {"sample": sample, "overview": overview_json(view)}
     if requests:
-        tick["requests"] = activity.requests()
+        tick["requests"] = activity.requests(key)
     return to_json(tick)
 
 
@@ -87,11 +96,13 @@ def tick_text(sample: dict[str, Any] | None, view: Overview, activity: Activity,
 async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
     state: AppState = request.app.state.tandem
     activity: Activity = request.app.state.activity
+    # Whose requests this page lists: everyone's for an admin key, else its key's own.
+    key = None if sees_everything(state.settings) else CLIENT.get()
 
     async def events() -> AsyncIterator[Event]:
         # First the last 15 minutes, so the charts start full; then one tick per sample.
         yield Event(to_json({"samples": list(activity.samples), "overview": overview_json(state.overview()),
-                             "requests": activity.requests()}), "history")
+                             "requests": activity.requests(key)}), "history")
         seen = activity.version
         while not state.closing:
             sample = await activity.next_sample()
@@ -100,10 +111,10 @@ async def dashboard_events(request: Request[Any, Any, Any]) -> EventStream:
             changed = activity.version if activity.version != seen else None
             seen = activity.version
             if sample is None or activity.view is None:  # no sample within the timeout: read now
-                text = tick_text(sample, state.overview(), activity, changed is not None)
+                text = tick_text(sample, state.overview(), activity, changed is not None, key)
             else:
-                text = activity.once_per_sample(("tick", changed), partial(
-                    tick_text, sample, activity.view, activity, changed is not None))
+                text = activity.once_per_sample(("tick", changed, key), partial(
+                    tick_text, sample, activity.view, activity, changed is not None, key))
             yield Event(text, "tick")
 
     return EventStream(events())
@@ -118,20 +129,22 @@ class PinAction(ModelAction):
     pinned: bool = True
 
 
-@post("/v1/admin/models/load", status_code=200, summary="Load a model now (the dashboard's Load button)")
+@post("/v1/admin/models/load", status_code=200, guards=[admin_only],
+      summary="Load a model now (the dashboard's Load button)")
 async def admin_load(data: JSONBody[ModelAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     return model_row(await state.load(data.model))
 
 
-@post("/v1/admin/models/unload", status_code=200,
+@post("/v1/admin/models/unload", status_code=200, guards=[admin_only],
       summary="Unload a model now; 409 while it is pinned, busy or loading")
 async def admin_unload(data: JSONBody[ModelAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     return model_row(await state.unload(data.model))
 
 
-@post("/v1/admin/models/pin", status_code=200, summary="Pin or unpin a model until the server restarts")
+@post("/v1/admin/models/pin", status_code=200, guards=[admin_only],
+      summary="Pin or unpin a model until the server restarts")
 async def admin_pin(data: JSONBody[PinAction], request: Request[Any, Any, Any]) -> dict[str, Any]:
     state: AppState = request.app.state.tandem
     return model_row(state.pin(data.model, data.pinned))
