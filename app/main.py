@@ -31,7 +31,7 @@ from app.api.rerank import rerank
 from app.api.state import AppState
 from app.api.streaming import WARNING_HEADER
 from app.api.ui.activity import Activity
-from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
+from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
 from app.config.schema import ChatEntry, ModelEntry
 from app.engine.distributed.distributed import Distributed
@@ -204,4 +204,5 @@ def create_app(state: AppState) -> Litestar:
     )
     app.state.tandem = state
     app.state.activity = activity
+    app.state.event_streams = EventStreams(server)  # /ui/events, capped below max_connections
     return app

@@ -417,6 +417,12 @@ class ServerSettings(_Strict):
         default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
         "kept alive, no byte of a request received) are closed to make room; when all are busy a request gets 503, "
         "except /health.")
+    max_event_streams: int = Field(
+        default=16, ge=0, description="Dashboard event streams (`/ui/events`) open at once, from every client "
+        "together; never more than half of `max_connections`, so the API always has connections left. 429 beyond.")
+    max_event_streams_per_client: int = Field(
+        default=4, ge=0, description="Dashboard event streams one client (an API key; with no keys, an address) may "
+        "hold open at once: a few tabs. 429 beyond.")
     header_timeout_s: float = Field(
         default=5.0, gt=0, description="Seconds a connection has to send a complete request head, from connecting or "
         "from the first byte of its next request; then it is closed (slowloris). Idle kept-alive connections close "
