@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.api.wire import JsonBool
 from app.pipeline.request import RerankRequest as TypedRerank
 
 
@@ -28,8 +29,8 @@ class RerankRequest(BaseModel):
     # Strings, or Jina's {"text": ...} objects.
     documents: list[Any] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=1)
-    return_documents: bool = True
-    truncate: bool = False
+    return_documents: JsonBool = True
+    truncate: JsonBool = False
 
     def texts(self) -> list[Any]:
         return [d.get("text") if isinstance(d, dict) else d for d in self.documents]

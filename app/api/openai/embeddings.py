@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.api.wire import JsonBool
 from app.pipeline.request import EmbedRequest
 
 
@@ -25,7 +26,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: str = Field(default="float", pattern="^(float|base64)$")
     dimensions: int | None = Field(default=None, ge=1)
     # Hugging Face TEI's: cut inputs longer than the model takes instead of refusing them.
-    truncate: bool = False
+    truncate: JsonBool = False
 
 
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")

@@ -37,6 +37,7 @@ from app.api.guards import admin_only, sees_everything
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, to_json
 from app.api.ui.activity import Activity
+from app.api.wire import JsonBool
 from app.errors import NotFoundError, RateLimitError
 from app.pipeline.runtime import ModelState, Overview, ServerSettings
 from app.request_context import CLIENT
@@ -172,7 +173,7 @@ class ModelAction(BaseModel):
 
 
 class PinAction(ModelAction):
-    pinned: bool = True
+    pinned: JsonBool = True
 
 
 @post("/v1/admin/models/load", status_code=200, guards=[admin_only],
