@@ -403,6 +403,10 @@ class ServerSettings(_Strict):
     dashboard: bool = Field(
         default=True, description="Serve the dashboard at `/` and `/ui` (models, memory, live charts, requests, a "
         "playground) and its event stream `/ui/events`; false: those paths are 404.")
+    openapi_schema: bool = Field(
+        default=False, description="Serve the API's OpenAPI schema as JSON at `/docs/openapi.json` (and `/docs`), "
+        "behind the key when keys are set; off: `/docs` is a 404. No viewer page is served: Swagger UI and its kin "
+        "load scripts from a CDN, which would run in the API's origin.")
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest request body in bytes (413 beyond).")
     max_json_values: int = Field(

@@ -157,14 +157,16 @@ def render_endpoints(target: str) -> str:
 
     from app.api.guards import admin_only
 
-    with_key = app_with(ServerSettings(api_key=SecretStr("docs")))
+    # Every route there can be: the OpenAPI schema too (server.openapi_schema).
+    with_key = app_with(ServerSettings(api_key=SecretStr("docs"), openapi_schema=True))
     # Per route and method: no key, any key, or an admin key (Security: key roles).
     keyed = {(r.path, m): "an admin key" if admin_only in h.resolve_guards() else
              "when keys are set" if h.resolve_guards() else "never"
              for r in with_key.routes for h in r.route_handlers for m in h.http_methods}
     rows: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     schema_paths: list[str] = []
-    for route in app_with(ServerSettings()).routes:
+    schema_guarded: list[str] = []
+    for route in app_with(ServerSettings(openapi_schema=True)).routes:
         # A route's handlers come in no fixed order (a set of methods each): sorted, the page is stable.
         for h in sorted(route.route_handlers, key=lambda h: sorted(h.http_methods)):
             module = getattr(h.fn, "__module__", "") or ""
@@ -172,8 +174,10 @@ def render_endpoints(target: str) -> str:
             path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
             if not methods:
                 continue
-            if not module.startswith("app."):  # the OpenAPI schema and its viewers
-                schema_paths.append(path)
+            if not module.startswith("app."):  # Litestar's: the OpenAPI schema
+                if "{" not in path:  # not its catch-all 404
+                    schema_paths.append(path)
+                    schema_guarded.append(keyed.get((route.path, "GET"), "never"))
                 continue
             endpoints, guarded = rows.setdefault((h.summary or (inspect.getdoc(h.fn) or "").split("\n")[0], module),
                                                  ([], []))
@@ -186,9 +190,9 @@ def render_endpoints(target: str) -> str:
         out.append(f"| {', '.join(code(e) for e in endpoints)} | {cell(summary)} | "
                    f"{max(guarded, key=NEEDS.index)} | `{module}` |")
     if schema_paths:
-        base = min(schema_paths, key=len)
-        others = ", ".join(code(p) for p in sorted(set(schema_paths)) if p != base)
-        out.append(f"| `GET {base}` | the OpenAPI schema and its viewers ({others}) | never | Litestar |")
+        paths = ", ".join(code(f"GET {p}") for p in sorted(set(schema_paths), key=len, reverse=True))
+        out.append(f"| {paths} | the OpenAPI schema as JSON, with `server.openapi_schema: true` (off by default) | "
+                   f"{max(schema_guarded, key=NEEDS.index)} | Litestar |")
     return "\n".join(out) + "\n"
 
 
