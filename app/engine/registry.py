@@ -88,6 +88,8 @@ IDLE_SWEEP_S = 1.0
 # Seconds a model that failed to load is not tried again, after 1, 2, 3, ... failures in a row
 # (the last repeats): a model that cannot load costs a load every few minutes, not every request.
 LOAD_RETRY_S = (10.0, 30.0, 60.0, 120.0, 300.0)
+# An admin load (by a name clients may use) tries at once; a proxy's vision model has no such name.
+_OR_ADMIN = {True: ", or on an admin load", False: ""}
 
 
 @dataclass(eq=False)
@@ -368,9 +370,9 @@ class Registry:
     def _load_error(self, slot: _Slot) -> ModelLoadError:
         """The 503 for a model whose last load failed: why, and when it is tried again."""
         wait = max(1, math.ceil(slot.retry_at - time.monotonic()))
-        return ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error} (tried {slot.failures} "
-                              f"time{'s' if slot.failures > 1 else ''}; next try in {wait}s, or on an admin load)",
-                              retry_after=wait)
+        tries = f"{slot.failures} time{'s' if slot.failures > 1 else ''}"
+        return ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error} (tried {tries}; next try "
+                              f"in {wait}s{_OR_ADMIN[slot.role.public]})", retry_after=wait)
 
     def _failed(self, slot: _Slot, error: str, exc: BaseException | None = None) -> None:
         """Remember a failed load: why, and when the next request may try again; ``exc``: an
@@ -379,8 +381,8 @@ class Registry:
         slot.failures += 1
         delay = self.load_retry_s[min(slot.failures, len(self.load_retry_s)) - 1]
         slot.retry_at = time.monotonic() + delay
-        log.error("model %s: load failed (%d in a row; next try in %gs, or on an admin load): %s", slot.spec.name,
-                  slot.failures, delay, error, exc_info=exc)
+        log.error("model %s: load failed (%d in a row; next try in %gs%s): %s", slot.spec.name, slot.failures, delay,
+                  _OR_ADMIN[slot.role.public], error, exc_info=exc)
 
     async def _wait(self, slot: _Slot) -> None:
         """Wait for a load (or unload) in progress, under the model's queue limits."""
