@@ -49,6 +49,10 @@ It measures, in this order (one server at a time, so they never compete):
  16. speculative: decode tokens/s with speculation over without, at 1 and 4 streams, for a
      code edit (prompt lookup), the same edit with the answer as `prediction`, and free
      chat; the acceptance rate per drafter and TTFT (scripts/bench_speculative.py).
+ 17. vision_native: Ministral 3 with its own eyes against Ministral 3 + a Qwen2-VL captioner
+     (proxy), each its own server, on six drawn images: TTFT, memory, answer agreement
+     (scripts/bench_vision_native.py; `--profile full`: the real models from the hub; `cpu`:
+     tiny random ones, the mechanics only).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -800,7 +804,8 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
+            "vision_native")
 
 
 def main() -> None:
@@ -1030,6 +1035,12 @@ def main() -> None:
             ratios += bench_speculative(base, name, prof)
         finally:
             stop(ours)
+
+    if "vision_native" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_vision_native import bench_vision_native
+
+        ratios += bench_vision_native([] if args.profile == "full" else ["--tiny"])
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.
