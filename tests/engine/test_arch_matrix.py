@@ -94,6 +94,8 @@ class ZooServer:
         with OpenAI(base_url=self.served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             yield c
 
+    model = "zoo"
+
     def chat(self, messages: list[dict[str, Any]] = QUESTION, **kw: Any) -> Any:
         with self.client() as c:
             return c.chat.completions.create(model="zoo", messages=messages,
@@ -413,3 +415,47 @@ def test_kv_accounting_by_layer_kind(served):
     mx.eval([c.state for c in caches])
     held = sum(c.nbytes for c in caches)
     assert held <= admitted <= held * 1.1, f"admission counts {admitted / held:.2f}x the bytes the caches hold"
+
+
+def background_pauses(server: Any) -> int:
+    return server.health()["engine"]["background_pauses"]
+
+
+def paused_answers(server: Any, *, extra: dict[str, Any] | None = None, **kw: Any) -> tuple[list[str], list[str]]:
+    """Three background requests, decoding, then an interactive one: all but background_share
+    of them leave the batch with their KV (and the token each had drawn) and come back once it
+    has its first token. Their answers, and each one's answer alone."""
+    questions = [[{"role": "user", "content": f"Tell me a long story about the harbour, part {i}."}]
+                 for i in range(3)]
+    body = {"max_tokens": 400, **kw}
+    alone = [answer(server.chat(q, **body, extra_body={"priority": "background", "cache_salt": "alone",
+                                                       **(extra or {})})) for q in questions]
+
+    def background(q: list[dict[str, Any]], started: threading.Event) -> str:
+        with server.client() as c:
+            stream = c.chat.completions.create(model=server.model, messages=q, stream=True, temperature=0,
+                                               **body, extra_body={"priority": "background", **(extra or {})})
+            text = []
+            for chunk in stream:
+                started.set()
+                text.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            return "".join(text)
+
+    with ThreadPoolExecutor(3) as pool:
+        events = [threading.Event() for _ in questions]
+        running = [pool.submit(background, q, e) for q, e in zip(questions, events)]
+        for e in events:
+            e.wait(60)  # decoding: an interactive request now pauses them
+        server.chat([{"role": "user", "content": "Quick: is the tide high?"}], max_tokens=2,
+                    extra_body=extra or {})
+        got = [f.result() for f in running]
+    return got, alone
+
+
+@pytest.mark.slow  # ~40 s a model here; tests/engine/test_step.py resumes paused rows of every cache kind
+@matrix("pauses")
+def test_background_rows_paused_for_interactive_work_keep_their_answers(served):
+    before = background_pauses(served)
+    got, alone = paused_answers(served)
+    assert got == alone
+    assert background_pauses(served) > before, "no background row was paused"
