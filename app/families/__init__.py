@@ -24,12 +24,43 @@ its recorded outputs in ``tests/fixtures/parsers/<name>.json``.
 
 from __future__ import annotations
 
-from app.families import generic, llama, mistral, qwen
-from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family, new_call_id
+from app.families import (
+    apertus,
+    apriel,
+    cohere,
+    deepseek_dsml,
+    deepseek_r1,
+    deepseek_v3,
+    functionary,
+    gemma4,
+    generic,
+    gigachat,
+    glm,
+    gpt_oss,
+    kimi,
+    kimi_k3,
+    lfm2,
+    llama,
+    minicpm,
+    minimax,
+    minimax_m3,
+    mistral,
+    nemotron,
+    qwen,
+    qwen3_coder,
+    seed_oss,
+)
+from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, Family, new_call_id
+from app.families.syntax import CallSyntax, Syntax
 
-# In detection order, first match wins: generic's "deepseek" before the Qwen and Llama
-# names its distills carry, and qwen before llama (Hermes-style Llama fine-tunes say <tool_call>).
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (generic, mistral, qwen, llama)}
+# In detection order: a template is matched against each family's call syntax in turn
+# (app.pipeline.detection), and the hints of the fallback are tried in this order too,
+# generic (which reads every JSON shape) last.
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
+    gpt_oss, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, seed_oss,
+    qwen3_coder, minicpm, gemma4, lfm2, cohere, nemotron, apertus, apriel, gigachat, functionary, mistral,
+    qwen, llama, generic,
+)}
 # The family of a model nothing detects.
 DEFAULT = generic.FAMILY.name
 
@@ -41,5 +72,6 @@ __all__ = [
     "THINK",
     "CallSyntax",
     "Family",
+    "Syntax",
     "new_call_id",
 ]
