@@ -23,7 +23,7 @@ from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 # First keys a call object may open with; anything else is ordinary JSON.
-CALL_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id"})
+CALL_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id", "tool_name", "tool_call_id"})
 
 _STRING = r'"(?:[^"\\]|\\.)*"'
 # The head of a call object, up to where its arguments value starts.
@@ -167,11 +167,12 @@ def parse_arguments(value: object) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def parse_calls(text: str, *, need_arguments: bool = False) -> list[CallSpec] | str:
+def parse_calls(text: str, *, need_arguments: bool = False, keyed: bool = False) -> list[CallSpec] | str:
     """Read a call object or a list of them; return the calls or why not.
 
     ``need_arguments`` refuses objects without an arguments key: bare JSON
-    output is only a call when it clearly says so.
+    output is only a call when it clearly says so. ``keyed``: a call object
+    is ``{NAME: arguments}`` (Apertus).
     """
     value, error = decode(text)
     if error:
@@ -181,6 +182,9 @@ def parse_calls(text: str, *, need_arguments: bool = False) -> list[CallSpec] | 
         return "empty tool call list"
     calls = []
     for item in items:
+        if keyed and isinstance(item, dict) and len(item) == 1:
+            (name, args), = item.items()
+            item = {"name": name, "arguments": args}
         call = _call_from(item, need_arguments)
         if isinstance(call, str):
             return call
@@ -193,7 +197,7 @@ def _call_from(item: object, need_arguments: bool) -> CallSpec | str:
         item = item["function"]
     if not isinstance(item, dict):
         return "tool call is not a JSON object"
-    name = item.get("name")
+    name = item.get("name", item.get("tool_name"))  # Cohere's actions say tool_name
     if not isinstance(name, str) or not name.strip():
         return "tool call has no function name"
     key = next((k for k in ARGUMENT_KEYS if k in item), None)
