@@ -25,7 +25,6 @@ from typing import Any
 from app.engine.constrain import constraints as c
 from app.engine.constrain.grammar import Grammar, compiler_for
 from app.errors import InvalidRequestError
-from app.parsers import template_opens_reasoning
 from app.pipeline.prompting import ModelProfile
 from app.pipeline.request import ChatRequest, OutputFormat, Tool
 
@@ -88,7 +87,7 @@ def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool
     if not parse_reasoning:
         return None
     opener, closer = profile.reasoning_markers
-    started = template_opens_reasoning(prompt_text)
+    started = profile.opens_reasoning(prompt_text)
     if not started and not profile.reasoning_opener_is_token:
         # A text opener ("<think>" in several tokens) would let a model that does not
         # reason wander into a block through "<" and spend its tokens there.
