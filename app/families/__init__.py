@@ -31,24 +31,29 @@ from app.families import (
     deepseek_dsml,
     deepseek_r1,
     deepseek_v3,
+    firefunction,
     functionary,
     gemma4,
     generic,
     gigachat,
     glm,
     gpt_oss,
+    granite,
+    hunyuan,
     kimi,
     kimi_k3,
     lfm2,
     llama,
     minicpm,
     minimax,
+    minimax_m1,
     minimax_m3,
     mistral,
     nemotron,
     qwen,
     qwen3_coder,
     seed_oss,
+    solar,
 )
 from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, Family, new_call_id
 from app.families.syntax import CallSyntax, Syntax
@@ -57,9 +62,9 @@ from app.families.syntax import CallSyntax, Syntax
 # (app.pipeline.detection), and the hints of the fallback are tried in this order too,
 # generic (which reads every JSON shape) last.
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
-    gpt_oss, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, seed_oss,
-    qwen3_coder, minicpm, gemma4, lfm2, cohere, nemotron, apertus, apriel, gigachat, functionary, mistral,
-    qwen, llama, generic,
+    gpt_oss, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, hunyuan, seed_oss,
+    qwen3_coder, minicpm, gemma4, lfm2, cohere, nemotron, apertus, apriel, minimax_m1, granite, solar, gigachat,
+    functionary, firefunction, mistral, qwen, llama, generic,
 )}
 # The family of a model nothing detects.
 DEFAULT = generic.FAMILY.name

@@ -19,6 +19,6 @@ FAMILY = Family(
     "lfm2",
     templated=(("", CALLS),),
     calls_in_reasoning=False,
-    template_hints=("<|tool_call_start|>",),
+    template_hints=("<|tool_call_start|>", "<|tool_list_start|>", "List of tools: ["),
     name_hint=r"lfm2",
 )

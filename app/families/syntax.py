@@ -55,6 +55,8 @@ class CallSyntax:
     keyed: bool = False
     # A JSON list of call objects even for one call (Cohere, Nemotron's <TOOLCALL>).
     listed: bool = False
+    # One call object a line, all between ``begin`` and ``end`` (MiniMax M1).
+    lines: bool = False
     # Read, never written: a call id the model puts between the name and ``args``
     # (``[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]``); our ids replace it.
     id_marker: str = ""

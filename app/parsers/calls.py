@@ -144,12 +144,14 @@ class _ObjectCall:
         calls = parse_calls(self.text, need_arguments=self._need_arguments, keyed=self._keyed)
         if self._args is None or self.index is None:
             return calls if isinstance(calls, str) else emit_calls(self._ctx, calls)
-        if isinstance(calls, list) and len(calls) == 1:
+        if isinstance(calls, list) and calls:
+            # One call, or the first of a block of call objects one a line (MiniMax M1).
+            rest = emit_calls(self._ctx, calls[1:])
             streamed = self._args.streamed
             if streamed is None:
-                return [ToolCallArgsDelta(self.index, calls[0].arguments_json), ToolCallEnd(self.index)]
+                return [ToolCallArgsDelta(self.index, calls[0].arguments_json), ToolCallEnd(self.index), *rest]
             if same_arguments(streamed, calls[0].arguments_json):
-                return [ToolCallEnd(self.index)]
+                return [ToolCallEnd(self.index), *rest]
             return "tool call arguments are ambiguous"
         if self._args.done and not self._tail.strip():
             # Models sometimes drop the object's final brace; the arguments are whole.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
 
@@ -176,7 +177,10 @@ def parse_calls(text: str, *, need_arguments: bool = False, keyed: bool = False)
     """
     value, error = decode(text)
     if error:
-        return error
+        lines = _json_lines(text)
+        if lines is None:
+            return error
+        value = lines
     items = value if isinstance(value, list) else [value]
     if not items:
         return "empty tool call list"
@@ -190,6 +194,22 @@ def parse_calls(text: str, *, need_arguments: bool = False, keyed: bool = False)
             return call
         calls.append(call)
     return calls
+
+
+def _json_lines(text: str) -> list[Any] | None:
+    """Several JSON values one after another (MiniMax M1's one call a line), or None."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            break
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        values.append(value)
+    return values if len(values) > 1 else None
 
 
 def _call_from(item: object, need_arguments: bool) -> CallSpec | str:

@@ -41,7 +41,7 @@ _PROBE_PARAMETERS: dict[str, Any] = {
 PROBE_TOOL = {"type": "function", "function": {"name": "probe_fn", "description": "A probe.",
                                                "parameters": _PROBE_PARAMETERS}}
 PROBE_ARGS = {"pkey": "PVAL", "pnum": 7}
-PROBE_ID = "call0probe"  # nine letters or digits: Mistral's templates check ids
+PROBE_ID = "probecall"  # nine letters or digits: Mistral's templates check ids
 _QUESTION, _ANSWER, _THOUGHT, _RESULT = "PROBE_Q", "PROBE_A", "PROBE_T", "PROBE_R"
 # A syntax no parser reads by itself (a family's tool-note form, left out of a probe's parser).
 _NOTHING = CallSyntax(begin="\x00probe-nothing\x00")
@@ -156,9 +156,18 @@ def _family_of_call(text: str) -> tuple[Family, Syntax] | None:
             parser = parser_for(single, reasoning=True, tools_offered=True, tools=tools)
             out = collect([*parser.feed(text), *parser.finish()])
             if len(out.tool_calls) == 1 and not out.errors and out.tool_calls[0].name == "probe_fn" and \
-                    json.loads(out.tool_calls[0].arguments_json) == PROBE_ARGS:
+                    json.loads(out.tool_calls[0].arguments_json) == PROBE_ARGS and _same_shape(syntax, text):
                 return family, syntax
     return None
+
+
+def _same_shape(syntax: Syntax, text: str) -> bool:
+    """Whether a JSON syntax's list or object is what the template writes after the marker
+    (Apriel's ``<tool_calls>[...]`` against MiniMax M1's ``<tool_calls>`` lines)."""
+    if not isinstance(syntax, CallSyntax) or syntax.args is not None or not syntax.begin.strip():
+        return True
+    after = text.split(syntax.begin.strip(), 1)[-1].lstrip()
+    return after[:1] == ("[" if syntax.listed else "{")
 
 
 def _reasoning_markers(render: Renderer, family: Family) -> tuple[str, str] | None:

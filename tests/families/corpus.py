@@ -35,20 +35,6 @@ from app.pipeline.request import ChatRequest, Options, OutputFormat, Tool, ToolC
 from tests.families.cpp_cases import Case, Msg
 
 
-class TemplateTokenizer:
-    """A tokenizer with another chat template: the demo tokenizer's vocabulary, the case's template."""
-
-    def __init__(self, base: Any, template: str) -> None:
-        self._base = base
-        self.chat_template = template
-
-    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
-        return self._base.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
-
-
 @dataclass(frozen=True)
 class Outcome:
     """One case served: what Tandem read, and whether it is what llama.cpp expects."""
@@ -96,9 +82,13 @@ DIFFERENCES: dict[str, Callable[[Case, dict[str, Any]], bool]] = {
 }
 
 
-def profile_for(tokenizer: Any, template: str, name: str) -> ModelProfile:  # noqa: D103
-    """What Tandem makes of a model with this template (detection and all)."""
-    return make_profile(name, TemplateTokenizer(tokenizer, template), ChatParams(), 32768, ModelCapabilities())
+def profile_for(tokenizer: Any, template: str, name: str) -> ModelProfile:
+    """What Tandem makes of a model with this template (detection and all): the demo
+    tokenizer's vocabulary with the case's template, as a model that ships it loads. The
+    tokenizer is the one of every template (so one grammar compiler serves them all): a
+    profile is good until the next template's is made."""
+    getattr(tokenizer, "_tokenizer", tokenizer).chat_template = template
+    return make_profile(name, tokenizer, ChatParams(), 32768, ModelCapabilities())
 
 
 def request_for(case: Case) -> ChatRequest:
@@ -126,10 +116,7 @@ def _message(m: Msg) -> Message:
 def serve(profile: ModelProfile, case: Case, chunks: list[str] | None = None) -> dict[str, Any]:
     """Prepare the case's request as the pipeline does, then parse the case's text."""
     prepared = build_chat(profile, request_for(case))
-    text = case.input
-    end = profile.detection.turn_end if profile.detection else ""
-    if end and text.endswith(end):
-        text = text[: -len(end)]
+    text = _text_of(profile, case)
     parser = make_parser(prepared.parser or "generic", reasoning=prepared.parse_reasoning,
                          starts_in_reasoning=prepared.starts_in_reasoning, tools_offered=prepared.tools_offered,
                          tools=prepared.tools, primer=prepared.primer)
@@ -140,6 +127,20 @@ def serve(profile: ModelProfile, case: Case, chunks: list[str] | None = None) ->
         "reasoning": out.reasoning.strip(),
         "tool_calls": [(c.name, json.loads(c.arguments_json)) for c in out.tool_calls],
     }
+
+
+def split_alike(profile: ModelProfile, case: Case) -> str:
+    """"" when the case's text reads the same fed whole and a character at a time, else its id."""
+    try:
+        whole, chars = serve(profile, case), serve(profile, case, list(_text_of(profile, case)))
+    except Exception:  # noqa: BLE001 - a request Tandem refuses: nothing to split
+        return ""
+    return "" if whole == chars else case.id
+
+
+def _text_of(profile: ModelProfile, case: Case) -> str:
+    end = profile.detection.turn_end if profile.detection else ""
+    return case.input[: -len(end)] if end and case.input.endswith(end) else case.input
 
 
 def expected(case: Case) -> dict[str, Any]:

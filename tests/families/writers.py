@@ -70,9 +70,12 @@ def _json_calls(syntax: CallSyntax, calls: list[Call]) -> str:
         return json.dumps(objects if len(objects) > 1 else objects[0])
     if syntax.listed:
         return f"{syntax.begin}{json.dumps(objects)}{syntax.end}"
+    if syntax.lines:
+        return syntax.begin + "\n".join(json.dumps(obj) for obj in objects) + syntax.end
     if syntax.args is not None:
-        pieces = [f"{syntax.begin}{fill(syntax.header, {'name': name, 'index': str(i)})}{syntax.args}"
-                  f"{json.dumps(args)}{syntax.end}" for i, (name, args) in enumerate(calls)]
+        values = [{"name": name, "index": str(i), "id": f"call{i}"} for i, (name, _) in enumerate(calls)]
+        pieces = [f"{syntax.begin}{fill(syntax.header, v)}{syntax.args}{json.dumps(args)}{syntax.end}"
+                  for v, (_, args) in zip(values, calls, strict=True)]
     else:
         pieces = [f"{syntax.begin}{json.dumps(obj)}{syntax.end}" for obj in objects]
     return syntax.section[0] + syntax.separator.join(pieces) + syntax.section[1]

@@ -144,6 +144,9 @@ def _tool_calls(g: Lark, spec: ToolCalls) -> str:
         body = " | ".join(names)
     elif syntax.keyed:
         body = json_item(_keyed_list(spec.tools, spec.most) if syntax.listed else _keyed(spec.tools), strict)
+    elif syntax.lines:
+        one = json_item(call_object_schema(spec.tools, syntax.arguments_key), strict)
+        body = g.bounded(one, literal("\n"), spec.most)
     elif syntax.listed or (not syntax.begin and spec.parallel):
         one = call_object_schema(spec.tools, syntax.arguments_key)
         array = {"type": "array", "items": one, "minItems": 1, "maxItems": spec.most}
@@ -152,8 +155,8 @@ def _tool_calls(g: Lark, spec: ToolCalls) -> str:
         body = json_item(call_object_schema(spec.tools, syntax.arguments_key), strict)
     parts = [p for p in (g.text(syntax.begin), f"({body})", g.text(syntax.end)) if p]
     call = g.rule("call", " ".join(parts))
-    if syntax.bare or syntax.listed:
-        calls = call  # one JSON value holds them all
+    if syntax.bare or syntax.listed or syntax.lines:
+        calls = call  # one JSON value (or one block) holds them all
     else:
         calls = g.rule("calls", g.bounded(call, g.text(syntax.separator), spec.most))
     opener, closer = syntax.section
@@ -164,7 +167,7 @@ def _tool_calls(g: Lark, spec: ToolCalls) -> str:
 
 def _header_item(g: Lark, text: str, placeholder: str, name: str) -> str:
     """A header's literal piece and its placeholder: the name, or a call index."""
-    value = {"name": literal(name), "index": "/[0-9]{1,2}/"}.get(placeholder, "")
+    value = {"name": literal(name), "index": "/[0-9]{1,2}/", "id": "/[A-Za-z0-9_]{1,32}/"}.get(placeholder, "")
     return " ".join(p for p in (g.text(text) if text else "", value) if p)
 
 
