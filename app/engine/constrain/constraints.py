@@ -145,8 +145,8 @@ def _tool_calls(g: Lark, spec: ToolCalls) -> str:
     elif syntax.keyed:
         body = json_item(_keyed_list(spec.tools, spec.most) if syntax.listed else _keyed(spec.tools), strict)
     elif syntax.lines:
-        one = json_item(call_object_schema(spec.tools, syntax.arguments_key), strict)
-        body = g.bounded(one, literal("\n"), spec.most)
+        line = json_item(call_object_schema(spec.tools, syntax.arguments_key), strict)
+        body = g.bounded(line, literal("\n"), spec.most)
     elif syntax.listed or (not syntax.begin and spec.parallel):
         one = call_object_schema(spec.tools, syntax.arguments_key)
         array = {"type": "array", "items": one, "minItems": 1, "maxItems": spec.most}
