@@ -205,12 +205,71 @@ class _TaggedJsonReader:
         return result
 
 
+class _CallList:
+    """A JSON list of call objects whose elements go out as calls as each one closes, so a
+    list that max_tokens cuts keeps its complete calls (issue 30: a forced call's list)."""
+
+    def __init__(self, ctx: CallContext, *, need_arguments: bool, keyed: bool) -> None:
+        self._ctx = ctx
+        self._need_arguments = need_arguments
+        self._keyed = keyed
+        self.text = ""
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._element = -1  # where the open element starts in ``text``
+        self.calls = 0
+        self.failed: str | None = None
+        self.declined = False
+
+    def push(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        for ch in text:
+            self.text += ch
+            if self.failed or self.declined:
+                continue
+            if self._in_string:
+                self._escaped = not self._escaped and ch == "\\"
+                self._in_string = self._escaped or ch != '"'
+                continue
+            if ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._element = len(self.text) - 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1 and self._element >= 0:
+                    events += self._close_element(self.text[self._element:])
+                    self._element = -1
+        return events
+
+    def _close_element(self, source: str) -> list[Event]:
+        calls = parse_calls(source, need_arguments=self._need_arguments, keyed=self._keyed)
+        if isinstance(calls, str) or len(calls) != 1:
+            if not self.calls and self._need_arguments:
+                self.declined = True  # bare JSON that is not a list of calls: an answer
+            else:
+                self.failed = calls if isinstance(calls, str) else "expected one tool call a list element"
+            return []
+        self.calls += 1
+        return emit_calls(self._ctx, calls)
+
+    @property
+    def cut(self) -> str:
+        """The text of the element output ended in (what max_tokens cut)."""
+        return self.text[self._element:] if self._element >= 0 else ""
+
+
 class BareJson:
     """``{"name": ..., "arguments": ...}`` or a list of those, without markers.
 
     Not a marker format: the parser opens it when content starts with ``{`` or
     ``[`` and tools were offered. ``strict`` (after an explicit call marker)
     reports what is not a call as an error; otherwise it goes out as content.
+    A list's calls go out one by one as their objects close; a list cut short
+    keeps its complete calls, and the cut one is an error.
     """
 
     def __init__(self, ctx: CallContext, *, strict: bool = False, prefix: str = "", keyed: bool = False) -> None:
@@ -220,23 +279,50 @@ class BareJson:
         self._reader = JsonValueReader()
         self._text = ""
         self._body = _ObjectCall(ctx, need_arguments=not strict, keyed=keyed)
+        self._list = _CallList(ctx, need_arguments=not strict, keyed=keyed)
 
     def feed(self, text: str) -> tuple[list[Event], str | None]:
         """Read until the JSON value ends."""
         used = self._reader.feed(text)
         self._text += text[:used]
-        events = self._body.push(text[:used])
-        if self._reader.done:
-            return self._close(events, text[used:])
-        if not self._strict and self._body.index is None and not could_be_call(self._text):
+        if self._reader.kind == "[":
+            events = self._list.push(text[:used])
+            if self._list.declined:
+                return self._decline(text[used:])
+            if self._reader.done or self._list.failed:
+                return self._close_list(events, text[used:])
+        else:
+            events = self._body.push(text[:used])
+            if self._reader.done:
+                return self._close(events, text[used:])
+        if not self._strict and not self._started and not could_be_call(self._text):
             return self._decline(text[used:])
         return events, None
 
+    @property
+    def _started(self) -> bool:
+        return self._body.index is not None or self._list.calls > 0
+
     def finish(self) -> tuple[list[Event], str]:
         """Output ended before the value did."""
-        if self._body.index is None and not self._strict:
+        if not self._started and not self._strict:
             return self._decline("")
+        if self._reader.kind == "[":
+            # The complete calls stand; what was cut is reported, its text kept as content.
+            cut = self._list.cut if self._list.calls else self._prefix + self._text
+            message = f"tool call list cut off after {self._list.calls} complete call(s)"
+            return (self._ctx.fail_call(message, cut) if cut.strip() else []), ""
         return self._close([], "")
+
+    def _close_list(self, events: list[Event], rest: str) -> tuple[list[Event], str]:
+        if self._list.failed:
+            self._list.declined = True  # read no more of it
+            return events + self._ctx.fail_call(self._list.failed, self._prefix + self._text), rest
+        if not self._list.calls and not self._strict:
+            return self._decline(rest)  # an empty list is an answer
+        if not self._list.calls:
+            return events + self._ctx.fail_call("empty tool call list", self._prefix + self._text), rest
+        return events, rest
 
     def _close(self, events: list[Event], rest: str) -> tuple[list[Event], str]:
         # Until a call has started, bare JSON may turn out to be an answer.

@@ -7,8 +7,9 @@
 
 What each request asks for:
 
-    tool_choice required / named (Anthropic any / tool)    one or more calls, in the model's
-                                                           own call syntax; one if not parallel
+    tool_choice required (Anthropic any)                   one or more calls (at most MAX_PARALLEL_CALLS),
+                                                           in the model's own call syntax; one if not parallel
+    tool_choice named (Anthropic tool)                     one call, unless parallel calls are asked for
     tool_choice auto, tools offered, a response_format     a call, or an answer in the format
     tool_choice auto/none, a response_format               an answer in the format
     otherwise                                              nothing: free text, no cost
@@ -73,11 +74,21 @@ def constraint_spec(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool
     answer = _answer(req.output)
     mode = req.tool_choice.mode
     if offered and mode in ("required", "named"):
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls)
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=forced_parallel(req))
     if offered and answer is not None:
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls,
-                           answer=answer)
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax,
+                           parallel=req.parallel_tool_calls is not False, answer=answer)
     return answer
+
+
+def forced_parallel(req: ChatRequest) -> bool:
+    """Whether a forced answer may hold several calls (at most ``MAX_PARALLEL_CALLS``): a named
+    choice is one call unless the client asked for parallel calls in so many words; ``required``
+    (Anthropic's ``any``) may be several unless the client turned them off. A small model that
+    repeats a call then stops where the grammar does, not at max_tokens with a cut list."""
+    if req.tool_choice.mode == "named":
+        return req.parallel_tool_calls is True
+    return req.parallel_tool_calls is not False
 
 
 def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool) -> c.Reasoning | None:

@@ -140,7 +140,9 @@ class ChatRequest:
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
-    parallel_tool_calls: bool = True
+    # Several calls in one answer: True / False as the client said, None when it did not say
+    # (allowed, except under a named tool_choice: app.pipeline.constraining).
+    parallel_tool_calls: bool | None = None
     output: OutputFormat = OutputFormat()
     # True / False switch the model's reasoning; None takes the model's default.
     thinking: bool | None = None

@@ -95,7 +95,8 @@ def test_consecutive_turns_combine_across_system_messages():
 ])
 def test_tool_choice(choice, typed_choice):
     req = request(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice=choice)
-    assert req.tool_choice == typed_choice and req.parallel_tool_calls
+    # Anthropic has no "parallel: yes", only disable_parallel_tool_use: unsaid, so None.
+    assert req.tool_choice == typed_choice and req.parallel_tool_calls is None
 
 
 @pytest.mark.parametrize(("thinking", "switch"), [
