@@ -18,45 +18,42 @@ imports nothing of the app::
 
 A family's module name, registry key and the ``tool_parser:`` /
 ``reasoning_parser:`` value in models.yaml are one string; users type it, so
-a rename breaks configs. Adding a family is its module, its line below, and
-its recorded outputs in ``tests/fixtures/parsers/<name>.json``.
+a rename breaks configs. The modules sit in one subpackage per call shape
+(``json_calls``, ``named_calls``, ``xml_calls``, ``other_calls``). Adding a
+family is its module, its line below, and its recorded outputs in
+``tests/fixtures/parsers/<name>.json``.
 """
 
 from __future__ import annotations
 
-from app.families import (
+from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, Family, new_call_id
+from app.families.json_calls import (
     apertus,
     apriel,
     cohere,
-    deepseek_dsml,
-    deepseek_r1,
-    deepseek_v3,
     firefunction,
-    functionary,
-    gemma4,
     generic,
     gigachat,
-    glm,
-    gpt_oss,
     granite,
-    hunyuan,
-    kimi,
-    kimi_k3,
-    lfm2,
     llama,
-    minicpm,
-    minimax,
     minimax_m1,
-    minimax_m3,
-    mistral,
     nemotron,
     qwen,
+)
+from app.families.named_calls import deepseek_r1, deepseek_v3, functionary, kimi, mistral, solar
+from app.families.other_calls import gemma4, gpt_oss, lfm2
+from app.families.syntax import CallSyntax, Syntax
+from app.families.xml_calls import (
+    deepseek_dsml,
+    glm,
+    hunyuan,
+    kimi_k3,
+    minicpm,
+    minimax,
+    minimax_m3,
     qwen3_coder,
     seed_oss,
-    solar,
 )
-from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, Family, new_call_id
-from app.families.syntax import CallSyntax, Syntax
 
 # In detection order: a template is matched against each family's call syntax in turn
 # (app.pipeline.detection), and the hints of the fallback are tried in this order too,

@@ -17,11 +17,11 @@ from app.families.syntax import (
     XmlCalls,
 )
 from app.parsers.calls import CallFormat
-from app.parsers.gemma_calls import GemmaFormat
-from app.parsers.named_calls import json_format
-from app.parsers.nested_xml import NestedXmlFormat
-from app.parsers.pythonic import PythonicFormat
-from app.parsers.xml_calls import XmlFormat
+from app.parsers.shapes.gemma_calls import GemmaFormat
+from app.parsers.shapes.named_calls import json_format
+from app.parsers.shapes.nested_xml import NestedXmlFormat
+from app.parsers.shapes.pythonic import PythonicFormat
+from app.parsers.shapes.xml_calls import XmlFormat
 
 
 def call_format(syntax: Syntax) -> CallFormat | None:

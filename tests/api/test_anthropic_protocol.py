@@ -20,7 +20,7 @@ from app.api.anthropic.protocol import (
     pipeline_tool_id,
 )
 from app.errors import InvalidRequestError
-from app.families.mistral import mistral_call_id
+from app.families.named_calls.mistral import mistral_call_id
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.pipeline import request as typed
 

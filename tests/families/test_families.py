@@ -15,6 +15,7 @@ second only: a walk is a few hundred mask computations).
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -63,11 +64,12 @@ MAX_STEPS = 400
 
 def test_each_module_is_one_registered_family_under_its_own_name() -> None:
     """A family's module name, registry key and models.yaml value are one string."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - SHARED
-    assert set(FAMILIES) == modules
-    for name, family in FAMILIES.items():
-        module = __import__(f"app.families.{name}", fromlist=["FAMILY"])
-        assert module.FAMILY is family and family.name == name
+    modules = {p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): p.stem
+               for p in PACKAGE.rglob("*.py") if p.stem not in SHARED}
+    assert sorted(FAMILIES) == sorted(modules.values())
+    for path, name in modules.items():
+        module = importlib.import_module(f"app.families.{path}")
+        assert module.FAMILY is FAMILIES[name] and FAMILIES[name].name == name
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.families.syntax import XmlCalls, format_parts
-from app.parsers.arg_types import is_text, property_schema, value_of
 from app.parsers.calls import MAX_HEADER, NAME, CallContext
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
+from app.parsers.shapes.arg_types import is_text, property_schema, value_of
 from app.streamtext import split_marker
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.families.syntax import NestedXmlCalls, format_parts
-from app.parsers.arg_types import property_schema, types_of, value_of
 from app.parsers.calls import MAX_HEADER, NAME, CallContext
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
+from app.parsers.shapes.arg_types import property_schema, types_of, value_of
 from app.streamtext import split_marker
 
 MAX_CALL_CHARS = 1 << 20

@@ -14,8 +14,9 @@ Forced calls are bare JSON, whatever the template.
 
 from __future__ import annotations
 
-from app.families import llama, mistral, qwen
 from app.families.family import Family
+from app.families.json_calls import llama, qwen
+from app.families.named_calls import mistral
 
 FAMILY = Family(
     "generic",

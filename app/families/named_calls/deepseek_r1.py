@@ -10,8 +10,8 @@ Raw output::
 
 from __future__ import annotations
 
-from app.families.deepseek_v3 import SECTION
 from app.families.family import Family
+from app.families.named_calls.deepseek_v3 import SECTION
 from app.families.syntax import CallSyntax
 
 CALLS = CallSyntax(section=SECTION, begin="<｜tool▁call▁begin｜>", header="function<｜tool▁sep｜>{name}",
