@@ -80,6 +80,9 @@ class Family:
     call_id: Callable[[], str] = new_call_id
     # A conversation's call id (any client's) as the family's template accepts it.
     fit_call_id: Callable[[str], str] = str
+    # How the family's template writes a call's id, when it writes its own: earlier calls
+    # and their results get ids in this form ({name}, {index}: its place in its turn).
+    call_id_format: str = ""
 
     def call_syntax(self, template: str, template_takes_tools: bool) -> Syntax:
         """What the model is told to write, and forced to when a call is required."""

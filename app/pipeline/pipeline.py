@@ -40,7 +40,7 @@ from app.engine.types import (
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.families import BARE_JSON, CallSyntax
-from app.parsers import PARSERS, ReasoningDelta, make_parser
+from app.parsers import ReasoningDelta, make_parser
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.prompting import (
@@ -50,7 +50,7 @@ from app.pipeline.prompting import (
     make_profile,
     offered_tools,
     render,
-    template_message,
+    template_messages,
     tool_note,
 )
 from app.pipeline.request import (
@@ -452,8 +452,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     (native vision: its template places them, its processor expands them)."""
     msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
-    fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
-    dicts = [template_message(m, fit_id, images=profile.prompts.takes_images) for m in msgs]
+    dicts = template_messages(msgs, profile.family, images=profile.prompts.takes_images)
     text = render(profile, dicts, template_tools, wanted, effort=req.reasoning_effort,
                   budget=thinking_budget(profile, req))
     check_within(profile.tokenizer, text, profile.max_model_len, req.messages_param)

@@ -248,7 +248,9 @@ def template_message(m: Message, fit_id: Callable[[str], str] = str, *, images: 
     family's template would refuse (``Family.fit_call_id``). With ``images`` (a builder that
     takes them), a message with images has mlx-vlm's parts as its content: ``{"type":
     "image"}`` where the client put each image, text parts next to each other joined by a
-    newline (``Message.text``'s rule), so the template places the model's placeholders."""
+    newline (``Message.text``'s rule), so the template places the model's placeholders.
+    An assistant turn's reasoning is ``reasoning_content`` (templates that render earlier
+    thinking read it, gpt-oss's as ``thinking``: the renderer passes both)."""
     content: Any = _image_parts(m.content) if images and m.images() else m.text()
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name:
@@ -257,6 +259,29 @@ def template_message(m: Message, fit_id: Callable[[str], str] = str, *, images: 
         out["tool_calls"] = [replace(tc, id=fit_id(tc.id)).as_dict(arguments_as_object=True) for tc in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = fit_id(m.tool_call_id)
+    if m.role == "assistant" and m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    return out
+
+
+def template_messages(messages: list[Message], family: Family, *, images: bool = False) -> list[dict[str, Any]]:
+    """A conversation as the family's template takes it (``template_message`` each): call ids
+    as the template writes them (Kimi's ``functions.NAME:N``, ``Family.call_id_format``) or
+    as it accepts them (``Family.fit_call_id``), each tool result under its call's id, and
+    named after the function it answers where the client left the name out (Gemma 4's and
+    Kimi's templates write it)."""
+    ids: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for m in messages:
+        for i, tc in enumerate(m.tool_calls):
+            ids[tc.id] = family.call_id_format.format(name=tc.name, index=i) if family.call_id_format \
+                else family.fit_call_id(tc.id)
+            names[tc.id] = tc.name
+    out = []
+    for m in messages:
+        if m.role == "tool" and m.tool_call_id and not m.name and m.tool_call_id in names:
+            m = replace(m, name=names[m.tool_call_id])
+        out.append(template_message(m, lambda cid: ids.get(cid) or family.fit_call_id(cid), images=images))
     return out
 
 

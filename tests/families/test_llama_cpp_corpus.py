@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.families import corpus, llama_cpp
+from tests.families import corpus
 from tests.families.cpp_cases import Case, read_cases
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "tool-calls.md"
@@ -87,18 +87,13 @@ PASS_RATE = 0.95
 
 
 @pytest.fixture(scope="module")
-def root() -> Path:
-    try:
-        return llama_cpp.fetch()
-    except RuntimeError as exc:  # no PyPI: nothing to compare with
-        pytest.skip(f"llama.cpp's templates cannot be fetched: {exc}")
+def root(corpus_root: Path) -> Path:
+    return corpus_root
 
 
 @pytest.fixture(scope="module")
-def tokenizer(demo_model_dir: Path) -> Any:
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(demo_model_dir)
+def tokenizer(corpus_tokenizer: Any) -> Any:
+    return corpus_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ CALLS = CallSyntax(
 
 FAMILY = Family(
     "kimi",
+    # The template names a call functions.NAME:N and its result by the id it carries.
+    call_id_format="functions.{name}:{index}",
     templated=(("", CALLS),),
     template_hints=("<|tool_calls_section_begin|>",),
     name_hint=r"kimi",
