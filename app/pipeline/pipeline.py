@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
+from app.engine.constrain.constraints import Reasoning
 from app.engine.constrain.grammar import Grammar
 from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.models.encoder_inputs import EncoderInputs
@@ -527,7 +528,12 @@ def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...]
     spec = constraint_spec(profile, req, tools)
     if spec is None:
         return None
-    reasoning = reasoning_for(profile, text, _reads_reasoning(profile, wanted))
+    # The grammar lets a reasoning block through only when thinking is on: with it off a model
+    # would spend its tokens wandering in one, and one the prompt opened anyway is closed at once.
+    reasoning = reasoning_for(profile, text, profile.reasoning and wanted)
+    if reasoning is None and profile.reasoning and not wanted and profile.opens_reasoning(text):
+        opener, closer = profile.reasoning_markers
+        reasoning = Reasoning(opener, closer, started=True, closed=True)
     return compile_constraint(profile, spec, reasoning, req.output.param)
 
 

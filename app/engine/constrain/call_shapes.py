@@ -34,8 +34,9 @@ from app.families.syntax import (
 ToolSpec = tuple[str, dict[str, Any], bool]
 
 
-def shape_calls(g: Lark, syntax: Syntax, tools: Sequence[ToolSpec], most: int) -> str:
-    """The rule for one to ``most`` calls of ``tools`` in ``syntax``."""
+def shape_calls(g: Lark, syntax: Syntax, tools: Sequence[ToolSpec], most: int, reasoning: bool = False) -> str:
+    """The rule for one to ``most`` calls of ``tools`` in ``syntax`` (after an analysis message
+    in Harmony when ``reasoning`` may come first)."""
     match syntax:
         case XmlCalls():
             calls = _repeat(g, [_xml_call(g, syntax, t) for t in tools], syntax.separator, most)
@@ -50,7 +51,7 @@ def shape_calls(g: Lark, syntax: Syntax, tools: Sequence[ToolSpec], most: int) -
         case GemmaCalls():
             return _repeat(g, [_gemma_call(g, syntax, t) for t in tools], "", most)
         case HarmonyCalls():
-            return _harmony_call(g, syntax, tools)
+            return _harmony_call(g, syntax, tools, reasoning)
     raise TypeError(f"no grammar for {syntax!r}")
 
 
@@ -189,7 +190,7 @@ def _gemma_call(g: Lark, syntax: GemmaCalls, tool: ToolSpec) -> str:
     return g.rule(g.fresh("fn"), body)
 
 
-def _harmony_call(g: Lark, syntax: HarmonyCalls, tools: Sequence[ToolSpec]) -> str:
+def _harmony_call(g: Lark, syntax: HarmonyCalls, tools: Sequence[ToolSpec], reasoning: bool) -> str:
     g.rule("analysis", f'{g.text("<|channel|>analysis" + syntax.message)} {g.text_until("<|end|>")} '
                                   f'{g.text(syntax.start)}')
     header = syntax.channel + syntax.recipient + syntax.constrain + syntax.message
@@ -198,4 +199,4 @@ def _harmony_call(g: Lark, syntax: HarmonyCalls, tools: Sequence[ToolSpec]) -> s
         for name, params, strict in tools
     ]
     # The call's <|call|> is gpt-oss's end of generation: EOS follows the arguments.
-    return g.rule("calls", f"analysis? ({' | '.join(calls)})")
+    return g.rule("calls", f"{'analysis? ' if reasoning else ''}({' | '.join(calls)})")

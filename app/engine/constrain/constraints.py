@@ -32,7 +32,7 @@ from typing import Any
 from app.engine.constrain.call_shapes import shape_calls
 from app.engine.constrain.lark import JSON_WHITESPACE, Lark, SpecialLookup, json_item, literal
 from app.families import BARE_JSON
-from app.families.syntax import CallSyntax, Syntax, format_parts
+from app.families.syntax import CallSyntax, HarmonyCalls, Syntax, format_parts
 
 # Between the end of reasoning and the constrained output (``</think>\n\n``).
 _AFTER_REASONING_WS = r"/[ \t\r\n]{0,4}/"
@@ -97,11 +97,14 @@ class Reasoning:
 
     ``started``: the prompt already opened it (Qwen3 ends its generation prompt
     with ``<think>\\n``), so output starts inside it and must close it.
+    ``closed``: the block is closed at once, empty (thinking is off, and a template with
+    no switch opened the block anyway: MiniMax M2's always does).
     """
 
     open: str
     close: str
     started: bool = False
+    closed: bool = False
 
 
 Constraint = JsonSchema | JsonObject | ToolCalls
@@ -128,10 +131,10 @@ def call_object_schema(tools: Sequence[Tool], key: str = "arguments") -> dict[st
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _tool_calls(g: Lark, spec: ToolCalls) -> str:
+def _tool_calls(g: Lark, spec: ToolCalls, reasoning: bool = False) -> str:
     if not isinstance(spec.syntax, CallSyntax):
         tools = [(t.name, arguments_schema(t), t.strict) for t in spec.tools]
-        return shape_calls(g, spec.syntax, tools, spec.most)
+        return shape_calls(g, spec.syntax, tools, spec.most, reasoning)
     syntax, strict = spec.syntax, all(t.strict for t in spec.tools)
     if syntax.args is not None:
         header = format_parts(syntax.header)
@@ -182,12 +185,12 @@ def _keyed_list(tools: Sequence[Tool], most: int) -> dict[str, Any]:
     return {"type": "array", "items": _keyed(tools), "minItems": 1, "maxItems": most}
 
 
-def _body(g: Lark, spec: Constraint) -> str:
+def _body(g: Lark, spec: Constraint, reasoning: bool = False) -> str:
     if isinstance(spec, JsonSchema):
         return g.rule("answer", json_item(spec.schema, spec.strict))
     if isinstance(spec, JsonObject):
         return g.rule("answer", json_item({"type": "object"}, strict=True))
-    calls = _tool_calls(g, spec)
+    calls = _tool_calls(g, spec, reasoning)
     if spec.answer is None:
         return calls
     return g.rule("body", f"{calls} | {_body(g, spec.answer)}")
@@ -218,9 +221,15 @@ def to_lark(
     ``special_texts`` are all special tokens' texts, found inside longer markers.
     """
     g = Lark(special, special_texts, eos)
-    body = _body(g, spec)
+    if isinstance(spec, ToolCalls) and isinstance(spec.syntax, HarmonyCalls):
+        # Harmony's reasoning is a message of its own (the analysis channel), in the calls' grammar.
+        body, reasoning = _body(g, spec, reasoning is not None), None
+    else:
+        body = _body(g, spec)
     if reasoning is None:
         start = body
+    elif reasoning.started and reasoning.closed:
+        start = f"{g.text(reasoning.close)} {_AFTER_REASONING_WS} {body}"
     elif reasoning.started:
         start = f"{_reasoning_to_close(g, reasoning)} {_AFTER_REASONING_WS} {body}"
     else:
