@@ -41,7 +41,7 @@ from app.families.json_calls import (
     qwen,
 )
 from app.families.named_calls import deepseek_r1, deepseek_v3, functionary, kimi, mistral, solar
-from app.families.other_calls import gemma4, gpt_oss, lfm2
+from app.families.other_calls import gemma4, gpt_oss, lfm2, llama4
 from app.families.syntax import CallSyntax, Syntax
 from app.families.xml_calls import (
     deepseek_dsml,
@@ -60,7 +60,7 @@ from app.families.xml_calls import (
 # generic (which reads every JSON shape) last.
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
     gpt_oss, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, hunyuan, seed_oss,
-    qwen3_coder, minicpm, gemma4, lfm2, cohere, nemotron, apertus, apriel, minimax_m1, granite, solar, gigachat,
+    qwen3_coder, minicpm, gemma4, lfm2, llama4, cohere, nemotron, apertus, apriel, minimax_m1, granite, solar, gigachat,
     functionary, firefunction, mistral, qwen, llama, generic,
 )}
 # The family of a model nothing detects.

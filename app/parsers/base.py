@@ -31,10 +31,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from app.families import Family
-from app.families.syntax import CallSyntax
+from app.families.syntax import CallSyntax, PythonicCalls
 from app.parsers.calls import BareJson, CallReader
 from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
 from app.parsers.formats import call_format
+from app.parsers.shapes.pythonic import PythonicReader
 from app.streamtext import split_marker
 
 
@@ -108,6 +109,9 @@ class FamilyParser:
         # Calls are read only when the request offered tools (and allowed them), as OpenAI and
         # vLLM do; otherwise the model's call text stays content.
         self._bare_json = tools_offered and any(isinstance(s, CallSyntax) and s.bare for s in family.reads)
+        # Llama 4 writes [f(x=1)] as its whole answer: Python calls with no markers.
+        self._bare_python = tools_offered and any(isinstance(s, PythonicCalls) and not s.begin.strip()
+                                                  for s in family.reads)
         self._new_id = id_factory or family.call_id
         self._tools = tools or {}
         self.calls_allowed = tools_offered
@@ -171,8 +175,8 @@ class FamilyParser:
         return self._content.push(text)
 
     def decline(self) -> None:
-        """Bare JSON was not a call: from here on it is all content."""
-        self._bare_json = False
+        """Bare JSON (or a bare Python list) was not a call: from here on it is all content."""
+        self._bare_json = self._bare_python = False
 
     def schema(self, name: str) -> dict[str, Any] | None:
         """The parameters schema of the offered tool ``name``."""
@@ -180,6 +184,20 @@ class FamilyParser:
         return params if isinstance(params, dict) else None
 
     # The state machine.
+
+    def _bare_reader(self, text: str) -> CallReader | str | None:
+        """The reader for an answer that may be a call without markers: bare JSON (``{`` or
+        ``[{``), a Python list of calls (``[name(``); "wait" while the text cannot tell."""
+        if text[:1] == "{" and self._bare_json:
+            return BareJson(self)
+        if text[:1] != "[":
+            return None
+        rest = text[1:].lstrip()
+        if not rest:
+            return "wait"
+        if self._bare_python and (rest[0].isalpha() or rest[0] == "_"):
+            return PythonicReader(self, "", bare=True)
+        return BareJson(self) if self._bare_json else None
 
     def _channel(self) -> Channel:
         return self._thought if self._in_reasoning else self._content
@@ -197,10 +215,14 @@ class FamilyParser:
     def _scan(self, buf: str, out: list[Event]) -> str | None:
         """Release text up to the next marker and act on it; ``None`` when all is read."""
         self._held = ""
-        if self._bare_json and not self._in_reasoning and not self._content.emitted:
+        if (self._bare_json or self._bare_python) and not self._in_reasoning and not self._content.emitted:
             stripped = buf.lstrip()
-            if stripped[:1] in ("{", "["):
-                self._call = BareJson(self)
+            reader = self._bare_reader(stripped)
+            if isinstance(reader, str):  # too early to tell
+                self._held = buf
+                return None
+            if reader is not None:
+                self._call = reader
                 return stripped
         markers = self._reasoning_markers if self._in_reasoning else self._content_markers
         before, marker, after = split_marker(buf, markers)

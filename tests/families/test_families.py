@@ -32,7 +32,7 @@ import app.families
 from app.engine.constrain.constraints import Tool, ToolCalls
 from app.engine.constrain.grammar import Grammar, compiler_for
 from app.families import FAMILIES, CallSyntax, Syntax
-from app.families.syntax import HarmonyCalls
+from app.families.syntax import HarmonyCalls, PythonicCalls
 from app.parsers import collect, make_parser
 from tests.families.writers import write
 from tests.fixtures.tiny_llama import TOKENIZER_FILES
@@ -207,3 +207,49 @@ def test_random_grammar_output_parses_as_a_call_of_its_schema(tokenizer: Any, fa
         text = walk(grammar, tokenizer, seed)
         ((name, args),) = parsed(family, text, reasoning=isinstance(syntax, HarmonyCalls))
         jsonschema.validate(args, TOOLS[name].parameters)
+
+
+# ---- every shape, every family: what a model writes reads back in any chunking --------------
+
+SEARCH = {"type": "object", "properties": {
+    "query": {"type": "string"}, "filters": {"type": "object"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+PING: dict[str, Any] = {"type": "object", "properties": {}}
+SHAPE_TOOLS = {"search": SEARCH, "ping": PING, "get_weather": WEATHER.parameters}
+WRITTEN = {
+    "no arguments": [("ping", {})],
+    "nested objects and arrays": [("search", {"filters": {"a": {"b": [1, 2, None]}, "ok": True}, "tags": ["x", "y"]})],
+    "unicode": [("search", {"query": "Zürich 東京 ☀ — “quoted”"})],
+    "parallel": [("ping", {}), ("search", {"query": "two"})],
+}
+
+
+def _events(family: str, chunks: list[str]) -> Any:
+    parser = make_parser(family, reasoning=True, tools_offered=True, tools=SHAPE_TOOLS)
+    return collect([ev for chunk in chunks for ev in parser.feed(chunk)] + parser.finish())
+
+
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_written_calls_read_back_in_any_chunking(family: str, syntax: Syntax) -> None:
+    from tests.parsers.streams import chunkings
+
+    for label, calls in WRITTEN.items():
+        if label == "parallel" and isinstance(syntax, HarmonyCalls):
+            continue  # one call a message
+        text = write(syntax, calls)
+        for way, chunks in chunkings(text, seeds=3).items():
+            out = _events(family, chunks)
+            got = [(c.name, json.loads(c.arguments_json)) for c in out.tool_calls]
+            assert got == calls and not out.errors and not out.content.strip(), (label, way, text, out)
+
+
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_a_call_cut_off_is_no_call(family: str, syntax: Syntax) -> None:
+    """Output that max_tokens ends inside a call's arguments: no half call comes back; where
+    markers said a call began, an error event says it was cut (a bare answer that never got
+    to be a call may be content instead)."""
+    text = write(syntax, [("search", {"query": "a long query that is cut"})])
+    cut = text[: text.index("long") + 2]
+    out = _events(family, [cut])
+    assert not out.tool_calls, (cut, out)
+    bare = (isinstance(syntax, CallSyntax) and syntax.bare) or (isinstance(syntax, PythonicCalls) and not syntax.begin)
+    assert out.errors or bare, (cut, out)

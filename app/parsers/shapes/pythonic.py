@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from app.families.syntax import PythonicCalls
 from app.parsers.calls import NAME, CallContext
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
 
+# What the start of a bare answer must look like to be a list of calls: "[name(".
+_CALLS_START = re.compile(r"\s*\[\s*(?:[A-Za-z_][\w.]*\s*(?:\(.*)?)?$", re.S)
 _LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 # A list this long without its end is not a call list.
 MAX_CALLS_CHARS = 1 << 20
@@ -45,12 +48,15 @@ class PythonicFormat:
 
 class PythonicReader:
     """Reads ``[f(...), g(...)]`` up to the end marker, a call at a time. Output that
-    ends after the list's ``]`` with no end marker (the model's end token) is whole."""
+    ends after the list's ``]`` with no end marker (the model's end token) is whole.
+    ``bare`` (no markers, the whole answer: Llama 4): the list ends at its ``]``, and
+    text that turns out not to be a list of calls (``[a link](url)``) is content."""
 
-    def __init__(self, ctx: CallContext, end: str, prefix: str = "") -> None:
+    def __init__(self, ctx: CallContext, end: str, prefix: str = "", *, bare: bool = False) -> None:
         self._ctx = ctx
         self._end = end
         self._prefix = prefix
+        self._bare = bare
         self._text = ""  # the list's text so far
         self._after: str | None = None  # the text after the end marker, once seen
         self._scan = 0  # how far ``_text`` is scanned
@@ -75,7 +81,16 @@ class PythonicReader:
     def finish(self) -> tuple[list[Event], str]:
         if self._dead:
             return [], ""
+        if self._bare and not self._calls:
+            return self._decline(""), ""
         return self._close(cut=True), ""
+
+    def _decline(self, rest: str) -> list[Event]:
+        """Not a list of calls after all: its text is content, and so is the rest."""
+        self._dead = True
+        self._ctx.decline()
+        text, self._text = self._text + rest, ""
+        return self._ctx.content(text)
 
     def _read(self) -> list[Event]:
         """Scan the new text; each call that ends in it goes out. Outside the list's brackets
@@ -95,6 +110,12 @@ class PythonicReader:
             ch = self._text[self._scan]
             self._scan += 1
             events += self._step(ch)
+            if self._bare and not self._calls and not self._dead and not _CALLS_START.match(self._text[: self._scan]):
+                return events + self._decline("")
+            if self._bare and self._closed and not self._dead:
+                self._after = self._text[self._scan:]
+                self._text = self._text[: self._scan]
+                return events
         return events
 
     def _step(self, ch: str) -> list[Event]:
@@ -137,7 +158,7 @@ class PythonicReader:
     def _emit(self, source: str) -> list[Event]:
         call = read_call(source.strip())
         if isinstance(call, str):
-            return self._fail(call)
+            return self._decline("") if self._bare and not self._calls else self._fail(call)
         name, arguments = call
         start = self._ctx.start_call(name)
         self._calls += 1
