@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 
 from app.api import request_id
 from app.api.agui import agui
@@ -31,9 +33,9 @@ from app.api.rerank import rerank
 from app.api.state import AppState
 from app.api.streaming import WARNING_HEADER
 from app.api.ui.activity import Activity
-from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
+from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
-from app.config.schema import ChatEntry, ModelEntry
+from app.config.schema import ChatEntry, ModelEntry, ServerSettings
 from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.roles import ROLES
@@ -157,6 +159,15 @@ async def drain(state: AppState) -> None:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
 
 
+def openapi_config(server: ServerSettings, guards: list[Any]) -> OpenAPIConfig | None:
+    """The OpenAPI schema as JSON at /docs/openapi.json (and /docs), under the API key, when
+    ``server.openapi_schema`` asks for it; never a viewer page, whose scripts come from a CDN."""
+    if not server.openapi_schema:
+        return None
+    return OpenAPIConfig(title="Tandem", version="0.1.0", render_plugins=[JsonRenderPlugin()],
+                         openapi_router=Router("/docs", route_handlers=[], guards=guards, include_in_schema=False))
+
+
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
     guards = [api_key_guard(server)] if api_keys(server) else []
@@ -196,7 +207,7 @@ def create_app(state: AppState) -> Litestar:
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         request_class=BoundedRequest,  # a body's JSON values are counted before it is decoded
-        openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),
+        openapi_config=openapi_config(server, guards),
         before_request=request_id.before_request,
         # Every response, errors and SSE included, is tagged with its request id and counted.
         before_send=[request_id.before_send, state.metrics.before_send],
@@ -207,4 +218,5 @@ def create_app(state: AppState) -> Litestar:
     )
     app.state.tandem = state
     app.state.activity = activity
+    app.state.event_streams = EventStreams(server)  # /ui/events, capped below max_connections
     return app

@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -103,7 +103,7 @@ class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
-    is_error: bool = False
+    is_error: JsonBool = False
 
     _blocks = field_validator("content", mode="before")(_as_blocks)
 
@@ -194,7 +194,7 @@ class CustomTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
 
 class ServerTool(Lenient):
@@ -217,7 +217,7 @@ AnyTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool,
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(default=None, min_length=1)
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: JsonBool = False
 
     def to_choice(self) -> typed.ToolChoice:
         if self.type == "tool":
@@ -306,7 +306,7 @@ class MessagesRequest(_MessagesBody):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    stream: JsonBool = False
     # Not Anthropic's: vLLM's extra body field, as on every format here (the prefix cache's scope).
     cache_salt: str | None = None
 

@@ -13,8 +13,9 @@ model sees them as ``<namespace>__<name>``, and calls come back split into
 ``namespace`` and ``name``). Every other tool type (``web_search``, ``custom``,
 ``file_search``, ``mcp``, ...) is a tool OpenAI's servers run; this server
 cannot, and ignores them, so a client's usual tool list (Codex sends
-``web_search``) never fails a request. Unknown fields are accepted and ignored
-(``prompt_cache_key``, ``user``, ...). ``metadata`` is echoed and stored with the
+``web_search``) never fails a request. Unknown fields are accepted and ignored;
+``prompt_cache_key``, ``safety_identifier``, ``user``, ``service_tier`` and
+``max_tool_calls`` are read only to be echoed. ``metadata`` is echoed and stored with the
 response, within OpenAI's bounds: 16 keys, of at most 64 characters, with string
 values of at most 512.
 """
@@ -36,7 +37,7 @@ from pydantic import (
 )
 
 from app.api.openai.protocol import JsonArguments
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -169,11 +170,17 @@ class FunctionTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     def to_tool(self, namespace: str | None = None) -> typed.Tool:
         parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
         return typed.Tool(flat_name(namespace, self.name), self.description, parameters, bool(self.strict))
+
+    def echo(self) -> dict[str, Any]:
+        """The tool as a response object lists it: every field of the spec's ``FunctionTool``,
+        ``strict`` as it was applied (absent: not strict)."""
+        return {**self.model_dump(by_alias=True, exclude_none=True), "description": self.description,
+                "parameters": self.parameters, "strict": bool(self.strict)}
 
 
 class OtherTool(Lenient):
@@ -206,7 +213,7 @@ class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> TextFormat:
@@ -255,26 +262,36 @@ class ResponsesRequest(Lenient):
     tools: list[ToolDef] = []
     # "none" | "auto" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", ...}
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    store: bool | None = True
+    store: JsonBool | None = True
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     include: list[str] | None = None
     # The most likely alternatives to each output token; logprobs themselves come with
     # include: ["message.output_text.logprobs"] (without it, OpenAI's ``logprobs`` stay empty).
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stream: bool = False
-    background: bool | None = None
+    stream: JsonBool = False
+    background: JsonBool | None = None
     conversation: Any = None
     prompt: Any = None
+    # Echoed in the response, as OpenAI's are; none changes how it is served. max_tool_calls
+    # bounds calls to built-in tools, and this server runs none; every request is served at
+    # the one service tier there is ("default").
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    service_tier: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
+    user: str | None = Field(default=None, max_length=512)
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
-    extensions: bool = False
+    extensions: JsonBool = False
     # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
     cache_salt: str | None = None
 
@@ -333,6 +350,11 @@ class ResponsesRequest(Lenient):
                 out += [f.to_tool(t.name) for f in t.tools if isinstance(f, FunctionTool)]
         return tuple(out)
 
+    def echoed_tools(self) -> list[dict[str, Any]]:
+        """``tools`` as the response lists them: function tools with every field, the rest as sent."""
+        return [t.echo() if isinstance(t, FunctionTool) else t.model_dump(by_alias=True, exclude_none=True)
+                for t in self.tools]
+
     def output_format(self) -> typed.OutputFormat:
         f = self.text.format if self.text is not None else None
         if f is None or f.type == "text":
@@ -350,7 +372,8 @@ class ResponsesRequest(Lenient):
         if self.instructions:
             messages.insert(0, typed.Message.of("system", self.instructions, param="instructions"))
         choice, tools = tool_choice(self.tool_choice, self.served_tools())
-        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p)
+        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
                                 priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt,
                                 logprobs=(self.top_logprobs or 0) if self.with_logprobs else None)
