@@ -115,8 +115,28 @@ def _ask(served: Served, model: str, fmt: str) -> dict[str, Any]:
     return r.json()
 
 
-def _check(served: Served, template: str, family: str) -> None:
-    health = served.get("/health").json()
+def _streamed_calls(served: Served, model: str) -> list[tuple[str, dict[str, Any]]]:
+    """The same chat request streamed, its tool-call deltas folded."""
+    import httpx
+
+    function = {"name": "get_weather", "description": "Weather", "parameters": PARAMETERS}
+    body = {"model": model, "messages": ASK, "tools": [{"type": "function", "function": function}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 160,
+            "reasoning_effort": "none", "stream": True}
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                for tc in choice.get("delta", {}).get("tool_calls") or []:
+                    names[tc["index"]] = tc.get("function", {}).get("name") or names.get(tc["index"], "")
+                    args[tc["index"]] = args.get(tc["index"], "") + (tc.get("function", {}).get("arguments") or "")
+    return [(names[i], json.loads(args[i])) for i in sorted(names)]
+
+
+def _check(served: Served, template: str, family: str, *, stream: bool = False) -> None:
     for fmt in ("chat", "responses", "messages"):
         body = _ask(served, template, fmt)
         calls = _calls_of(fmt, body)
@@ -124,13 +144,15 @@ def _check(served: Served, template: str, family: str) -> None:
         for name, arguments in calls:
             assert name == "get_weather"
             jsonschema.validate(arguments, PARAMETERS)
+        if stream and fmt == "chat":  # streamed as written, the same call
+            assert _streamed_calls(served, template) == calls
     health = served.get("/health").json()
     assert health["models"][template]["family"]["tool_parser"] == family, health["models"][template]
 
 
 @pytest.mark.parametrize(("template", "family"), sorted(FAST.items()))
 def test_a_forced_call_comes_back_on_every_wire_format(fast: Served, template: str, family: str) -> None:
-    _check(fast, template, family)
+    _check(fast, template, family, stream=True)
 
 
 @pytest.mark.slow
