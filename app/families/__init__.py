@@ -41,7 +41,7 @@ from app.families.json_calls import (
     qwen,
 )
 from app.families.named_calls import deepseek_r1, deepseek_v3, functionary, kimi, mistral, solar
-from app.families.other_calls import gemma4, gpt_oss, lfm2, llama4
+from app.families.other_calls import gemma4, gpt_oss, lfm2, llama4, muse
 from app.families.syntax import CallSyntax, Syntax
 from app.families.xml_calls import (
     deepseek_dsml,
@@ -59,7 +59,7 @@ from app.families.xml_calls import (
 # (app.pipeline.detection), and the hints of the fallback are tried in this order too,
 # generic (which reads every JSON shape) last.
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
-    gpt_oss, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, hunyuan, seed_oss,
+    gpt_oss, muse, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, hunyuan, seed_oss,
     qwen3_coder, minicpm, gemma4, lfm2, llama4, cohere, nemotron, apertus, apriel, minimax_m1, granite, solar, gigachat,
     functionary, firefunction, mistral, qwen, llama, generic,
 )}

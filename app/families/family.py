@@ -20,7 +20,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.families.syntax import CallSyntax, HarmonyCalls, NestedXmlCalls, Syntax, XmlCalls
+from app.families.syntax import CallSyntax, HarmonyCalls, NestedXmlCalls, RecipientCalls, Syntax, XmlCalls
 
 # Every reasoning block a model is known to write; every family's parser reads them all
 # (templates that open one block sometimes get another from the model).
@@ -118,8 +118,9 @@ class Family:
 
     @property
     def channels(self) -> bool:
-        """Whether the family writes Harmony channels rather than markers (gpt-oss)."""
-        return any(isinstance(s, HarmonyCalls) for _, s in self.templated)
+        """Whether the family writes messages with headers rather than markers (gpt-oss's
+        Harmony channels, muse-glimmer's recipients)."""
+        return any(isinstance(s, (HarmonyCalls, RecipientCalls)) for _, s in self.templated)
 
 
 def _unique(syntaxes: tuple[Syntax, ...]) -> tuple[Syntax, ...]:

@@ -16,6 +16,7 @@ them without the whitespace at their edges.
     PythonicCalls  Python calls         [f(city="Paris"), g()]
     GemmaCalls     Gemma 4's objects    <|tool_call>call:f{city:<|"|>Paris<|"|>}<tool_call|>
     HarmonyCalls   Harmony messages     <|start|>assistant to=functions.f<|channel|>commentary json<|message|>{...}
+    RecipientCalls messages to a tool   <|start|>assistant to=f<|message|><atem:function_calls>...   (muse-glimmer)
 """
 
 from __future__ import annotations
@@ -135,7 +136,21 @@ class HarmonyCalls:
     end: str = "<|call|>"
 
 
-Syntax = CallSyntax | XmlCalls | NestedXmlCalls | PythonicCalls | GemmaCalls | HarmonyCalls
+@dataclass(frozen=True)
+class RecipientCalls:
+    """Messages to recipients (muse-glimmer): `` to=user<|message|>...<|eot|>`` is the answer,
+    `` to=self`` reasoning, `` to=NAME`` a call of NAME whose body holds ``body``'s calls
+    (read by the Harmony parser, as gpt-oss's channels are)."""
+
+    body: XmlCalls
+    message: str = "<|message|>"
+    ends: tuple[str, ...] = ("<|eom|>", "<|eot|>")
+    start: str = "<|start|>assistant"
+    answer: str = "user"
+    thought: str = "self"
+
+
+Syntax = CallSyntax | XmlCalls | NestedXmlCalls | PythonicCalls | GemmaCalls | HarmonyCalls | RecipientCalls
 
 
 def format_parts(fmt: str) -> list[tuple[str, str]]:

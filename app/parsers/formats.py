@@ -13,6 +13,7 @@ from app.families.syntax import (
     HarmonyCalls,
     NestedXmlCalls,
     PythonicCalls,
+    RecipientCalls,
     Syntax,
     XmlCalls,
 )
@@ -38,6 +39,6 @@ def call_format(syntax: Syntax) -> CallFormat | None:
             return PythonicFormat(syntax) if syntax.begin else None
         case GemmaCalls():
             return GemmaFormat(syntax)
-        case HarmonyCalls():
+        case HarmonyCalls() | RecipientCalls():
             return None
     raise TypeError(f"no reader for {syntax!r}")

@@ -18,17 +18,32 @@ decides what the body is:
     channel final, commentary, none     content
 
 Output that does not start with a header is content, as if on ``final``.
+
+muse-glimmer's messages (``RecipientCalls``) are read the same way, by their
+recipient alone: ``to=user`` is content, ``to=self`` reasoning, ``to=NAME`` a
+message to a tool whose body holds its calls in ATEM XML (read by the XML call
+reader when the message ends); its messages end at ``<|eom|>`` or ``<|eot|>``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from app.families import Family
-from app.parsers.base import Channel
-from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
+from app.families.syntax import HarmonyCalls, RecipientCalls
+from app.parsers.base import Channel, FamilyParser
+from app.parsers.events import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallError,
+    ToolCallStart,
+)
 from app.parsers.json_args import ArgsStream
 from app.streamtext import split_marker
 
@@ -46,6 +61,11 @@ class HarmonyParser:
 
     def __init__(self, family: Family, *, tools_offered: bool = False,
                  id_factory: Callable[[], str] | None = None, tools: Mapping[str, Any] | None = None) -> None:
+        syntax = next(s for _, s in family.templated if isinstance(s, (HarmonyCalls, RecipientCalls)))
+        self._recipients = syntax if isinstance(syntax, RecipientCalls) else None
+        self._ends = (*syntax.ends, "<|start|>") if isinstance(syntax, RecipientCalls) else ENDS
+        self._family = family
+        self._tools = tools
         self._tools_offered = tools_offered
         self._new_id = id_factory or family.call_id
         self._content = Channel(ContentDelta)
@@ -86,7 +106,7 @@ class HarmonyParser:
 
     def _step(self, buf: str, out: list[Event]) -> str:
         if self._header is None:
-            before, marker, after = split_marker(buf, ENDS)
+            before, marker, after = split_marker(buf, self._ends)
             if marker is None:
                 self._held = after
                 self._body(before, out)
@@ -115,6 +135,12 @@ class HarmonyParser:
         recipient = _RECIPIENT.search(header)
         channels = _CHANNEL.findall(header)
         target = recipient.group(1) if recipient else ""
+        if self._recipients is not None:
+            if target == self._recipients.thought:
+                return "reasoning"
+            if not target or target == self._recipients.answer or not self._tools_offered:
+                return "content"
+            return "body"  # a message to a tool: its calls, read when it ends
         if target.startswith(FUNCTIONS):
             return "call" if self._tools_offered else "content"
         if target and target != "assistant":
@@ -145,8 +171,12 @@ class HarmonyParser:
             self._raw += text
             events, _ = self._args.push(text)
             out += events
+        elif self._kind == "body":
+            self._raw += text
 
     def _end_body(self, out: list[Event]) -> None:
+        if self._kind == "body" and self._recipients is not None:
+            out += self._body_calls(self._raw.split(MESSAGE, 1)[-1] if MESSAGE in self._raw else self._raw)
         if self._kind == "call" and self._args is not None:
             result = self._args.finish()
             if isinstance(result, str):
@@ -156,3 +186,25 @@ class HarmonyParser:
         self._args, self._kind = None, ""
         self._thought.boundary()
         self._content.boundary()
+
+    def _body_calls(self, body: str) -> list[Event]:
+        """The calls in a message to a tool, read by its body syntax's parser, numbered on."""
+        assert self._recipients is not None
+        reader = FamilyParser(replace(self._family, templated=(("", self._recipients.body),), also_reads=(),
+                                      reasoning=(), dropped=()),
+                              reasoning=False, tools_offered=True, id_factory=self._new_id, tools=self._tools)
+        out: list[Event] = []
+        base = self._calls
+        for ev in [*reader.feed(body), *reader.finish()]:
+            if isinstance(ev, ToolCallStart):
+                self._calls = max(self._calls, base + ev.index + 1)
+                ev = ToolCallStart(base + ev.index, ev.id, ev.name)
+            elif isinstance(ev, (ToolCallArgsDelta, ToolCallEnd)):
+                ev = replace(ev, index=base + ev.index)
+            elif isinstance(ev, ToolCallError) and ev.index is not None:
+                ev = replace(ev, index=base + ev.index)
+            elif isinstance(ev, ContentDelta):
+                out += self._content.push(ev.text)
+                continue
+            out.append(ev)
+        return out

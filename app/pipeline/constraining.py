@@ -26,7 +26,7 @@ from typing import Any
 from app.engine.constrain import constraints as c
 from app.engine.constrain.grammar import Grammar, compiler_for
 from app.errors import InvalidRequestError
-from app.families.syntax import HarmonyCalls
+from app.families.syntax import HarmonyCalls, RecipientCalls
 from app.pipeline.prompting import ModelProfile
 from app.pipeline.request import ChatRequest, OutputFormat, Tool
 
@@ -100,7 +100,7 @@ def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool
         return None
     opener, closer = profile.reasoning_markers
     started = profile.opens_reasoning(prompt_text)
-    harmony = isinstance(profile.call_syntax, HarmonyCalls)  # analysis opens with the <|channel|> token
+    harmony = isinstance(profile.call_syntax, (HarmonyCalls, RecipientCalls))  # a message of its own
     if not started and not profile.reasoning_opener_is_token and not harmony:
         # A text opener ("<think>" in several tokens) would let a model that does not
         # reason wander into a block through "<" and spend its tokens there.

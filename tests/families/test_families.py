@@ -32,7 +32,7 @@ import app.families
 from app.engine.constrain.constraints import Tool, ToolCalls
 from app.engine.constrain.grammar import Grammar, compiler_for
 from app.families import FAMILIES, CallSyntax, Syntax
-from app.families.syntax import HarmonyCalls, PythonicCalls
+from app.families.syntax import HarmonyCalls, PythonicCalls, RecipientCalls
 from app.parsers import collect, make_parser
 from tests.families.writers import write
 from tests.fixtures.tiny_llama import TOKENIZER_FILES
@@ -190,8 +190,8 @@ def test_written_calls_pass_the_grammar_and_parse_back(tokenizer: Any, family: s
     eos = set(tokenizer.eos_token_ids)
     assert next_after(single, tokenizer, write(syntax, one)) == eos  # complete: only EOS is left
     assert parsed(family, write(syntax, one)) == one
-    if isinstance(syntax, HarmonyCalls):
-        return  # one call a message: <|call|> ends the generation
+    if isinstance(syntax, (HarmonyCalls, RecipientCalls)):
+        return  # one call a message: the message's end ends the generation
     after_both = next_after(parallel, tokenizer, write(syntax, both))
     assert after_both is not None and eos <= after_both  # it may end, or call again
     assert next_after(single, tokenizer, write(syntax, both)) is None
@@ -205,7 +205,7 @@ def test_random_grammar_output_parses_as_a_call_of_its_schema(tokenizer: Any, fa
     grammar = compiler_for(tokenizer).compile(ToolCalls((WEATHER, CLOCK), syntax, parallel=False))
     for seed in range(2):
         text = walk(grammar, tokenizer, seed)
-        ((name, args),) = parsed(family, text, reasoning=isinstance(syntax, HarmonyCalls))
+        ((name, args),) = parsed(family, text, reasoning=isinstance(syntax, (HarmonyCalls, RecipientCalls)))
         jsonschema.validate(args, TOOLS[name].parameters)
 
 
@@ -233,7 +233,7 @@ def test_written_calls_read_back_in_any_chunking(family: str, syntax: Syntax) ->
     from tests.parsers.streams import chunkings
 
     for label, calls in WRITTEN.items():
-        if label == "parallel" and isinstance(syntax, HarmonyCalls):
+        if label == "parallel" and isinstance(syntax, (HarmonyCalls, RecipientCalls)):
             continue  # one call a message
         text = write(syntax, calls)
         for way, chunks in chunkings(text, seeds=3).items():

@@ -46,7 +46,7 @@ SLOW = {
     "Kimi-K3": "kimi_k3", "LFM2.5-8B-A1B": "lfm2", "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "cohere",
     "NVIDIA-Nemotron-Nano-v2": "nemotron", "Apertus-8B-Instruct": "apertus", "GigaChat3.1-10B-A1.8B": "gigachat",
     "Qwen-Qwen3-0.6B": "qwen", "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
-    "tencent-Hy3": "hunyuan", "upstage-Solar-Open-100B": "solar",
+    "tencent-Hy3": "hunyuan", "upstage-Solar-Open-100B": "solar", "muse-glimmer": "muse",
 }
 
 

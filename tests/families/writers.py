@@ -16,6 +16,7 @@ from app.families.syntax import (
     HarmonyCalls,
     NestedXmlCalls,
     PythonicCalls,
+    RecipientCalls,
     Syntax,
     XmlCalls,
     format_parts,
@@ -55,6 +56,9 @@ def write(syntax: Syntax, calls: list[Call]) -> str:
                 f"{syntax.begin}call:{name}{{"
                 + ",".join(f"{k}:{syntax.quote}{v}{syntax.quote}" if isinstance(v, str) else f"{k}:{json.dumps(v)}"
                            for k, v in args.items()) + f"}}{syntax.end}" for name, args in calls)
+        case RecipientCalls():
+            name, args = calls[0]
+            return f" to={name}{syntax.message}" + write(syntax.body, [(name, args)])
         case HarmonyCalls():
             name, args = calls[0]
             header = syntax.channel + syntax.recipient + syntax.constrain + syntax.message

@@ -12,6 +12,7 @@ that the two agree):
     PythonicCalls   [name(key=value, ...)], values as JSON (which the parser reads as Python)
     GemmaCalls      call:name{key:value,...}, strings between <|"|> tokens
     HarmonyCalls    an optional analysis message, then one message to functions.name
+    RecipientCalls  an optional message to self, then one message to the tool holding its call
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from app.families.syntax import (
     HarmonyCalls,
     NestedXmlCalls,
     PythonicCalls,
+    RecipientCalls,
     Syntax,
     XmlCalls,
     format_parts,
@@ -52,6 +54,8 @@ def shape_calls(g: Lark, syntax: Syntax, tools: Sequence[ToolSpec], most: int, r
             return _repeat(g, [_gemma_call(g, syntax, t) for t in tools], "", most)
         case HarmonyCalls():
             return _harmony_call(g, syntax, tools, reasoning)
+        case RecipientCalls():
+            return _recipient_call(g, syntax, tools, reasoning)
     raise TypeError(f"no grammar for {syntax!r}")
 
 
@@ -64,7 +68,7 @@ def _section(g: Lark, section: tuple[str, str], calls: str) -> str:
     opener, closer = section
     if not opener.strip():
         return calls
-    return g.rule("section", f"{g.text(opener)} {calls} {g.text(closer)}")
+    return g.rule(g.fresh("section"), f"{g.text(opener)} {calls} {g.text(closer)}")
 
 
 def _properties(params: dict[str, Any]) -> list[tuple[str, Any, bool]]:
@@ -200,3 +204,13 @@ def _harmony_call(g: Lark, syntax: HarmonyCalls, tools: Sequence[ToolSpec], reas
     ]
     # The call's <|call|> is gpt-oss's end of generation: EOS follows the arguments.
     return g.rule("calls", f"{'analysis? ' if reasoning else ''}({' | '.join(calls)})")
+
+
+def _recipient_call(g: Lark, syntax: RecipientCalls, tools: Sequence[ToolSpec], reasoning: bool) -> str:
+    thought = f" to={syntax.thought}"
+    g.rule("to_self", f"{g.text(thought + syntax.message)} {g.text_until(syntax.ends[0])} {g.text(syntax.start)}")
+    calls = []
+    for name, params, strict in tools:
+        body = _section(g, syntax.body.section, _xml_call(g, syntax.body, (name, params, strict)))
+        calls.append(g.rule(g.fresh("message"), f"{g.text(f' to={name}' + syntax.message)} {body}"))
+    return g.rule("calls", f"{'to_self? ' if reasoning else ''}({' | '.join(calls)})")

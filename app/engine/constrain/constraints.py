@@ -32,7 +32,7 @@ from typing import Any
 from app.engine.constrain.call_shapes import shape_calls
 from app.engine.constrain.lark import JSON_WHITESPACE, Lark, SpecialLookup, json_item, literal
 from app.families import BARE_JSON
-from app.families.syntax import CallSyntax, HarmonyCalls, Syntax, format_parts
+from app.families.syntax import CallSyntax, HarmonyCalls, RecipientCalls, Syntax, format_parts
 
 # Between the end of reasoning and the constrained output (``</think>\n\n``).
 _AFTER_REASONING_WS = r"/[ \t\r\n]{0,4}/"
@@ -221,7 +221,7 @@ def to_lark(
     ``special_texts`` are all special tokens' texts, found inside longer markers.
     """
     g = Lark(special, special_texts, eos)
-    if isinstance(spec, ToolCalls) and isinstance(spec.syntax, HarmonyCalls):
+    if isinstance(spec, ToolCalls) and isinstance(spec.syntax, (HarmonyCalls, RecipientCalls)):
         # Harmony's reasoning is a message of its own (the analysis channel), in the calls' grammar.
         body, reasoning = _body(g, spec, reasoning is not None), None
     else:
