@@ -322,7 +322,7 @@ def render_layers(target: str) -> str:
 def _shape(syntax: Any) -> str:
     """A call syntax in a table cell: its shape and the markers a model writes."""
     from app.families.syntax import (CallSyntax, GemmaCalls, HarmonyCalls, NestedXmlCalls, PythonicCalls,
-                                     XmlCalls)
+                                     RecipientCalls, XmlCalls)
 
     def show(text: str) -> str:
         return _html_code(" ".join(text.split())) if text.strip() else ""
@@ -346,6 +346,8 @@ def _shape(syntax: Any) -> str:
         return f"Gemma 4: {show(syntax.begin + 'call:f{key:' + syntax.quote + '...' + syntax.quote + '}' + syntax.end)}"
     if isinstance(syntax, HarmonyCalls):
         return "Harmony: " + show(syntax.channel + syntax.recipient + syntax.constrain + syntax.message)
+    if isinstance(syntax, RecipientCalls):
+        return f"a message to the tool: {show(' to={name}' + syntax.message)}, then " + _shape(syntax.body)
     raise PluginError(f"no description of {syntax!r}")
 
 
