@@ -41,6 +41,9 @@ TEMPLATES = [
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use", "NVIDIA-Nemotron-Nano-v2", "Apertus-8B-Instruct",
     "GigaChat3.1-10B-A1.8B", "meta-llama-Llama-3.1-8B-Instruct", "mistralai-Ministral-3-14B-Reasoning-2512",
     "unsloth-Apriel-1.5", "meetkai-functionary-medium-v3.1", "tencent-Hy3", "upstage-Solar-Open-100B",
+    # Rendered where transformers' sandbox refuses them (app.engine.chat_templates): Kimi K2 Thinking
+    # appends to a list to pair results with calls; llama.cpp's DeepSeek R1 writes map(...) | tojson.
+    "Kimi-K2-Thinking", "llama-cpp-deepseek-r1", "muse-glimmer",
 ]
 
 
