@@ -25,11 +25,11 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.families import FAMILIES, CallSyntax, Family, Syntax
-from app.parsers import collect, parser_for
+from app.parsers import collect, parser_for, template_opens_reasoning
 from app.parsers.detect import detect_parser
 
 # Renders messages through the template: ``(messages, tools, generation_prompt, kwargs)``, None when it refuses.
@@ -76,7 +76,8 @@ class Detection:
     turn_end: str = ""
     # Why, in words, for /health and the load log.
     why: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Whether the generation prompt opens the reasoning block (thinking on, where it can be).
+    opens_reasoning: bool = False
 
 
 def probe_call_messages() -> list[dict[str, Any]]:
@@ -103,11 +104,15 @@ def detect(render: Renderer, template: str, model_name: str) -> Detection:
             "the markers it mentions or the model's name" if family.name != "generic" else "nothing: the fallback")
     reasoning = _reasoning_markers(render, family)
     switches = tuple(name for name in SWITCHES if _switch_works(render, template, name))
+    opens = _prompt_opens(render, family, switches)
     if reasoning is not None:
-        why += f"; reasoning in {reasoning[0]}...{reasoning[1]}"
+        opened = ", opened by the generation prompt" if opens else ""
+        why += f"; reasoning in {reasoning[0]}...{reasoning[1]}{opened}"
+    elif opens:
+        why += "; the generation prompt opens the reasoning"
     if switches:
         why += f"; switches: {', '.join(switches)}"
-    return Detection(family.name, syntax, reasoning, switches, turn_end, why)
+    return Detection(family.name, syntax, reasoning, switches, turn_end, why, opens)
 
 
 def _render(render: Renderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -185,6 +190,13 @@ def _reasoning_markers(render: Renderer, family: Family) -> tuple[str, str] | No
         if opener in before and closer in after:
             return opener, closer
     return None
+
+
+def _prompt_opens(render: Renderer, family: Family, switches: tuple[str, ...]) -> bool:
+    """Whether the generation prompt (thinking on) ends inside a reasoning block of the family's."""
+    on = {name: _PROBE_VALUES[SWITCHES[name]][0] for name in switches}
+    text = _render(render, [{"role": "user", "content": _QUESTION}], generation_prompt=True, **on)
+    return text is not None and template_opens_reasoning(text, family.reasoning_pairs)
 
 
 def _switch_works(render: Renderer, template: str, name: str) -> bool:

@@ -95,9 +95,11 @@ class Health:
 def family_report(profile: ModelProfile) -> dict[str, Any]:
     """How a chat model's output is read, and why: the parser family, its reasoning markers
     and the template switches Tandem sets (what /health and the load log say)."""
-    why = profile.detection.why if profile.detection is not None else ""
+    found = profile.detection
     return {"tool_parser": profile.parser, "reasoning": profile.reasoning,
-            "reasoning_markers": list(profile.reasoning_markers), "switches": list(profile.switches), "why": why}
+            "reasoning_markers": list(profile.reasoning_markers),
+            "prompt_opens_reasoning": found.opens_reasoning if found is not None else False,
+            "switches": list(profile.switches), "why": found.why if found is not None else ""}
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,45 @@ def test_mistral_gets_ids_it_accepts(corpus_root: Path, corpus_tokenizer: Any) -
                                  corpus.template_text(corpus_root, "mistralai-Mistral-Nemo-Instruct-2407.jinja"), "m")
     for make in FORMATS.values():
         assert RESULT in build_chat(profile, make()).prompt_text
+
+
+THOUGHT = "R-THOUGHT-7"
+
+
+def _with_reasoning(fmt: str) -> ChatRequest:
+    """The call turn carrying its reasoning, as each format carries it back."""
+    args = json.dumps(ARGS)
+    if fmt == "chat":
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": None, "reasoning_content": THOUGHT, "tool_calls": [
+                {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]}).to_request()
+    if fmt == "responses":
+        return ResponsesRequest.model_validate({"model": "m", "input": [
+            {"role": "user", "content": QUESTION},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+            {"type": "function_call", "call_id": CALL_ID, "name": "get_weather", "arguments": args},
+            {"type": "function_call_output", "call_id": CALL_ID, "output": RESULT}]}).to_request([])
+    # A conversation that thinks says so (Anthropic's default is no thinking; DeepSeek's template
+    # then drops earlier thoughts).
+    return MessagesRequest.model_validate({"model": "m", "max_tokens": 2048, "messages": [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": "x"},
+                                          {"type": "tool_use", "id": "toolu_abc", "name": "get_weather",
+                                           "input": ARGS}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_abc", "content": RESULT}]},
+    ], "thinking": {"type": "enabled", "budget_tokens": 1024}}).to_request()
+
+
+@pytest.mark.parametrize("template", ["openai-gpt-oss-120b", "Qwen3.5-4B", "MiniMax-M2", "deepseek-ai-DeepSeek-V3.2"])
+@pytest.mark.parametrize("fmt", ["chat", "responses", "messages"])
+def test_the_reasoning_of_a_call_turn_goes_back_in_the_familys_markers(corpus_root: Path, corpus_tokenizer: Any,
+                                                                       template: str, fmt: str) -> None:
+    """gpt-oss's earlier thinking goes back on the analysis channel, the others' in <think>."""
+    profile = corpus.profile_for(corpus_tokenizer, corpus.template_text(corpus_root, f"{template}.jinja"), "model")
+    prompt = build_chat(profile, _with_reasoning(fmt)).prompt_text
+    opener, closer = profile.reasoning_markers
+    assert THOUGHT in prompt
+    before, after = prompt.split(THOUGHT, 1)
+    assert before.rstrip().endswith(opener.strip()) and after.lstrip().startswith(closer.strip()), prompt
