@@ -43,6 +43,7 @@ from app.engine.types import ModelHandle
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
+from app.pipeline.runtime import family_report
 from app.specs import load_params, model_spec
 
 log = logging.getLogger("tandem")
@@ -85,8 +86,10 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     state.metrics.watch(state.figures)
     profile = state.profile
     if profile is not None:
-        log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name,
-                 profile.parser, profile.reasoning, profile.thinking_switch, profile.system_prompt)
+        family = family_report(profile)
+        log.info("model %s: parser=%s reasoning=%s markers=%s switches=%s system_prompt=%s (%s)", primary.name,
+                 profile.parser, profile.reasoning, "...".join(family["reasoning_markers"]),
+                 ",".join(profile.switches) or "-", profile.system_prompt, family["why"])
     log.info("serving %s; memory limit %.0f MB", ", ".join(s.name for s in specs), registry.limit_bytes / 2**20)
     return state
 

@@ -261,8 +261,9 @@ class ModelCapabilities(_Strict):
         "saying so and a warning (the x-tandem-warning header on every format, and in the body where the format has "
         "room); \"refuse\" answers 400, so the client knows the model never saw them.")
     tool_parser: str | None = Field(
-        default=None, description="Model family for tool calls (app/families: qwen, mistral, llama, "
-        "generic); None detects it from the chat template.")
+        default=None, description="Model family for tool calls and reasoning (app/families: qwen, qwen3_coder, "
+        "glm, deepseek_v3, kimi, gpt_oss, gemma4, lfm2, mistral, llama, generic, ...; the list is in the tool-calls "
+        "guide); None detects it by rendering the chat template with a probe call.")
     reasoning_parser: str | None = Field(
         default=None, description="The model reasons, with this family's markers (\"none\": it does not); None "
         "detects it from the chat template, then the model name.")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
+from app.engine.constrain.constraints import Reasoning
 from app.engine.constrain.grammar import Grammar
 from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.models.encoder_inputs import EncoderInputs
@@ -39,7 +40,8 @@ from app.engine.types import (
     SpeculationRequest,
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
-from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
+from app.families import BARE_JSON, CallSyntax
+from app.parsers import ReasoningDelta, make_parser
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.predicted import prediction_usage
@@ -50,7 +52,7 @@ from app.pipeline.prompting import (
     make_profile,
     offered_tools,
     render,
-    template_message,
+    template_messages,
     tool_note,
 )
 from app.pipeline.request import (
@@ -126,6 +128,10 @@ class Prepared:
     lease: Lease[Engine] | None = None
     # Choices generated from the prompt.
     n: int = 1
+    # The offered tools' parameter schemas by name: what arguments written as text mean.
+    tools: dict[str, Any] = field(default_factory=dict)
+    # A call marker the prompt ended with (Functionary's >>>), read first as the model's.
+    primer: str = ""
 
     @property
     def warnings(self) -> list[str]:
@@ -288,7 +294,7 @@ class Pipeline:
         parser = None
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
-                                 tools_offered=p.tools_offered)
+                                 tools_offered=p.tools_offered, tools=p.tools, primer=p.primer)
         prediction = gen.speculation.prediction if gen.speculation is not None else ()
         written: list[str] = []  # the answer's text, kept only to count the prediction against it
         async with aclosing(p.lease.handle.stream(replace(gen, announce_queued=True))) as deltas:
@@ -437,7 +443,8 @@ def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         return msgs, tools, None
     if profile.template_takes_tools:
         return msgs, tools, [t.as_dict() for t in tools]
-    note = tool_note(tools, req.tool_choice.mode == "required", profile.call_syntax)
+    syntax = profile.call_syntax if isinstance(profile.call_syntax, CallSyntax) else BARE_JSON
+    note = tool_note(tools, req.tool_choice.mode == "required", syntax)
     if msgs and msgs[0].role == "system":
         msgs[0] = msgs[0].with_text(f"{msgs[0].text()}\n\n{note}")
     else:
@@ -453,9 +460,9 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     (native vision: its template places them, its processor expands them)."""
     msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
-    fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
-    dicts = [template_message(m, fit_id, images=profile.prompts.takes_images) for m in msgs]
-    text = render(profile, dicts, template_tools, wanted)
+    dicts = template_messages(msgs, profile.family, images=profile.prompts.takes_images)
+    text = render(profile, dicts, template_tools, wanted, effort=req.reasoning_effort,
+                  budget=thinking_budget(profile, req))
     check_within(profile.tokenizer, text, profile.max_model_len, req.messages_param)
     prompt = profile.prompts.build(text, images)
     tokens = prompt.tokens
@@ -464,7 +471,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
         sampling=sampling_for(profile, req.options),
         stop=req.options.stop,
-        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted)
+        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted, req)
         if len(dicts) > 1 and isinstance(prompt, TokenPrompt) else None,
         priority=_priority(req),
         logprobs=req.options.logprobs,
@@ -472,23 +479,26 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         reasoning=reasoning_block(profile, req, text, wanted),
         speculation=speculation_for(profile, req.options),
     )
-    return _parsed_as(profile, req, gen, text, wanted, bool(tools))
+    return _parsed_as(profile, req, gen, text, wanted, tools)
 
 
 def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, text: str, wanted: bool,
-               tools_offered: bool) -> Prepared:
+               offered: tuple[Tool, ...]) -> Prepared:
     """How the model's output is read: its family's parser, reasoning, tool calls."""
     parse_reasoning = _reads_reasoning(profile, wanted)
     extras = {"prompt": text} if req.options.extensions else {}
+    tools_offered = bool(offered)
     return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
-                    parse_reasoning and template_opens_reasoning(text), tools_offered, extras, n=req.options.n)
+                    parse_reasoning and profile.opens_reasoning(text), tools_offered, extras, n=req.options.n,
+                    tools={t.name: t.parameters for t in offered}, primer=profile.opened_call(text))
 
 
 def _reads_reasoning(profile: ModelProfile, wanted: bool) -> bool:
-    """Whether the output's reasoning block is read. A template with no thinking switch renders
-    the same prompt either way and the model may reason anyway: its reasoning is still read,
-    so markers never reach the content."""
-    return profile.reasoning and (wanted or not profile.thinking_switch)
+    """Whether the output's reasoning block is read: whenever the model reasons. With thinking
+    off a model may reason anyway (a template with no switch renders the same prompt either
+    way, and LFM2.5 reasons whatever its switch says): its reasoning is still read, so
+    markers never reach the content, and it is not sent (``Prepared.emit_reasoning``)."""
+    return profile.reasoning
 
 
 # Effort levels past the table's top, as clients name them (OpenAI's xhigh, Anthropic's max).
@@ -515,7 +525,7 @@ def reasoning_block(profile: ModelProfile, req: ChatRequest, text: str, wanted: 
         return None
     opener, closer = profile.reasoning_markers
     close_ids = tuple(profile.tokenizer.encode(closer, add_special_tokens=False))
-    return ReasoningBlock(opener, closer, close_ids, started=template_opens_reasoning(text),
+    return ReasoningBlock(opener, closer, close_ids, started=profile.opens_reasoning(text),
                           budget=thinking_budget(profile, req))
 
 
@@ -525,7 +535,12 @@ def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...]
     spec = constraint_spec(profile, req, tools)
     if spec is None:
         return None
-    reasoning = reasoning_for(profile, text, _reads_reasoning(profile, wanted))
+    # The grammar lets a reasoning block through only when thinking is on: with it off a model
+    # would spend its tokens wandering in one, and one the prompt opened anyway is closed at once.
+    reasoning = reasoning_for(profile, text, profile.reasoning and wanted)
+    if reasoning is None and profile.reasoning and not wanted and profile.opens_reasoning(text):
+        opener, closer = profile.reasoning_markers
+        reasoning = Reasoning(opener, closer, started=True, closed=True)
     return compile_constraint(profile, spec, reasoning, req.output.param)
 
 
@@ -603,7 +618,7 @@ def completion_budget(profile: ModelProfile, prompt_len: int, options: Options, 
 
 
 def _cache_prefix_len(profile: ModelProfile, messages: list[dict[str, Any]], tokens: list[int],
-                      thinking: bool) -> int | None:
+                      thinking: bool, req: ChatRequest) -> int | None:
     """Tokens of the system prompt (or first exchange) that stand alone as a prefix."""
     mode = profile.params.prompt_cache
     if mode == "off":
@@ -613,7 +628,8 @@ def _cache_prefix_len(profile: ModelProfile, messages: list[dict[str, Any]], tok
         upto += 1
     if upto == 0 or upto >= len(messages):
         return None
-    head = encode(profile, render(profile, messages[:upto], None, thinking, generation_prompt=False))
+    head = encode(profile, render(profile, messages[:upto], None, thinking, generation_prompt=False,
+                                  effort=req.reasoning_effort, budget=thinking_budget(profile, req)))
     return len(head) if head and tokens[: len(head)] == head else None
 
 

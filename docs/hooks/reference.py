@@ -8,6 +8,7 @@ A page asks for a table with a marker on a line of its own:
     <!-- generated: metrics app/api/metrics.py -->            every metric the module defines
     <!-- generated: docstring app.engine.mlx_internals -->     a module's docstring, as Markdown
     <!-- generated: layers tests/test_layering.py -->          the import rules, as a picture and a table
+    <!-- generated: families app.families:FAMILIES -->        every model family: models, calls, reasoning, hints
 
 The marker is replaced by Markdown before the page is converted. An unknown kind, a target
 that does not exist, or a table that comes out empty raises, and so fails the build
@@ -315,5 +316,78 @@ def render_layers(target: str) -> str:
     return "\n".join(picture) + "\n\n" + "\n".join(table) + "\n"
 
 
+# ---- families: the model families Tandem reads ------------------------------------------------------
+
+
+def _shape(syntax: Any) -> str:
+    """A call syntax in a table cell: its shape and the markers a model writes."""
+    from app.families.syntax import (CallSyntax, GemmaCalls, HarmonyCalls, NestedXmlCalls, PythonicCalls,
+                                     RecipientCalls, XmlCalls)
+
+    def show(text: str) -> str:
+        return _html_code(" ".join(text.split())) if text.strip() else ""
+
+    if isinstance(syntax, CallSyntax):
+        if syntax.bare:
+            return "bare JSON"
+        kind = "name, then JSON" if syntax.args is not None else (
+            "JSON lines" if syntax.lines else "JSON list" if syntax.listed else "JSON")
+        parts = [syntax.section[0], syntax.begin, syntax.header if syntax.args is not None else "",
+                 syntax.args or "", syntax.end, syntax.section[1]]
+        return f"{kind}: " + " ".join(p for p in map(show, parts) if p)
+    if isinstance(syntax, XmlCalls):
+        return "text values: " + " ".join(p for p in map(show, (syntax.section[0], syntax.call, syntax.param,
+                                                                   syntax.end, syntax.section[1])) if p)
+    if isinstance(syntax, NestedXmlCalls):
+        return f"nested elements: {show(syntax.call)} {show(syntax.tag + '<key>...')}"
+    if isinstance(syntax, PythonicCalls):
+        return f"Python calls: {show(syntax.begin + '[f(key=value)]' + syntax.end)}"
+    if isinstance(syntax, GemmaCalls):
+        return f"Gemma 4: {show(syntax.begin + 'call:f{key:' + syntax.quote + '...' + syntax.quote + '}' + syntax.end)}"
+    if isinstance(syntax, HarmonyCalls):
+        return "Harmony: " + show(syntax.channel + syntax.recipient + syntax.constrain + syntax.message)
+    if isinstance(syntax, RecipientCalls):
+        return f"a message to the tool: {show(' to={name}' + syntax.message)}, then " + _shape(syntax.body)
+    raise PluginError(f"no description of {syntax!r}")
+
+
+def render_families(target: str) -> str:
+    """Every family of ``app.families.FAMILIES``: its models (its module docstring's first
+    line), what it reads, its reasoning markers, where calls in reasoning go, its fallback hints."""
+    families = resolve(target)
+    rows = ["| `tool_parser` | Models | Calls | Reasoning | A call in reasoning | Hints when no call is rendered |",
+            "|---|---|---|---|---|---|"]
+    for name, family in families.items():
+        doc = inspect.getdoc(sys.modules[_module_of(name)]) or ""
+        models = doc.split("\n", 1)[0].split(":", 1)[0].rstrip(".")
+        calls = "<br>".join(_shape(s) for s in family.writes if not (getattr(s, "bare", False)
+                                                                       and len(family.writes) > 1))
+        reasoning = "<br>".join(f"{_html_code(o.strip())} … {_html_code(c.strip())}" for o, c in family.reasoning)
+        in_reasoning = "ends the block, is a call" if family.calls_in_reasoning else "stays reasoning"
+        hints = ", ".join(" + ".join(map(_html_code, h)) if isinstance(h, tuple) else _html_code(h.strip())
+                          for h in family.template_hints)
+        rows.append(f"| {code(name)} | {cell(models)} | {calls} | {reasoning} | {in_reasoning} | {hints or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+def _html_code(text: str) -> str:
+    """Code in a table cell, as HTML: markers hold pipes and backticks a code span cannot."""
+    import html
+
+    return "<code>" + html.escape(text).replace("|", "&#124;").replace("`", "&#96;") + "</code>"
+
+
+def _module_of(name: str) -> str:
+    import importlib
+
+    for group in ("json_calls", "named_calls", "xml_calls", "other_calls"):
+        try:
+            return importlib.import_module(f"app.families.{group}.{name}").__name__
+        except ModuleNotFoundError:
+            continue
+    raise PluginError(f"no module for family {name!r}")
+
+
 RENDERERS = {"config": render_config, "cli": render_cli, "endpoints": render_endpoints,
-             "metrics": render_metrics, "docstring": render_docstring, "layers": render_layers}
+             "metrics": render_metrics, "docstring": render_docstring, "layers": render_layers,
+             "families": render_families}

@@ -16,7 +16,7 @@
                                                                 search, code execution, tool search)
                                                                 run on Anthropic's side: left out
     tool_choice auto / any / tool / none                     -> ToolChoice auto / required / named / none
-    disable_parallel_tool_use                                -> parallel_tool_calls=False
+    disable_parallel_tool_use                                -> parallel_tool_calls=False (else None: unsaid)
     thinking enabled / adaptive, between_tools / disabled    -> thinking True / None (the model's
              / absent                                           default) / False / False (Anthropic's
                                                                 default: no thinking unless asked)
@@ -294,7 +294,7 @@ class _MessagesBody(Lenient):
         output = typed.OutputFormat("json_schema", fmt.schema_, param=where) if fmt else typed.OutputFormat()
         return typed.ChatRequest(
             options, tuple(typed.merge_turns([*system, *turns])), tools=tools, tool_choice=choice,
-            parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),
+            parallel_tool_calls=False if self.tool_choice and self.tool_choice.disable_parallel_tool_use else None,
             output=output, thinking=self.thinking.switch() if self.thinking else False,
             reasoning_effort=self.output_config.effort if self.output_config else None,
             reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,

@@ -313,7 +313,7 @@ class ChatCompletionRequest(_SamplingFields):
             self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs,
                             self.prediction.text() if self.prediction is not None else None),
             tuple(m.to_message(i) for i, m in enumerate(self.messages)),
-            tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
+            tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),
             thinking=self.thinking_requested(), reasoning_effort=self.reasoning_effort,
         )

@@ -378,7 +378,7 @@ class ResponsesRequest(Lenient):
                                 priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt,
                                 logprobs=(self.top_logprobs or 0) if self.with_logprobs else None)
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=self.parallel_tool_calls is not False,
+                                 parallel_tool_calls=self.parallel_tool_calls,
                                  output=self.output_format(), thinking=self.thinking_requested(),
                                  reasoning_effort=self.reasoning.effort if self.reasoning else None,
                                  reasoning_budget=self.reasoning.max_tokens if self.reasoning else None,
