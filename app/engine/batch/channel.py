@@ -3,7 +3,10 @@
 The engine thread must never block on a slow client (it would stall every
 other stream), so when a consumer falls behind, text deltas are merged into
 the last pending one instead of growing a queue: memory per request stays
-bounded by its own output, and the reader gets everything in order.
+bounded by its own output, and the reader gets everything in order. A reader
+takes what is pending as one delta (``get``): one that fell behind the engine
+catches up in one pass through the pipeline and one write to its client, not
+one per token, so under load the per-token cost of the event loop shrinks.
 
 Waking a reader from another thread costs a write to the event loop's self-pipe
 (``call_soon_threadsafe``), and the loop a wake-up to read it: once per token and
@@ -115,22 +118,8 @@ class TokenChannel:
         with self._lock:
             if self.closed:
                 return
-            last = self._items[-1] if self._items else None
-            if (
-                len(self._items) >= self._maxsize
-                and last is not None
-                and last.finish_reason is None
-                and last.error is None
-            ):
-                last.text += delta.text
-                last.tokens += delta.tokens
-                last.logprobs += delta.logprobs
-                last.finish_reason = delta.finish_reason
-                last.error = delta.error
-                last.prompt_tokens = delta.prompt_tokens or last.prompt_tokens
-                last.cached_tokens = delta.cached_tokens or last.cached_tokens
-                last.completion_tokens = delta.completion_tokens or last.completion_tokens
-                last.stop_sequence = delta.stop_sequence
+            if len(self._items) >= self._maxsize and _mergeable(self._items[-1], delta):
+                _merge(self._items[-1], delta)
                 return
             wake = not self._items
             self._items.append(delta)
@@ -140,16 +129,41 @@ class TokenChannel:
             self._waker.wake(self._ready)
 
     async def get(self) -> list[TokenDelta]:
-        """Everything pending, waiting until there is something."""
+        """Everything pending, waiting until there is something: its text as one delta (with
+        the end, if it came), and an error after it in a delta of its own."""
         while True:
             with self._lock:
                 if self._items:
-                    items = list(self._items)
+                    items: list[TokenDelta] = []
+                    for delta in self._items:
+                        if items and _mergeable(items[-1], delta):
+                            _merge(items[-1], delta)
+                        else:
+                            items.append(delta)
                     self._items.clear()
                     self._ready.clear()
                     return items
                 self._ready.clear()
             await self._ready.wait()
+
+
+def _mergeable(last: TokenDelta, delta: TokenDelta) -> bool:
+    """Whether ``delta`` can join ``last``: neither is an error, and ``last`` is not the end."""
+    return last.finish_reason is None and last.error is None and delta.error is None
+
+
+def _merge(last: TokenDelta, delta: TokenDelta) -> None:
+    """``delta`` appended to ``last``: its text, tokens and logprobs, and, when it is the end,
+    what the end carries (usage, the stop string)."""
+    last.text += delta.text
+    last.tokens += delta.tokens
+    last.logprobs += delta.logprobs
+    if delta.finish_reason is not None:
+        last.finish_reason, last.stop_sequence = delta.finish_reason, delta.stop_sequence
+        last.prompt_tokens, last.completion_tokens = delta.prompt_tokens, delta.completion_tokens
+        last.cached_tokens, last.reasoning_tokens = delta.cached_tokens, delta.reasoning_tokens
+        last.accepted_prediction_tokens = delta.accepted_prediction_tokens
+        last.rejected_prediction_tokens = delta.rejected_prediction_tokens
 
 
 class OpenStreams:
