@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 
 from app.api import request_id
 from app.api.agui import agui
@@ -31,12 +33,13 @@ from app.api.rerank import rerank
 from app.api.state import AppState
 from app.api.streaming import WARNING_HEADER
 from app.api.ui.activity import Activity
-from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
+from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
-from app.config.schema import ChatEntry, ModelEntry
+from app.config.schema import ChatEntry, ModelEntry, ServerSettings
 from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.roles import ROLES
+from app.engine.types import ModelHandle
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
@@ -128,7 +131,15 @@ async def drain(state: AppState) -> None:
     """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
     when streaming), and finish the prefix caches' queued disk writes. The HTTP server
-    drains its connections meanwhile."""
+    drains its connections meanwhile. Every model drains at once, within one deadline;
+    the server's signal handler and the app's shutdown both call this, and the second
+    call waits for the first."""
+    if state.draining is None:
+        state.draining = asyncio.ensure_future(_drain(state))
+    await asyncio.shield(state.draining)
+
+
+async def _drain(state: AppState) -> None:
     engines = state.registry.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
@@ -138,20 +149,33 @@ async def drain(state: AppState) -> None:
     if in_flight() and state.worker.alive:
         log.warning("shutdown: ending %d requests still running after %gs", in_flight(), grace)
         exc = EngineDeadError("the server is shutting down", retry_after=10)
-        for engine in engines:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                # The MLX thread is inside one long step (a long prefill chunk on a slow
-                # machine): the clients hear the end now, not when the step is done.
-                log.warning("shutdown: the MLX thread is busy in a long step; ending %s's streams without it",
-                            engine.name)
-                engine.end_streams(exc)
-    # Prefixes queued for the prompt caches' disk tiers are written before the process ends.
+        await asyncio.gather(*(_abort(engine, exc) for engine in engines))
+    # Prefixes queued for the prompt caches' disk tiers are written before the process ends,
+    # every model's at once.
     wait = max(grace, 10.0)
-    for engine in engines:
-        if not await asyncio.to_thread(engine.finish_writes, wait):
+    done = await asyncio.gather(*(asyncio.to_thread(engine.finish_writes, wait) for engine in engines))
+    for engine, finished in zip(engines, done):
+        if not finished:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
+
+
+async def _abort(engine: ModelHandle, exc: BaseException) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        # The MLX thread is inside a step (one model's, while every model waits its turn on the
+        # thread): the clients hear the end now, not when the step is done.
+        log.warning("shutdown: the MLX thread is busy in a step; ending %s's streams without it", engine.name)
+        engine.end_streams(exc)
+
+
+def openapi_config(server: ServerSettings, guards: list[Any]) -> OpenAPIConfig | None:
+    """The OpenAPI schema as JSON at /docs/openapi.json (and /docs), under the API key, when
+    ``server.openapi_schema`` asks for it; never a viewer page, whose scripts come from a CDN."""
+    if not server.openapi_schema:
+        return None
+    return OpenAPIConfig(title="Tandem", version="0.1.0", render_plugins=[JsonRenderPlugin()],
+                         openapi_router=Router("/docs", route_handlers=[], guards=guards, include_in_schema=False))
 
 
 def create_app(state: AppState) -> Litestar:
@@ -193,7 +217,7 @@ def create_app(state: AppState) -> Litestar:
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         request_class=BoundedRequest,  # a body's JSON values are counted before it is decoded
-        openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),
+        openapi_config=openapi_config(server, guards),
         before_request=request_id.before_request,
         # Every response, errors and SSE included, is tagged with its request id and counted.
         before_send=[request_id.before_send, state.metrics.before_send],
@@ -204,4 +228,5 @@ def create_app(state: AppState) -> Litestar:
     )
     app.state.tandem = state
     app.state.activity = activity
+    app.state.event_streams = EventStreams(server)  # /ui/events, capped below max_connections
     return app

@@ -49,7 +49,11 @@ It measures, in this order (one server at a time, so they never compete):
  16. speculative: decode tokens/s with speculation over without, at 1 and 4 streams, for a
      code edit (prompt lookup), the same edit with the answer as `prediction`, and free
      chat; the acceptance rate per drafter and TTFT (scripts/bench_speculative.py).
- 17. engine: Tandem's decode step against mlx-lm's BatchGenerator on this model (single-stream
+ 17. vision_native: Ministral 3 with its own eyes against Ministral 3 + a Qwen2-VL captioner
+     (proxy), each its own server, on six drawn images: TTFT, memory, answer agreement
+     (scripts/bench_vision_native.py; `--profile full`: the real models from the hub; `cpu`:
+     tiny random ones, the mechanics only).
+ 18. engine: Tandem's decode step against mlx-lm's BatchGenerator on this model (single-stream
      decode, 8-stream aggregate, in process); host overhead where the device is fast (tiny
      512-token-vocabulary models streamed over HTTP at 1, 8 and 32 streams against
      BatchGenerator in a loop, and mlx_lm.server); turn 2's TTFT over turn 1's on a hybrid
@@ -811,7 +815,7 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
             "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
-            "engine")
+            "vision_native", "engine")
 
 
 def main() -> None:
@@ -1041,6 +1045,12 @@ def main() -> None:
             ratios += bench_speculative(base, name, prof)
         finally:
             stop(ours)
+
+    if "vision_native" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_vision_native import bench_vision_native
+
+        ratios += bench_vision_native([] if args.profile == "full" else ["--tiny"])
 
     if "engine" in run:
         sys.path.insert(0, str(REPO / "scripts"))

@@ -259,7 +259,7 @@ class Pipeline:
             raise VisionNotSupportedError(
                 f"model {model.profile.name} cannot see images now: its vision model {vision.model!r} is not "
                 f"available ({vision.reason}); send the request without images", param=first.param)
-        result = await vision.proxy.rewrite(req.messages)
+        result = await vision.proxy.rewrite(req.messages, scope=self.cache_namespace(req.options.cache_salt))
         return tuple(result.messages), {"captions": [c.as_dict() for c in result.captions],
                                         "warnings": list(result.warnings)}
 

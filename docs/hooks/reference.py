@@ -21,7 +21,7 @@ Where the facts come from:
 - cli: the argparse parser's actions (flags, choices, defaults, help), recursively.
 - endpoints: the app ``create_app`` builds around a stand-in state that holds only real
   settings and real metrics: no engine starts and no model loads. Whether a route needs the
-  API key is read from its guards in an app built with a key set.
+  API key (or an admin key) is read from its guards in an app built with a key set.
 - metrics: the module's source, read with ``ast``: each ``Counter`` / ``Histogram`` /
   ``*MetricFamily`` call, with the loops over literal tuples that name several of them.
 - layers: the test's ``LAYERS`` and ``OUTSIDE`` tables (literals, read with ``ast``): each
@@ -138,6 +138,10 @@ def _cli_default(a: argparse.Action) -> str:
 # ---- endpoints: the Litestar app's routes -----------------------------------------------------
 
 
+# What a route needs, least first.
+NEEDS = ["never", "when keys are set", "an admin key"]
+
+
 def render_endpoints(target: str) -> str:
     from pydantic import SecretStr
 
@@ -151,12 +155,18 @@ def render_endpoints(target: str) -> str:
         state = types.SimpleNamespace(config=types.SimpleNamespace(server=server), metrics=Metrics())
         return create_app(state)
 
-    with_key = app_with(ServerSettings(api_key=SecretStr("docs")))
-    keyed = {(r.path, m): bool(h.resolve_guards()) for r in with_key.routes for h in r.route_handlers
-             for m in h.http_methods}
-    rows: dict[tuple[str, str], tuple[list[str], list[bool]]] = {}
+    from app.api.guards import admin_only
+
+    # Every route there can be: the OpenAPI schema too (server.openapi_schema).
+    with_key = app_with(ServerSettings(api_key=SecretStr("docs"), openapi_schema=True))
+    # Per route and method: no key, any key, or an admin key (Security: key roles).
+    keyed = {(r.path, m): "an admin key" if admin_only in h.resolve_guards() else
+             "when keys are set" if h.resolve_guards() else "never"
+             for r in with_key.routes for h in r.route_handlers for m in h.http_methods}
+    rows: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     schema_paths: list[str] = []
-    for route in app_with(ServerSettings()).routes:
+    schema_guarded: list[str] = []
+    for route in app_with(ServerSettings(openapi_schema=True)).routes:
         # A route's handlers come in no fixed order (a set of methods each): sorted, the page is stable.
         for h in sorted(route.route_handlers, key=lambda h: sorted(h.http_methods)):
             module = getattr(h.fn, "__module__", "") or ""
@@ -164,23 +174,25 @@ def render_endpoints(target: str) -> str:
             path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
             if not methods:
                 continue
-            if not module.startswith("app."):  # the OpenAPI schema and its viewers
-                schema_paths.append(path)
+            if not module.startswith("app."):  # Litestar's: the OpenAPI schema
+                if "{" not in path:  # not its catch-all 404
+                    schema_paths.append(path)
+                    schema_guarded.append(keyed.get((route.path, "GET"), "never"))
                 continue
             endpoints, guarded = rows.setdefault((h.summary or (inspect.getdoc(h.fn) or "").split("\n")[0], module),
                                                  ([], []))
             endpoints += [f"{m} {path}" for m in methods]
-            guarded += [keyed.get((route.path, m), False) for m in methods]
+            guarded += [keyed.get((route.path, m), "never") for m in methods]
     if not rows:
         raise PluginError(f"{target}: the app has no routes of its own")
     out = ["| endpoint | what | API key | handler |", "| --- | --- | --- | --- |"]
     for (summary, module), (endpoints, guarded) in rows.items():
         out.append(f"| {', '.join(code(e) for e in endpoints)} | {cell(summary)} | "
-                   f"{'when keys are set' if any(guarded) else 'never'} | `{module}` |")
+                   f"{max(guarded, key=NEEDS.index)} | `{module}` |")
     if schema_paths:
-        base = min(schema_paths, key=len)
-        others = ", ".join(code(p) for p in sorted(set(schema_paths)) if p != base)
-        out.append(f"| `GET {base}` | the OpenAPI schema and its viewers ({others}) | never | Litestar |")
+        paths = ", ".join(code(f"GET {p}") for p in sorted(set(schema_paths), key=len, reverse=True))
+        out.append(f"| {paths} | the OpenAPI schema as JSON, with `server.openapi_schema: true` (off by default) | "
+                   f"{max(schema_guarded, key=NEEDS.index)} | Litestar |")
     return "\n".join(out) + "\n"
 
 

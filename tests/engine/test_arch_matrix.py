@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,22 +43,8 @@ QUESTION = [{"role": "user", "content": "Tell me about the sea and the sky in a 
 MODEL_GAPS: dict[str, str] = {}
 
 
-def _by_kind(recurrent: str, sliding: str) -> dict[str, str]:
-    """One reason for the models with recurrent layers (ArraysCache), another for those
-    with sliding windows (RotatingKVCache)."""
-    return {name: recurrent if "ArraysCache" in m.kinds else sliding for name, m in ZOO.items() if not m.plain_kv}
-
-
 # Gaps of one test, by model.
-GAPS: dict[str, dict[str, str]] = {
-    "restart": _by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
-    "restart_edited": {
-        **{name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
-                 "to the tokens shared: turn 2 gets the template's system prompt (24 of 42 tokens) from disk"
-           for name in ZOO if ZOO[name].plain_kv},
-        **_by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
-    },
-}
+GAPS: dict[str, dict[str, str]] = {}
 
 
 def cases(test: str) -> list[Any]:
@@ -235,6 +222,18 @@ def test_make_cache_gives_the_architectures_cache_kinds(zoo_model, name):
     assert len(model.layers) == ZOO[name].layers
 
 
+def test_the_bench_model_is_qwen3_5_shaped_with_a_512_token_vocabulary(tmp_path):
+    from mlx_lm import load
+
+    from tests.fixtures.zoo import build_bench_qwen3_5
+
+    model, tokenizer = load(str(build_bench_qwen3_5(tmp_path / "bench")))
+    assert cache_kinds(model) == list(ZOO["qwen3_5"].caches)
+    assert len(tokenizer.vocab) == model.args.text_config["vocab_size"] == 512
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+
+
 # ---- the matrix ------------------------------------------------------------------------------
 
 
@@ -266,11 +265,17 @@ MIXED = [
 
 @matrix("mixed_batch")
 def test_a_mixed_batch_keeps_each_rows_lone_answer(served):
-    """Rows of different lengths (one prefilling while another decodes) answer as they do alone."""
+    """Rows of different lengths sent at once (prefilled together, or one prefilling while
+    another decodes) answer as they do alone."""
     alone = [answer(served.chat(m, extra_body={"cache_salt": "alone"})) for m in MIXED]
+    start = threading.Barrier(len(MIXED))
+
+    def together(messages: list[dict[str, Any]]) -> str:
+        start.wait()
+        return answer(served.chat(messages, extra_body={"cache_salt": "together"}))
+
     with ThreadPoolExecutor(len(MIXED)) as pool:
-        together = list(pool.map(lambda m: answer(served.chat(m, extra_body={"cache_salt": "together"})), MIXED))
-    assert together == alone
+        assert list(pool.map(together, MIXED)) == alone
 
 
 @matrix("turn_2")
@@ -321,15 +326,23 @@ def test_turn_2_after_another_answer_reuses_turn_1s_prompt_after_a_restart(serve
     assert got >= shared - SLACK, f"turn 2 reused {got} of the {shared} tokens it shares with turn 1"
 
 
+def verified(server: ZooServer) -> int:
+    """Prediction tokens the engine's verify steps have accepted so far (/health)."""
+    return server.health()["engine"]["speculation"].get("prediction", {}).get("accepted", 0)
+
+
 @matrix("prediction")
 def test_an_exact_prediction_keeps_the_greedy_answer_and_is_accepted(served):
     """The prediction is the answer as the model writes it (the text of its tokens, which
-    tokenizes to them again: see ``WHOLE``)."""
+    tokenizes to them again: see ``WHOLE``). Usage counts the prediction's tokens that
+    appear in the answer, speculation or not; the verify steps' own count is on /health."""
     plain = served.chat(WHOLE, logprobs=True, extra_body={"cache_salt": "plain"})
+    before = verified(served)
     predicted = served.chat(WHOLE, prediction={"type": "content", "content": "".join(written(plain))},
                             extra_body={"cache_salt": "predicted"})
     assert answer(predicted) == answer(plain)
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert verified(served) > before, "the engine verified none of the prediction"
 
 
 @matrix("kv_bits", "served_kv8")

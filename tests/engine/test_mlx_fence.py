@@ -50,22 +50,6 @@ CONTRACTS: dict[str, Contract] = {
     "mlx_lm.tokenizer_utils.SPMStreamingDetokenizer": _c("tokenizer trim_space"),
     "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer": _c("tokenizer"),
     "mlx_vlm.prepare_inputs": _c("processor images prompts image_token_index add_special_tokens"),
-    "mlx_vlm.generate.ar.BatchGenerator": _c(
-        "model processor completion_batch_size prefill_batch_size prefill_step_size compute_logprobs sampler"),
-    "mlx_vlm.generate.ar.BatchGenerator.insert": _c("prompts max_tokens prompt_kwargs logits_processors"),
-    "mlx_vlm.generate.ar.BatchGenerator.next": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator.remove": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator.close": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator._build_mixed_prompt_batch": _c("sequences"),
-    "mlx_vlm.generate.ar.BatchGenerator._extend_generation_batch": _c("gen_batch"),
-    "mlx_vlm.generate.ar.GenerationBatch.empty": _c(
-        "model sampler stop_criteria compute_logprobs top_logprobs_k greedy_sampling"),
-    "mlx_vlm.generate.ar.GenerationBatch.extend": _c("other"),
-    "mlx_vlm.generate.ar.GenerationBatch.filter": _c("keep"),
-    "mlx_vlm.generate.ar.PromptProcessingBatch": _c(
-        "model uids input_ids max_tokens inputs_embeds prompt_kwargs logits_processors thinking_budget_criteria "
-        "prefill_step_size warm_cache right_pad_per_row suffix_lens greedy_sampling"),
-    "mlx_vlm.models.cache.BatchKVCache": _c(attrs="merge extract"),
     "mlx_vlm.models.cache.KVCache": _c(attrs="keys values offset extract"),
     "mlx_vlm.utils.should_add_special_tokens": _c("model_type processor"),
     "mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS": _c(attrs="__contains__"),
@@ -80,14 +64,22 @@ BEHAVIOUR = {
         test_mlx_lm_internals, "test_contract_batch_kv_rolls_back_to_what_each_row_kept"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
+    "<vlm processor>.tokenizer.stopping_criteria.eos_token_ids": (M, "test_vlm_stop_tokens_are_where_generate_stops"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),
     "<vlm model>.get_input_embeddings.cached_image_features": (
         M, "test_vlm_cached_image_features_merge_in_place_of_the_tower"),
     "<vlm model>.vision_tower": (M, "test_vlm_vision_tower_gives_each_image_its_own_rows"),
-    "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
+    "<vlm model>.language_model": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
     "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
-    "mlx_vlm.generate.ar.PromptProcessingBatch._token_context": (
-        M, "test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv"),
+    "<vlm model>.language_model.__call__": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "<vlm model>.language_model.make_cache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.base.InputEmbeddingsFeatures": (M, "test_vlm_embedding_features_are_the_fields_the_step_feeds"),
+    "mlx_vlm.models.base.LanguageModelOutput.logits": (
+        M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "mlx_vlm.models.cache.RotatingKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ArraysCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ChunkedKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.CacheList": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
 }
 # Behaviours of the names above that a signature cannot show, checked on real models.
 BEHAVIOUR_TOO = [
@@ -98,7 +90,6 @@ BEHAVIOUR_TOO = [
     (test_mlx_lm_internals, "test_contract_rotating_rows_merge_extract_and_restore_exactly"),
     (test_mlx_internals, "test_a_continuation_keeps_its_leading_space"),
     (test_mlx_internals, "test_new_vlm_detokenizer_is_private_per_sequence"),
-    (test_mlx_internals, "test_vlm_prefix_batch_generator_gives_a_finished_rows_kv"),
 ]
 
 

@@ -1,7 +1,9 @@
 """Anthropic Messages wire models for requests (pydantic), and their mapping onto the typed request.
 
     system (a string or text blocks), role "system" messages -> system messages (the pipeline
-                                                                gathers them into one, first)
+                                                                gathers them into one, first);
+                                                                Claude Code's billing header block
+                                                                is left out (``BILLING_HEADER``)
     user: text, image (base64 or url source)                 -> a user message's parts
     user: tool_result blocks                                 -> role "tool" messages, before the
                                                                 rest of the user's turn
@@ -41,7 +43,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -63,6 +65,14 @@ def _as_blocks(v: Any) -> Any:
     """A string where blocks may stand is one text block: one shape to validate, and errors
     that point at the block (``messages.0.content.1``), not at each member of a union."""
     return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+
+# Claude Code (2.1.29 on) sends its billing header as the first system text block,
+# ``x-anthropic-billing-header: cc_version=2.1.197.7a9; cc_entrypoint=cli; cch=...;``, with
+# a hash that changes on every request: no text for the model, and at the head of the
+# prompt it would make every request's prefix new to the prefix cache. Anthropic's own API
+# does not show it to the model either.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 class TextBlock(Lenient):
@@ -103,7 +113,7 @@ class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
-    is_error: bool = False
+    is_error: JsonBool = False
 
     _blocks = field_validator("content", mode="before")(_as_blocks)
 
@@ -194,7 +204,7 @@ class CustomTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
 
 class ServerTool(Lenient):
@@ -217,7 +227,7 @@ AnyTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool,
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(default=None, min_length=1)
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: JsonBool = False
 
     def to_choice(self) -> typed.ToolChoice:
         if self.type == "tool":
@@ -272,8 +282,9 @@ class _MessagesBody(Lenient):
 
     def _chat_request(self, options: typed.Options) -> typed.ChatRequest:
         system: list[typed.Message] = []
-        if self.system and any(b.text for b in self.system):
-            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in self.system), param="system"))
+        blocks = [b for b in self.system or () if not b.text.startswith(BILLING_HEADER)]
+        if any(b.text for b in blocks):
+            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in blocks), param="system"))
         turns = [m for i, msg in enumerate(self.messages) for m in msg.to_messages(i)]
         tools = tuple(typed.Tool(t.name, t.description, t.input_schema, bool(t.strict))
                       for t in self.tools or () if isinstance(t, CustomTool))
@@ -306,7 +317,7 @@ class MessagesRequest(_MessagesBody):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    stream: JsonBool = False
     # Not Anthropic's: vLLM's extra body field, as on every format here (the prefix cache's scope).
     cache_salt: str | None = None
 

@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from app.api.openai.protocol import JsonArguments
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -170,7 +170,7 @@ class FunctionTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     def to_tool(self, namespace: str | None = None) -> typed.Tool:
         parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
@@ -213,7 +213,7 @@ class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> TextFormat:
@@ -262,7 +262,7 @@ class ResponsesRequest(Lenient):
     tools: list[ToolDef] = []
     # "none" | "auto" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", ...}
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -270,15 +270,15 @@ class ResponsesRequest(Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    store: bool | None = True
+    store: JsonBool | None = True
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     include: list[str] | None = None
     # The most likely alternatives to each output token; logprobs themselves come with
     # include: ["message.output_text.logprobs"] (without it, OpenAI's ``logprobs`` stay empty).
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stream: bool = False
-    background: bool | None = None
+    stream: JsonBool = False
+    background: JsonBool | None = None
     conversation: Any = None
     prompt: Any = None
     # Echoed in the response, as OpenAI's are; none changes how it is served. max_tool_calls
@@ -291,7 +291,7 @@ class ResponsesRequest(Lenient):
     user: str | None = Field(default=None, max_length=512)
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
-    extensions: bool = False
+    extensions: JsonBool = False
     # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
     cache_salt: str | None = None
 

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error

@@ -66,21 +66,23 @@ from app.engine.batch.pacing import PrefillPacer
 from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
+from app.engine.batch.vision_rows import VisionRows
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
-from app.engine.kv.kv_snapshot import probe_layout
-from app.engine.kv.layers import all_trim, nbytes
+from app.engine.kv.kv_layout import model_layout
+from app.engine.kv.layers import nbytes
 from app.engine.kv.prefix_cache import DISK_WRITES_WAIT_S, PrefixCache
-from app.engine.mlx_internals import make_prompt_cache, new_detokenizer
+from app.engine.mlx_internals import new_detokenizer
 from app.engine.models.loader import KV_GROUP_SIZE, LoadedModel
+from app.engine.models.vlm import LoadedVlm
 from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
-from app.engine.step import DecodeBatch, Drawn
+from app.engine.step import DecodeBatch, Drawn, RowInputs
 from app.engine.types import EngineStats, GenerationRequest
 from app.engine.worker import MLXWorker
-from app.errors import EngineError, VisionNotSupportedError
+from app.errors import AppError, ContextLengthError, EngineError, VisionNotSupportedError
 
 log = logging.getLogger("tandem.engine")
 
@@ -106,37 +108,48 @@ class _Seq(Seq):
     # Its cached prefix, taken before admission made room for it (``_evict``): (cache, the tokens
     # left to prefill); what it then starts from.
     prefetched: tuple[Any, list[int]] | None = None
+    # Its prompt as the prefix cache keys it (a VLM's: each image's span its pixel digest).
+    key: list[int] = field(default_factory=list)
+    # A VLM row's inputs as it was inserted (``VisionRows.inputs``), from its ``base`` tokens on.
+    inputs: RowInputs | None = None
+    base: int = 0
 
     @property
     def suspended(self) -> bool:
         return self.paused is not None
 
 
-class TextEngine(BatchingEngine[_Seq, LoadedModel]):
-    """Continuous batching for one loaded chat model."""
+class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
+    """Continuous batching for one loaded chat model, a text model or a native VLM."""
 
-    def __init__(self, worker: MLXWorker, loaded: LoadedModel, params: EngineParams, *,
+    def __init__(self, worker: MLXWorker, loaded: LoadedModel | LoadedVlm, params: EngineParams, *,
                  ops: BatchOps = LOCAL_OPS, clock: Callable[[], float] = time.perf_counter,
-                 draft: DraftSource | None = None) -> None:
+                 draft: DraftSource | None = None, vision: VisionRows | None = None) -> None:
         super().__init__(worker, loaded, params)
-        # Every BatchGenerator, prompt-cache and KV-cache call goes through ops: made here, or
+        # Every decode-step, prompt-cache and quantized-cache call goes through ops: made here, or
         # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
         self.ops = ops
-        self.prompts = TextPrompts(self.tokenizer)
+        # A native VLM's part (``vision_rows``): its prompts, its step's forward call, its rows' inputs.
+        self.vision = vision
+        self.prompts = vision.prompts if vision is not None else TextPrompts(self.tokenizer)
         self.bytes_per_token = loaded.kv.bytes_per_token
+        bits = loaded.kv_cache_bits
         disk = None
         # Distributed, every rank replays rank 0's cache calls by name: a disk tier would make caches of its own.
         if params.prompt_cache_disk_bytes and not ops.replicated:
-            # The tensors this model's KV is made of: what its disk tier reads and writes, nothing else.
-            layout = probe_layout(loaded.model, loaded.kv_cache_bits, KV_GROUP_SIZE)
-            if layout is None:
-                log.info("model %s: its KV caches are not plain KV layers: no prefix cache on disk", loaded.name)
+            # The tensors this model's caches are made of, layer by layer: what its disk tier reads and writes.
+            if vision is not None:
+                identity, layout = vision.identity(), lambda: vision.layout(bits, KV_GROUP_SIZE)
             else:
-                disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, loaded.kv_identity,
-                                      params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
-                                      layout)
+                assert isinstance(loaded, LoadedModel)
+                identity = loaded.kv_identity
+                layout = lambda: model_layout(loaded.model, bits, KV_GROUP_SIZE,  # noqa: E731
+                                              plain=loaded.kv_plain_attention)
+            disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, identity,
+                                  params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
+                                  layout, key_share=params.prompt_cache_key_share)
         self.prompt_cache = PrefixCache(ops.prompt_cache(), params.prompt_cache_entries,
-                                        params.prompt_cache_bytes, disk)
+                                        params.prompt_cache_bytes, disk, key_share=params.prompt_cache_key_share)
         self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
@@ -164,13 +177,18 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _new_batch(self) -> DecodeBatch:
         p = self.params
-        bg = self.ops.new_batch(
-            self.loaded.model, self.tokenizer, max_tokens=512, completion_batch_size=p.max_num_seqs,
-            prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size), prefill_step_size=p.prefill_chunk_size,
-            # Layers that cannot trim (windows, recurrent state) are checkpointed where prompts and
-            # segments end, so the prefix cache can restore a conversation there.
-            checkpoints=p.prompt_cache != "off" and not all_trim(make_prompt_cache(self.loaded.model)),
+        settings: dict[str, Any] = dict(
+            completion_batch_size=p.max_num_seqs, prefill_batch_size=min(p.max_num_seqs, p.prefill_batch_size),
+            prefill_step_size=p.prefill_chunk_size,
+            # Rows are checkpointed where prompts and segments end: layers that cannot trim (windows,
+            # recurrent state) keep their state there, so the prefix cache can restore a conversation
+            # there; for layers that trim it is a position only (what the disk tier indexes).
+            checkpoints=p.prompt_cache != "off",
         )
+        if self.vision is not None:  # one process: a VLM is never split across ranks
+            bg = self.vision.new_batch(**settings)
+        else:
+            bg = self.ops.new_batch(self.loaded.model, self.tokenizer, max_tokens=512, **settings)
         if self.speculator is not None:
             self._verify = self.ops.verify_batch(bg)
         return bg
@@ -184,9 +202,18 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     # ---- called from the event loop -------------------------------------------------
 
     async def _open(self, req: GenerationRequest) -> _Seq:
-        if isinstance(req.prompt, MultimodalPrompt):
+        if self.vision is not None:
+            self.vision.check(req)
+        elif isinstance(req.prompt, MultimodalPrompt):
             raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
         p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        limit = min(self.loaded.max_model_len, self.admission.max_sequence_tokens)
+        if n + req.max_tokens > limit:  # the pipeline's completion budget keeps within it
+            expanded = " with its images expanded" if isinstance(req.prompt, MultimodalPrompt) else ""
+            raise ContextLengthError(
+                f"the prompt has {n} tokens{expanded} and asks for {req.max_tokens} more; this model takes {limit} "
+                f"in all (context {self.loaded.max_model_len}, KV budget {self.admission.max_sequence_tokens})",
+                param="messages")
         # Its prompt is prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``).
         cached = p.prompt_cache != "off" or req.share_prefix
         segments = 1 + (cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n)
@@ -205,6 +232,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                         DISK_WRITES_WAIT_S)
         self.prompt_cache.collect()
         self.prompt_cache.trim_to(n_bytes=0)
+        if self.vision is not None:
+            self.vision.close()
 
     def finish_writes(self, timeout: float) -> bool:
         """Finish the prefix cache's queued disk writes (graceful shutdown); whether in time.
@@ -212,8 +241,12 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         return self.prompt_cache.close(timeout)
 
     def stats(self) -> EngineStats:
+        features = self.vision.features if self.vision is not None else None
         return replace(
             super().stats(),
+            vision_feature_cache=features.stats() if features is not None else None,
+            vision_encoded_images=features.encoded if features is not None else 0,
+            vision_encode_s=features.encode_s if features is not None else 0.0,
             paused=len(self._paused),
             background_pauses=self.background_pauses,
             memory_pauses=self.memory_pauses,
@@ -347,7 +380,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                 rest = [drawn[0]]
             else:  # paused in prefill: the rest of the prompt
                 rest = seq.req.prompt_tokens[len(tokens):]
-            self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated, drawn)
+            self._start(seq, [rest], cache, tokens, seq.req.max_tokens - seq.generated, drawn,
+                        self._inputs_from(seq, len(tokens)))
 
     def _take_out(self, seq: _Seq) -> tuple[Any, list[int], tuple[int, Any] | None]:
         """``seq``'s row out of the batch: the KV it holds, its tokens, and the token it drew
@@ -399,7 +433,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             cache, tokens, drawn = seq.paused  # type: ignore[misc]
             self._paused.remove(seq)
         if tokens:
-            self.prompt_cache.insert_cache(self._cache_key(seq), tokens, cache, cache_type="assistant")
+            self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache,
+                                           cache_type="assistant")
         # On resume it may prefill what the cache no longer has, beside other prompts.
         chunk = self.params.prefill_chunk_size
         seq.prefill = prefill_span(max(len(tokens), seq.prompt_len), segments=1, chunk=chunk)
@@ -415,14 +450,17 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
 
     def _resume_requeued(self, seq: _Seq) -> None:
         """A row paused for memory back into the batch, from what the prefix cache kept of its KV."""
-        target = self._lookup_tokens(seq)  # paused in prefill: its prompt; decoding: its KV and drawn token
+        target = self._lookup_tokens(seq, keyed=False)  # paused in prefill: its prompt; decoding: its KV, drawn token
         cache, rest = self._fetch(seq)
         drawn = seq.requeued[1] if seq.requeued is not None else None
         seq.requeued = None
+        rest = target[len(target) - len(rest):]  # the real tokens (a VLM's key stands for its images)
         if cache is None:
             rest = target
             cache = self._new_cache()
-        self._start(seq, [rest], cache, target[:len(target) - len(rest)], seq.req.max_tokens - seq.generated, drawn)
+        done = len(target) - len(rest)
+        self._start(seq, [rest], cache, target[:done], seq.req.max_tokens - seq.generated, drawn,
+                    self._inputs_from(seq, done))
 
     def _evict(self, nbytes: int, seq: _Seq | None = None) -> int:
         """Evict at least ``nbytes`` of the prefix cache's memory tier (to admit ``seq``: its own
@@ -438,14 +476,37 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     def _uses_cache(self, seq: _Seq) -> bool:
         return self.params.prompt_cache != "off" or seq.req.share_prefix or seq.requeued is not None
 
-    def _lookup_tokens(self, seq: _Seq) -> list[int]:
+    def _lookup_tokens(self, seq: _Seq, *, keyed: bool = True) -> list[int]:
         """What ``seq`` looks up in the prefix cache when it starts: its prompt, or, resuming
-        from a pause for memory, the tokens its KV held and the token it had drawn."""
+        from a pause for memory, the tokens its KV held and the token it had drawn; as the
+        cache keys them (``keyed``), or as the model sees them."""
+        tokens = list(seq.req.prompt_tokens)
         if seq.requeued is not None:
             held, drawn = seq.requeued
             if drawn is not None:
-                return [*held, drawn[0]]
-        return list(seq.req.prompt_tokens)
+                tokens = [*held, drawn[0]]
+        return self._keyed(seq, tokens) if keyed else tokens
+
+    def _keyed(self, seq: _Seq, tokens: list[int]) -> list[int]:
+        """``seq``'s tokens (its prompt's first, then what it generated) as the prefix cache keys
+        them: a VLM's prompt with each image's span its pixel digest (``VisionRows.key_tokens``)."""
+        if self.vision is None:
+            return list(tokens)
+        if not seq.key:
+            seq.key = self.vision.key_tokens(seq.req.prompt)
+        n = min(len(tokens), len(seq.key))
+        return [*seq.key[:n], *tokens[n:]]
+
+    def _inputs_from(self, seq: _Seq, done: int) -> RowInputs | None:
+        """A VLM row's inputs when it starts (again) with ``done`` tokens in its KV: those it
+        was inserted with, cut further (a paused row put back), or built anew when its cache
+        now holds less than it did (the vision tower runs for images past ``done``)."""
+        if self.vision is None:
+            return None
+        if seq.inputs is not None and done >= seq.base:
+            return self.vision.rebased(seq.inputs, done - seq.base)
+        seq.inputs, seq.base = self.vision.inputs(seq.req.prompt, seq.req.cache_namespace, done), done
+        return seq.inputs
 
     def _fetch(self, seq: _Seq) -> tuple[Any, list[int]]:
         """``seq``'s cached prefix: the one taken before its admission, else a lookup now."""
@@ -470,7 +531,10 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
                 log.exception("could not start request %s", seq.req.request_id)
                 self._release(seq)
-                self._finish_with_error(seq, EngineError(f"could not start generation: {exc}"))
+                err = exc if isinstance(exc, AppError) else EngineError(f"could not start generation: {exc}")
+                self._finish_with_error(seq, err)
+            if self.vision is not None and self.vision.encodes(seq.req.prompt, seq.base):
+                break  # the vision tower ran for it: one request's images a loop turn, streams keep moving
         waiting = len(self.admission.waiting)
         if waiting and time.monotonic() - self._last_wait_log > 5:
             self._last_wait_log = time.monotonic()
@@ -487,6 +551,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         use_cache = p.prompt_cache != "off" or req.share_prefix
         if use_cache:
             cache, rest = self._fetch(seq)
+            rest = prompt[len(prompt) - len(rest):]  # the real tokens (a VLM's key stands for its images)
         if cache is None:
             cache = self._new_cache()
         cached = len(prompt) - len(rest)
@@ -505,17 +570,18 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if req.constraint is not None:  # last, so it masks the penalised logits; kept across a pause
             seq.constraint = req.constraint.processor(len(prompt))
             seq.processors.append(seq.constraint)
-        seq.detok = new_detokenizer(self.tokenizer)
+        seq.detok = self.vision.detokenizer() if self.vision is not None else new_detokenizer(self.tokenizer)
         seq.stops = StopMatcher(req.stop)
         if self.speculator is not None:
             budget = next((p for p in seq.processors if isinstance(p, BudgetProcessor)), None)
             seq.drafts = self.speculator.open(req, budget, seq.constraint)
-        self._start(seq, segments, cache, prompt[:cached], req.max_tokens)
+        self._start(seq, segments, cache, prompt[:cached], req.max_tokens, inputs=self._inputs_from(seq, cached))
 
     def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int,
-               drawn: tuple[int, Any] | None = None) -> None:
+               drawn: tuple[int, Any] | None = None, inputs: RowInputs | None = None) -> None:
         """Insert ``seq`` into the batch: its prompt ``segments`` after the ``done`` tokens in ``cache``;
-        ``drawn``: the last of them is a token it drew before a pause (fed and emitted)."""
+        ``drawn``: the last of them is a token it drew before a pause (fed and emitted); ``inputs``:
+        a VLM row's embeddings and extras from ``done`` on."""
         (uid,) = self._bg.insert_segments(
             [segments],
             max_tokens=[max_tokens],
@@ -524,21 +590,26 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
             drawn=[Drawn(drawn[1])] if drawn is not None else None,
+            inputs=[inputs] if inputs is not None else None,
         )
         seq.uid, seq.prefilling = uid, True
         self._running[uid] = seq
 
     def _new_cache(self) -> Any:
         """A fresh row's cache when it is not the model's own (quantized KV); None: the step makes it."""
-        if self.loaded.kv_cache_bits is None:
+        bits = self.loaded.kv_cache_bits
+        if bits is None:
             return None
-        return self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+        if self.vision is not None:
+            return self.vision.quantized_cache(bits, KV_GROUP_SIZE)
+        return self.ops.quantized_cache(self.loaded.model, bits, KV_GROUP_SIZE, self.loaded.kv_plain_attention)
 
     def cache_key(self, namespace: str = "") -> str:
         """The prefix cache's partition for a namespace: prefixes are shared only within one
         (a cache_salt, an API key), so cached_tokens and time to first token never tell a
-        client what another one sent."""
-        return f"{self.loaded.name}\x00{namespace}"
+        client what another one sent; a VLM's also by what shaped its images' tokens."""
+        model = self.loaded.name if self.vision is None else f"{self.loaded.name}/{self.vision.partition()}"
+        return f"{model}\x00{namespace}"
 
     def _cache_key(self, seq: _Seq) -> str:
         return self.cache_key(seq.req.cache_namespace)
@@ -546,7 +617,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     def _cache_prefix(self, seq: _Seq) -> None:
         assert seq.uid is not None
         for _, (cache, tokens) in self._bg.extract_cache([seq.uid]).items():
-            self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="system")
+            self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache, cache_type="system")
 
     def _on_prompt_progress(self, responses: list[Any]) -> None:
         # Prompt tokens this step prefilled: each row's progress since its last step.
@@ -590,7 +661,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if self.params.prompt_cache != "prefix" or cache is None or tokens is None:
             return
         if len(tokens) >= self.params.cache_min_tokens:
-            self.prompt_cache.insert_cache(self._cache_key(seq), list(tokens), cache, cache_type="assistant")
+            self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache,
+                                           cache_type="assistant")
 
     def _release(self, seq: _Seq) -> None:
         super()._release(seq)

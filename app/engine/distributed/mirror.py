@@ -72,8 +72,8 @@ class BatchOps(Protocol):
     def prompt_cache(self) -> Any:
         """The prefix cache's memory tier (``app.engine.kv.memory_tier.MemoryTier``)."""
 
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        """An empty quantized per-sequence cache."""
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        """An empty quantized per-sequence cache (``plain``: handed back dequantized)."""
 
     def verify_batch(self, batch: Any) -> DecodeBatch:
         """``batch`` (a ``new_batch``) as the decode step that takes proposals each step
@@ -99,8 +99,8 @@ class LocalOps:
     def prompt_cache(self) -> Any:
         return MemoryTier()
 
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        return make_quantized_prompt_cache(model, bits, group_size)
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        return make_quantized_prompt_cache(model, bits, group_size, plain=plain)
 
     def verify_batch(self, batch: Any) -> DecodeBatch:
         return batch
@@ -241,9 +241,9 @@ class MirrorOps:
     def prompt_cache(self) -> Any:
         return _MirroredPromptCache(self, MemoryTier())
 
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        cache = self.track(make_quantized_prompt_cache(model, bits, group_size))
-        self._ops.append(["qcache", cache.handle, bits, group_size])
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        cache = self.track(make_quantized_prompt_cache(model, bits, group_size, plain=plain))
+        self._ops.append(["qcache", cache.handle, bits, group_size, plain])
         return cache
 
     def verify_batch(self, batch: Any) -> DecodeBatch:
@@ -312,7 +312,9 @@ class _MirroredBatch:
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
                         logits_processors: list[Any], drawn: list[Drawn | None] | None = None,
-                        scores: list[ScoreSpec | None] | None = None) -> list[int]:
+                        scores: list[ScoreSpec | None] | None = None, inputs: list[Any] | None = None) -> list[int]:
+        if inputs is not None and any(i is not None for i in inputs):
+            raise DesyncError("a VLM's rows are never split across ranks")
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
@@ -360,6 +362,11 @@ class _MirroredBatch:
 
     def close(self) -> None:
         self.bg.close()
+
+    def pending_of(self, uid: int) -> tuple[int, Any] | None:
+        """A decoding row's drawn token not yet fed: the same on every rank (rank 0's draws reach
+        every rank through the step's all_sum), so nothing is recorded."""
+        return self.bg.pending_of(uid)
 
     @property
     def prompt_cache_nbytes(self) -> int:
@@ -490,8 +497,8 @@ class Follower:
             raise DesyncError(f"prefix cache lookup differs from rank 0's (rest {len(rest)} vs {n_rest} tokens)")
         self.caches[handle] = cache
 
-    def _op_qcache(self, handle: int, bits: int, group_size: int) -> None:
-        self.caches[handle] = make_quantized_prompt_cache(self.model, bits, group_size)
+    def _op_qcache(self, handle: int, bits: int, group_size: int, plain: bool = False) -> None:
+        self.caches[handle] = make_quantized_prompt_cache(self.model, bits, group_size, plain=plain)
 
     def _op_insert(self, segments: list[list[list[int]]], max_tokens: list[int], handles: list[int | None] | None,
                    all_tokens: list[list[int]], uids: list[int], marks: list[bool] | None = None,

@@ -1,25 +1,35 @@
-"""The prefix cache's disk tier: KV that survives restarts, idle unloads and memory evictions.
+"""The prefix cache's disk tier: caches that survive restarts, idle unloads and memory evictions.
 
     <root>/<model name>-<identity>/<key digest>-<tokens>-<token digest>.safetensors
 
 ``root`` is ``prompt_cache_disk_dir``, else ``$TANDEM_PROMPT_CACHE_DIR``, else
 ``<cache dir>/prompt-cache``. The identity (``kv_identity``) hashes what the KV
 depends on: the weights (their files' path, size and mtime, and a sample of every
-tensor), the dtypes, ``kv_cache_bits`` and the mlx / mlx-lm versions; so a file
-never feeds KV to a different model or format. The key digest hashes the prefix
-cache's partition (model and ``cache_namespace``), so namespaces never share a
-file either. Each file holds the KV of one exact token prefix (``kv_files``); a
-lookup finds the longest stored prefix of a prompt. Bytes on disk stay within the
-model's budget (``prompt_cache_disk_mb``), least recently used first out; the
-model's directories for other identities count against it too, and go first.
+tensor), the dtypes, ``kv_cache_bits``, the file format and the mlx / mlx-lm versions;
+so a file never feeds a cache to a different model or format. The key digest hashes
+the prefix cache's partition (model and ``cache_namespace``), so namespaces never
+share a file either.
+
+Each file holds one sequence's cache, every layer kind (``kv_snapshot``, ``kv_layout``),
+and is restored exactly where the memory tier would restore it: at its end, and at each
+of its checkpoints (their positions and token digests are in its metadata: the rows of
+a model with sliding windows or recurrent state keep one where each prompt and segment
+ended). A file without checkpoints restores only the exact prefix it stored. The index
+(``disk_index``) files every restore point under the digest of the tokens up to it, and
+a lookup finds the longest one that is a prefix of the prompt, short of its last token
+where a layer cannot trim (a row always feeds at least its last prompt token; where
+every layer trims, the caller cuts one back). Bytes on disk stay within the
+model's budget (``prompt_cache_disk_mb``): files of a key over its share
+(``prompt_cache_key_share``) first, then least recently used first; the model's
+directories for other identities count against it too, and go first.
 
 Threads: ``lookup`` and ``load`` run on the MLX thread (a load replaces a much
 longer prefill). A load's file is read and checked on a reader thread that the MLX
 thread waits for, a bounded time (``READ_TIMEOUT_S``): the file must be a regular one
 (no link, no FIFO), the size its header says, hold exactly the tensors of the
-model's ``KVLayout``, the identity, key and tokens asked for, a valid checksum and
-finite values; a file that fails is removed, with one warning. Only then are its
-bytes copied into MLX arrays on the MLX thread. ``offer`` runs there
+model's ``KVLayout`` for its tokens and checkpoints, the identity, key and tokens asked
+for, a valid checksum and finite values; a file that fails is removed, with one warning.
+Only then are its bytes copied into MLX arrays on the MLX thread. ``offer`` runs there
 too: it evaluates the arrays and exports their buffers without copying, and
 queues them (bounded; a full queue drops the write, it never waits). One writer
 thread writes, fsyncs, renames and evicts. The arrays it wrote are handed back
@@ -37,7 +47,7 @@ import shutil
 import threading
 import time
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,8 +55,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv.kv_snapshot import KVLayout, check_finite, export_cache, restore_cache
+from app.engine.kv.disk_index import DiskEntry, DiskIndex, format_points, parse_points
+from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, read_meta, write_file
+from app.engine.kv.kv_layout import KVLayout, LayoutError
+from app.engine.kv.kv_snapshot import check_finite, export_cache, restore_cache
+from app.engine.kv.layers import SeqCache
 from app.engine.types import CacheTierStats
 
 log = logging.getLogger("tandem.engine")
@@ -58,6 +71,8 @@ STALE_TMP_S = 3600.0
 # Past it (a hung filesystem), the load is a miss, and the tier is skipped until that read ends.
 READ_TIMEOUT_S = 10.0
 
+__all__ = ["DiskEntry", "DiskTier", "disk_root", "open_disk_tier"]
+
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -65,18 +80,6 @@ def _digest(data: bytes) -> str:
 
 def _tokens_bytes(tokens: list[int]) -> bytes:
     return array("i", tokens).tobytes()
-
-
-@dataclass
-class DiskEntry:
-    """One file of the index."""
-
-    key: str  # digest of the prefix cache's partition
-    n_tokens: int
-    digest: str  # of the tokens
-    path: Path
-    size: int
-    last_used: float
 
 
 @dataclass
@@ -90,20 +93,19 @@ class _Job:
 
 
 class DiskTier:
-    """One model's directory of cached prefixes, its index, and the writer thread."""
+    """One model's directory of cached sequences, its index, and the writer thread."""
 
-    def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int, layout: KVLayout) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int, layout: KVLayout, *,
+                 key_share: float = 1.0) -> None:
         self.dir = directory
         self.budget_bytes = budget_bytes
         self.identity = identity
         self.queue_bytes = queue_bytes
         self.layout = layout
-        self._reading: Future[dict[str, Tensor]] | None = None
+        self._reading: Future[tuple[dict[str, Tensor], list[int]]] | None = None
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._cv = threading.Condition()
-        self._entries: dict[tuple[str, int, str], DiskEntry] = {}
-        self._lengths: dict[str, Counter[int]] = {}
-        self._bytes = 0
+        self._index = DiskIndex(budget_bytes, key_share)
         self._queue: deque[_Job] = deque()
         self._queued_bytes = 0
         self._done: deque[_Job] = deque()
@@ -114,6 +116,11 @@ class DiskTier:
         self._scan()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def key_share(self) -> float:
+        """The share of the budget one partition's files may hold before they go first."""
+        return self._index.key_share
 
     # ---- the index ------------------------------------------------------------------
 
@@ -142,46 +149,35 @@ class DiskTier:
                 st = item.stat(follow_symlinks=False)
             except OSError:
                 continue
-            self._add(DiskEntry(match[1], int(match[2]), match[3], path, st.st_size, st.st_mtime))
+            n = int(match[2])
+            self._index.add(DiskEntry(match[1], n, match[3], path, st.st_size, st.st_mtime, self._points(path, n)))
         with self._cv:
             self._evict_over_budget()
 
-    def _add(self, entry: DiskEntry) -> None:
-        k = (entry.key, entry.n_tokens, entry.digest)
-        old = self._entries.pop(k, None)
-        if old is not None:
-            self._bytes -= old.size
-        else:
-            self._lengths.setdefault(entry.key, Counter())[entry.n_tokens] += 1
-        self._entries[k] = entry
-        self._bytes += entry.size
-
-    def _forget(self, entry: DiskEntry) -> bool:
-        """Drop an entry from the index (caller holds the lock); whether it was there."""
-        if self._entries.pop((entry.key, entry.n_tokens, entry.digest), None) is None:
-            return False
-        self._bytes -= entry.size
-        lengths = self._lengths[entry.key]
-        lengths[entry.n_tokens] -= 1
-        if lengths[entry.n_tokens] <= 0:
-            del lengths[entry.n_tokens]
-        return True
+    def _points(self, path: Path, n: int) -> dict[int, str]:
+        """A stored file's checkpoints, from its header. Not trusted: a load checks the whole
+        file; a header unreadable now is indexed at its end only, and judged when read."""
+        try:
+            return parse_points(read_meta(path).get("checkpoints", ""), n)
+        except (DamagedFileError, OSError):
+            return {}
 
     def _evict_over_budget(self) -> None:
-        while self._bytes > self.budget_bytes and self._entries:
-            victim = min(self._entries.values(), key=lambda e: e.last_used)
-            self._forget(victim)
+        while (victim := self._index.victim()) is not None:
+            self._index.forget(victim)
             victim.path.unlink(missing_ok=True)
             self.counts.evictions += 1
 
     # ---- the MLX thread ---------------------------------------------------------------
 
-    def lookup(self, key: str, tokens: list[int], longer_than: int = 0) -> DiskEntry | None:
-        """The longest stored prefix of ``tokens`` (at most all of them) in ``key``'s
-        partition that is longer than ``longer_than`` tokens."""
+    def lookup(self, key: str, tokens: list[int], longer_than: int = 0) -> tuple[DiskEntry, int] | None:
+        """The file and length of the longest restore point that is a prefix of ``tokens`` in
+        ``key``'s partition, longer than ``longer_than`` tokens: at most all of them where every
+        layer trims (the caller cuts one back), else at most all but the last."""
         ns = _digest(key.encode())[:16]
+        most = len(tokens) if self.layout.trims else len(tokens) - 1
         with self._cv:
-            lengths = sorted(n for n in self._lengths.get(ns, ()) if longer_than < n <= len(tokens))
+            lengths = self._index.lengths(ns, longer_than, most)
         if not lengths:
             return None
         data = _tokens_bytes(tokens[: lengths[-1]])
@@ -191,22 +187,24 @@ class DiskTier:
         for n in lengths:  # one pass over the prompt: hash each stored length's prefix on the way
             hasher.update(data[done * 4 : n * 4])
             done = n
-            k = (ns, n, hasher.copy().hexdigest()[:32])
             with self._cv:
-                best = self._entries.get(k, best)
+                entry = self._index.at(ns, n, hasher.copy().hexdigest()[:32])
+            if entry is not None:
+                best = (entry, n)
         return best
 
-    def load(self, entry: DiskEntry, tokens: list[int]) -> list[Any] | None:
-        """The KV cache ``entry`` holds for ``tokens[:entry.n_tokens]``; None when its file is
-        gone, fails a check (removed, with a warning) or takes too long to read."""
+    def load(self, entry: DiskEntry, n: int, tokens: list[int]) -> SeqCache | None:
+        """The cache ``entry`` holds for ``tokens[:n]`` (its end or a checkpoint), with its
+        checkpoints before ``n``; None when its file is gone, fails a check (removed, with a
+        warning) or takes too long to read."""
         if self._reading is not None and not self._reading.done():
             return None  # an earlier read hangs (a stuck filesystem): a miss, never a wait
-        want = _tokens_bytes(tokens[: entry.n_tokens])
+        want = _tokens_bytes(tokens[:n])
         self._reading = _off_thread(lambda: self._read(entry, want), name="tandem-kv-reader")
         timeout = READ_TIMEOUT_S + entry.size / 2**26
         try:
-            tensors = self._reading.result(timeout)
-            cache = restore_cache(self.layout, tensors, entry.n_tokens)
+            tensors, points = self._reading.result(timeout)
+            cache = restore_cache(self.layout, tensors, entry.n_tokens, points, n)
         except FutureTimeout:
             if not self._stuck_logged:
                 self._stuck_logged = True
@@ -215,7 +213,7 @@ class DiskTier:
             return None
         except FileNotFoundError:
             with self._cv:
-                self._forget(entry)
+                self._index.forget(entry)
             return None
         except (DamagedFileError, OSError, KeyError, ValueError, TypeError) as exc:
             self._discard(entry, exc)
@@ -227,64 +225,71 @@ class DiskTier:
             pass
         with self._cv:
             self.counts.hits += 1
-            self.counts.tokens += entry.n_tokens
+            self.counts.tokens += n
         return cache
 
-    def _read(self, entry: DiskEntry, tokens: bytes) -> dict[str, Tensor]:
-        """``entry``'s tensors, once the file proved to be what the index says (reader thread)."""
-        meta, tensors = read_file(entry.path, self.layout.tensors(entry.n_tokens))
-        expected = {"identity": self.identity, "key": entry.key, "tokens": str(entry.n_tokens),
-                    "digest": entry.digest, **self.layout.meta}
-        wrong = [k for k, v in expected.items() if meta.get(k) != v]
+    def _read(self, entry: DiskEntry, prefix: bytes) -> tuple[dict[str, Tensor], list[int]]:
+        """``entry``'s tensors and checkpoint positions, once the file proved to be what the
+        index says, starting with ``prefix`` (reader thread)."""
+        points: dict[int, str] = {}
+
+        def expected(meta: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+            points.update(parse_points(meta.get("checkpoints", ""), entry.n_tokens))
+            return self.layout.tensors(entry.n_tokens, sorted(points))
+
+        meta, tensors = read_file(entry.path, expected)
+        want = {"identity": self.identity, "key": entry.key, "tokens": str(entry.n_tokens),
+                "digest": entry.digest, **self.layout.meta}
+        wrong = [k for k, v in want.items() if meta.get(k) != v]
         if wrong:
             raise DamagedFileError(f"written for another {', '.join(wrong)}")
-        if bytes(tensors["tokens"].data) != tokens:
+        stored = bytes(tensors["tokens"].data)
+        if _digest(stored)[:32] != entry.digest or stored[: len(prefix)] != prefix:
             raise DamagedFileError("its tokens are not this prompt's")
+        if any(_digest(stored[: p * 4])[:32] != d for p, d in points.items()):
+            raise DamagedFileError("a checkpoint's tokens are not its own")
         check_finite(tensors)
-        return tensors
+        return tensors, sorted(points)
 
     def _discard(self, entry: DiskEntry, why: Exception) -> None:
         """Drop a file that failed a check: out of the index (no lookup finds it again) and off disk."""
         log.warning("prompt cache: ignoring damaged file %s (%s); it is removed", entry.path.name, why)
         with self._cv:
-            if self._forget(entry):
+            if self._index.forget(entry):
                 self.counts.damaged += 1
         _remove(entry.path)
 
     def offer(self, key: str, tokens: list[int], cache: list[Any]) -> None:
-        """Queue ``cache`` (the KV of exactly ``tokens``) to be written, unless it is on disk
-        already, or the queue is full (dropped and counted: the MLX thread never waits)."""
+        """Queue ``cache`` (one sequence's at exactly ``tokens``; a ``SeqCache`` with its
+        checkpoints) to be written, unless it is on disk already, or the queue is full
+        (dropped and counted: the MLX thread never waits)."""
         n = len(tokens)
         data = _tokens_bytes(tokens)
         ns, digest = _digest(key.encode())[:16], _digest(data)[:32]
         with self._cv:
-            if self._closing or (ns, n, digest) in self._entries or any(
-                    (j.entry.key, j.entry.n_tokens, j.entry.digest) == (ns, n, digest) for j in self._queue):
+            if self._closing or (ns, n, digest) in self._index or any(
+                    j.entry.name == (ns, n, digest) for j in self._queue):
                 return
-        exported = export_cache(cache, n)
-        if exported is None:
+        try:
+            exported = export_cache(self.layout, cache, n)
+            tensors = [Tensor("tokens", "I32", (n,), memoryview(data).cast("B")), *exported.tensors]
+            if {t.name: (t.dtype, t.shape) for t in tensors} != self.layout.tensors(n, exported.points):
+                raise LayoutError(f"its tensors are not those of {self.layout}")
+        except LayoutError as exc:  # it would be refused when read: the cache is not as the model's
             if not self._unsupported_logged:
                 self._unsupported_logged = True
-                log.info("prompt cache: this model's KV caches (%s) are not written to disk",
-                         ", ".join(sorted({type(c).__name__ for c in cache})))
+                log.info("prompt cache: a cache of this model is not written to disk: %s", exc)
             return
-        meta, tensors, arrays = exported
-        tokens_view = memoryview(data).cast("B")
-        tensors.insert(0, Tensor("tokens", "I32", (n,), tokens_view))
-        if meta != self.layout.meta or {t.name: (t.dtype, t.shape) for t in tensors} != self.layout.tensors(n):
-            if not self._unsupported_logged:  # it would be refused when read: the model's KV is not as expected
-                self._unsupported_logged = True
-                log.info("prompt cache: this model's KV is not written to disk: its tensors are not those of %s",
-                         self.layout)
-            return
+        points = {p: _digest(data[: p * 4])[:32] for p in exported.points}
         size = sum(t.data.nbytes for t in tensors)
-        entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time())
-        meta.update(identity=self.identity, key=ns, tokens=str(n), digest=digest)
+        entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time(), points)
+        meta = {**exported.meta, "identity": self.identity, "key": ns, "tokens": str(n), "digest": digest,
+                "checkpoints": format_points(points)}
         with self._cv:
             if size > self.budget_bytes or (self._queue and self._queued_bytes + size > self.queue_bytes):
                 self.counts.write_drops += 1
                 return
-            self._queue.append(_Job(entry, meta, tensors, size, arrays))
+            self._queue.append(_Job(entry, meta, tensors, size, exported.arrays))
             self._queued_bytes += size
             self._cv.notify()
 
@@ -327,7 +332,7 @@ class DiskTier:
             return
         job.entry.size = size
         with self._cv:
-            self._add(job.entry)
+            self._index.add(job.entry)
             self.counts.writes += 1
             self._evict_over_budget()
 
@@ -342,7 +347,7 @@ class DiskTier:
     def stats(self) -> CacheTierStats:
         """A snapshot of the counters, the bytes and entries on disk, and the writes queued."""
         with self._cv:
-            return replace(self.counts, bytes=self._bytes, entries=len(self._entries), pending=len(self._queue))
+            return replace(self.counts, bytes=self._index.bytes, entries=len(self._index), pending=len(self._queue))
 
 
 def _remove(path: Path) -> None:
@@ -358,9 +363,9 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _off_thread(fn: Callable[[], dict[str, Tensor]], *, name: str) -> Future[dict[str, Tensor]]:
+def _off_thread(fn: Callable[[], Any], *, name: str) -> Future[Any]:
     """Run ``fn`` on a daemon thread of its own (one that may hang must not hold up the exit)."""
-    future: Future[dict[str, Tensor]] = Future()
+    future: Future[Any] = Future()
 
     def run() -> None:
         try:
@@ -384,8 +389,10 @@ def disk_root(configured: str | None) -> Path:
 
 
 def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int, queue_bytes: int,
-                   layout: KVLayout) -> DiskTier | None:
-    """The model's disk tier; None, with a warning, when its directory cannot be used.
+                   layout: Callable[[], KVLayout], *, key_share: float = 1.0) -> DiskTier | None:
+    """The model's disk tier, for the caches ``layout()`` describes (``kv_layout.model_layout``);
+    None, with a warning, when its directory cannot be used or its caches cannot be stored.
+    ``key_share``: the share of the budget one partition may hold before its files go first.
 
     The model's directories for other identities (older weights, other settings, perhaps
     another server's) count against its budget: beyond it they are removed, oldest first.
@@ -393,7 +400,12 @@ def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int
     slug = re.sub(r"[^A-Za-z0-9._]+", "_", model_name)[:64]
     directory = root / f"{slug}-{identity}"
     try:
-        tier = DiskTier(directory, budget_bytes, identity, queue_bytes, layout)
+        shape = layout()
+    except LayoutError as exc:
+        log.warning("prompt cache: disk tier off for %s: its caches cannot be stored (%s)", model_name, exc)
+        return None
+    try:
+        tier = DiskTier(directory, budget_bytes, identity, queue_bytes, shape, key_share=key_share)
     except OSError as exc:
         log.warning("prompt cache: disk tier off, cannot use %s: %s", directory, exc)
         return None

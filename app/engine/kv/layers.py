@@ -170,6 +170,12 @@ def at_checkpoint(caches: list[Any], n: int, states: list[Any]) -> list[Any]:
     return out
 
 
+def batched(caches: list[Any]) -> list[Any]:
+    """One sequence's caches as one-row batch caches (each layer's class ``merge``), as the
+    decode step gives them to the model; a class that does not batch as it is."""
+    return [type(c).merge([c]) if hasattr(type(c), "merge") else c for c in caches]
+
+
 def nbytes(caches: list[Any] | None) -> int:
     """Bytes a list of layer states holds (None entries: nothing)."""
     return sum(c.nbytes for c in caches or () if c is not None)

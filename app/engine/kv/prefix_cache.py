@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from app.engine.kv.disk_cache import DiskEntry, DiskTier
+from app.engine.kv.disk_cache import DiskTier
 from app.engine.kv.layers import SeqCache, all_trim, trim_to
 from app.engine.kv.memory_tier import Entry
 from app.engine.types import CacheTierStats
@@ -90,9 +90,8 @@ class PrefixCache:
         cache, rest = self.memory.fetch_nearest_cache(key, prompt)
         cached = len(prompt) - len(rest)
         tier = "memory" if cache is not None and cached else None
-        entry, loaded = self._from_disk(key, prompt, cached)
-        if entry is not None and loaded is not None:
-            n = entry.n_tokens
+        n, loaded = self._from_disk(key, prompt, cached)
+        if loaded is not None:
             self._insert_memory(key, prompt[:n], loaded, "system")
             cache, rest = self.memory.fetch_nearest_cache(key, prompt)
             if len(prompt) - len(rest) < min(n, len(prompt) - 1):  # too big to stay in memory: use it as it is
@@ -117,17 +116,17 @@ class PrefixCache:
     def release(self) -> None:
         self._held.clear()
 
-    def _from_disk(self, key: str, prompt: list[int], cached: int) -> tuple[DiskEntry | None, Any]:
-        """The disk tier's longest stored prefix beyond ``cached`` tokens, loaded; a failure
-        of the tier itself is logged and is a miss, never the request's failure."""
+    def _from_disk(self, key: str, prompt: list[int], cached: int) -> tuple[int, SeqCache | None]:
+        """The disk tier's longest restorable prefix beyond ``cached`` tokens: its length and
+        its cache; a failure of the tier itself is logged and is a miss, never the request's failure."""
         if self.disk is None:
-            return None, None
+            return 0, None
         try:
-            entry = self.disk.lookup(key, prompt, longer_than=cached)
-            return entry, self.disk.load(entry, prompt) if entry is not None else None
+            found = self.disk.lookup(key, prompt, longer_than=cached)
+            return (found[1], self.disk.load(found[0], found[1], prompt)) if found is not None else (0, None)
         except Exception:  # noqa: BLE001 - the memory tier and a prefill still serve the request
             log.exception("prompt cache: disk tier lookup failed")
-            return None, None
+            return 0, None
 
     def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant",
                      pin_s: float = 0.0) -> None:
@@ -142,7 +141,8 @@ class PrefixCache:
 
     def _insert_memory(self, key: str, tokens: list[int], cache: Any, cache_type: str, pin_s: float = 0.0) -> None:
         until = self._clock() + pin_s if pin_s > 0 else 0.0
-        self.memory.insert_cache(key, list(tokens), SeqCache(cache), cache_type=cache_type, owner=owner_of(key),
+        seq = cache if isinstance(cache, SeqCache) else SeqCache(cache)  # a mirrored one keeps its handle
+        self.memory.insert_cache(key, list(tokens), seq, cache_type=cache_type, owner=owner_of(key),
                                  pinned_until=until)
         self.trim_to(n_bytes=self.max_bytes, n_sequences=self.max_entries)
 

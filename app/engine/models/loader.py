@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from app.engine.kv.geometry import KVGeometry, probe_geometry
+from app.engine.kv.layers import batched
 from app.engine.mlx_internals import make_prompt_cache
 from app.engine.models.progress import LoadProgress
 from app.engine.params import LoadParams, ModelSource
@@ -68,14 +69,17 @@ def model_source(entry: ModelSource, role: str = "chat", progress: LoadProgress 
     return str(local_snapshot(entry.name, entry.hf_id, role, progress))
 
 
-def model_geometry(model: nn.Module, kv_bits: int | None) -> KVGeometry:
+def model_geometry(model: nn.Module, kv_bits: int | None, plain: bool = False) -> KVGeometry:
     """The model's KV cost per layer (``app.engine.kv.geometry``), read off its own cache:
-    with ``kv_bits``, its plain KV layers quantized as the engine will keep them."""
+    with ``kv_bits``, its plain KV layers quantized as the engine will keep them (``plain``:
+    handed back dequantized, ``kv_quant.quantized_attention``)."""
     from app.engine.kv.kv_quant import make_quantized_prompt_cache
 
-    make = (lambda: make_quantized_prompt_cache(model, kv_bits, KV_GROUP_SIZE)) if kv_bits else \
+    make = (lambda: make_quantized_prompt_cache(model, kv_bits, KV_GROUP_SIZE, plain=plain)) if kv_bits else \
         (lambda: make_prompt_cache(model))
-    return probe_geometry(make, lambda tokens, cache: model(tokens, cache=cache))
+    # As the decode step gives them to the model: one-row batch caches (a quantized layer's is
+    # what hands a plain-attention model its K/V dequantized).
+    return probe_geometry(lambda: batched(make()), lambda tokens, cache: model(tokens, cache=cache))
 
 
 def config_value(config: dict[str, Any], *keys: str) -> Any:
@@ -142,6 +146,9 @@ class LoadedModel:
     # A digest of what this model's KV depends on (disk_cache.kv_identity): the prefix
     # cache's files are kept per identity, so they never feed another model.
     kv_identity: str = ""
+    # Quantized KV handed back dequantized: the model's attention reads plain K/V only
+    # (``kv_quant.quantized_attention``).
+    kv_plain_attention: bool = False
 
 
 # Bytes of weights evaluated per step of a sliced load: a running stream's longest
@@ -200,12 +207,19 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
                  config: dict[str, Any], kv: KVGeometry | None = None) -> LoadedModel:
     """A loaded (and evaluated) model as the engine takes it; ``kv`` overrides the geometry
     read from the config (a shard holds part of the KV)."""
+    plain = False
     try:
         if params.kv_cache_bits is not None:
-            from app.engine.kv.kv_quant import check_quantizable
+            from app.engine.kv.kv_quant import make_quantized_prompt_cache, quantized_attention
 
-            check_quantizable(model, params.kv_cache_bits, KV_GROUP_SIZE)
-        kv = kv or model_geometry(model, params.kv_cache_bits)
+            bits = params.kv_cache_bits
+            plain = quantized_attention(lambda cache: model(mx.array([[0]]), cache=cache),
+                                        lambda p: make_quantized_prompt_cache(model, bits, KV_GROUP_SIZE, plain=p),
+                                        bits, KV_GROUP_SIZE)
+            if plain:
+                log.info("model %s: its attention reads plain K/V only: its KV is kept at %d bits and dequantized "
+                         "for each step", entry.name, bits)
+        kv = kv or model_geometry(model, params.kv_cache_bits, plain)
     except ConfigError as exc:
         raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
     native_len = config_value(config, "max_position_embeddings") or 4096
@@ -217,7 +231,8 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
         "quantization_group_size": params.quantization_group_size, "kv_cache_bits": params.kv_cache_bits,
         "kv_group_size": KV_GROUP_SIZE})
     return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits,
-                       weights_bytes=sum(a.nbytes for a in _arrays(model)), kv_identity=identity)
+                       weights_bytes=sum(a.nbytes for a in _arrays(model)), kv_identity=identity,
+                       kv_plain_attention=plain)
 
 
 def _arrays(model: nn.Module) -> list[Any]:
