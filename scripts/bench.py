@@ -53,6 +53,12 @@ It measures, in this order (one server at a time, so they never compete):
      (proxy), each its own server, on six drawn images: TTFT, memory, answer agreement
      (scripts/bench_vision_native.py; `--profile full`: the real models from the hub; `cpu`:
      tiny random ones, the mechanics only).
+ 18. engine: Tandem's decode step against mlx-lm's BatchGenerator on this model (single-stream
+     decode, 8-stream aggregate, in process); host overhead where the device is fast (tiny
+     512-token-vocabulary models streamed over HTTP at 1, 8 and 32 streams against
+     BatchGenerator in a loop, and mlx_lm.server); turn 2's TTFT over turn 1's on a hybrid
+     model; rows admitted per MB of KV budget on a Qwen3.5-shaped model, by the per-layer
+     accounting against the old one (scripts/bench_engine.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -85,12 +91,16 @@ PROFILES = {
             "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256,
             "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2,
             "pacing_prompt_tokens": 600, "pacing_stream_tokens": 64,
-            "spec_file_tokens": 250, "spec_answer_tokens": 160, "spec_chat_tokens": 64},
+            "spec_file_tokens": 250, "spec_answer_tokens": 160, "spec_chat_tokens": 64,
+            "step_tokens": (24, 12), "step_rounds": 4, "host_tokens": 128, "host_rounds": 5, "turn_words": 1700,
+            "turn_rounds": 3},
     "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
              "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096,
              "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2,
              "pacing_prompt_tokens": 8000, "pacing_stream_tokens": 256,
-             "spec_file_tokens": 1500, "spec_answer_tokens": 1200, "spec_chat_tokens": 256},
+             "spec_file_tokens": 1500, "spec_answer_tokens": 1200, "spec_chat_tokens": 256,
+             "step_tokens": (256, 128), "step_rounds": 5, "host_tokens": 512, "host_rounds": 5, "turn_words": 1700,
+             "turn_rounds": 5},
 }
 
 
@@ -805,7 +815,7 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
             "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
-            "vision_native")
+            "vision_native", "engine")
 
 
 def main() -> None:
@@ -1041,6 +1051,12 @@ def main() -> None:
         from bench_vision_native import bench_vision_native
 
         ratios += bench_vision_native([] if args.profile == "full" else ["--tiny"])
+
+    if "engine" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_engine import bench_engine
+
+        ratios += bench_engine(args.model_path, prof)
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error
-from app.engine.batch.channel import OpenStreams, TokenChannel
+from app.engine.batch.channel import OpenStreams, TokenChannel, deferred_wakes
 from app.engine.batch.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
 from app.engine.batch.sampling import reset_random_state, token_logprob
 from app.engine.batch.stops import StopMatcher
@@ -342,10 +342,11 @@ class BatchingEngine(Generic[S, L]):
             return True
         self._on_batch_next(prompt_responses)
         self._on_prompt_progress(prompt_responses)
-        for r in gen_responses:
-            seq = self._running.get(r.uid)
-            if seq is not None:
-                self._on_token(seq, r)
+        with deferred_wakes():  # the event loop is woken once for the step's tokens, not once a stream
+            for r in gen_responses:
+                seq = self._running.get(r.uid)
+                if seq is not None:
+                    self._on_token(seq, r)
         return True
 
     def _take_inbox(self) -> None:
