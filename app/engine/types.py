@@ -125,6 +125,18 @@ class GenerationRequest:
     # Speculative decoding for this request (``app.engine.speculative``): None takes the
     # model's defaults (models.yaml ``speculative``).
     speculation: SpeculationRequest | None = None
+    # A prefill-only row (``app.engine.batch.scoring``): the prompt's log-probabilities are read
+    # and nothing is generated (``max_tokens`` is ignored); the final delta carries them.
+    score: ScoreRequest | None = None
+    # Where the client asked the prefix cache to keep this prompt (Anthropic's ``cache_control``,
+    # OpenAI's ``prompt_cache_breakpoint``), in prompt order. The engine will store an entry
+    # ending exactly at each and keep it for its TTL ahead of unmarked entries; until it does
+    # (issue 31's engine half), they are carried and not acted on.
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # Whether the engine may also cache this prompt where it chooses (OpenAI's
+    # ``prompt_cache_options.mode`` "implicit", the default); False ("explicit"): only at
+    # ``cache_breakpoints``. Carried for the engine's half of issue 31, not acted on yet.
+    cache_implicit: bool = True
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -142,6 +154,38 @@ class SpeculationRequest:
     # Per-request switches for the model's drafters; None keeps the models.yaml setting.
     prompt_lookup: bool | None = None
     draft: bool | None = None
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What a prefill-only row reads (``GenerationRequest.score``; ``app.engine.batch.scoring``).
+    Its answer is a ``ScoreResult`` on the final delta, whose ``tokens`` is 0."""
+
+    # Log-probabilities of the prompt's last ``tail`` tokens, each given every token before it
+    # (a whole option scored as a token sequence). At most the prompt's length less one.
+    tail: int = 0
+    # log p(token | the whole prompt) for each of these token ids (options told apart by their
+    # first token, read at the answer's first position).
+    next_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A prefill-only row's answer: natural-log probabilities, in the request's order."""
+
+    # One per token of ``ScoreRequest.tail``, the earliest first.
+    tail: tuple[float, ...] = ()
+    # One per id of ``ScoreRequest.next_tokens``.
+    next_tokens: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """A point a client asked the prefix cache to keep: the prompt's first ``tokens`` tokens
+    (where the marked block ends), for ``ttl_s`` seconds."""
+
+    tokens: int
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -174,6 +218,12 @@ class TokenDelta:
     # those the model kept and those it refused (OpenAI's Predicted Outputs usage).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Prompt tokens whose KV this generation wrote to the prefix cache where the request asked
+    # (``cache_breakpoints``) or, for a scored row, where its shared prefix ends. Generations
+    # leave it 0 until the engine stores entries at breakpoints (issue 31's engine half).
+    cache_write_tokens: int = 0
+    # A scored row's answer (``GenerationRequest.score``), on its final delta.
+    scores: ScoreResult | None = None
     error: BaseException | None = None
 
 
@@ -185,7 +235,8 @@ class GenerationRecord:
 
     request_id: str
     model: str
-    # "stop" | "length" (finished), "cancelled" (the client left or shutdown), "error"
+    # "stop" | "length" (finished), "scored" (a prefill-only row read), "cancelled" (the client
+    # left or shutdown), "error"
     outcome: str
     prompt_tokens: int
     cached_tokens: int

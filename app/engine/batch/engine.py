@@ -22,6 +22,8 @@ What is this engine's own:
                      included: the retry of a request its client gave up on resumes there
     after each step  the memory tier trimmed to what the reservations leave, and
                      the bytes MLX's caches hold measured (``_settle``)
+    score rows       prefill-only rows (``GenerationRequest.score``) go to ``scoring`` when
+                     admitted, and are scored after that turn's batch step (``_score_admitted``)
     speculation      each row's drafters opened in ``_insert``, asked before a step
                      (``_propose``) and told after it (``_on_batch_next``); the verify
                      step is the BatchGenerator's own generation batch
@@ -64,6 +66,7 @@ from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.pacing import PrefillPacer
 from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.batch.sampling import build_logits_processors, build_sampler
+from app.engine.batch.scoring import SCORED, Scorer
 from app.engine.batch.stops import StopMatcher
 from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
@@ -148,6 +151,11 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self._verify: VerifyBatch | None = None
         self._step_start = 0.0
         self._bg = self._new_batch()
+        # Prefill-only rows (``GenerationRequest.score``), scored between batch steps (``scoring``).
+        self.scorer = Scorer(
+            loaded.model, self.prompt_cache, self._empty_cache, cache_key=self.cache_key,
+            chunk=params.prefill_chunk_size, min_tokens=params.cache_min_tokens,
+            cache_on=params.prompt_cache != "off", vocab_size=self.vocab_size, replicated=ops.replicated)
         worker.add_stepper(self._step, self._on_worker_death)
         log.info(
             "model %s: KV %d bytes/token, budget %d tokens, prefix cache %d MB, on disk %s; EngineParams %s",
@@ -231,8 +239,26 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
     def _step(self) -> bool:
         self.prompt_cache.collect()
         busy = super()._step()
+        self._score_admitted()
         self._settle()
         return busy
+
+    def _score_admitted(self) -> None:
+        """The score rows admitted this turn, scored after its batch step (``scoring``); each
+        ends like a generation, its reservation given back."""
+        for seq, delta in self.scorer.run():
+            self._release(seq)
+            if delta.error is not None:
+                self._finish_with_error(seq, delta.error)
+            else:
+                self._end(seq, SCORED)
+                seq.channel.put(delta)
+
+    def _empty_cache(self) -> list[Any]:
+        """An empty per-layer KV cache for this model, quantized when its KV is."""
+        if self.loaded.kv_cache_bits is not None:
+            return self.ops.quantized_cache(self.loaded.model, self.loaded.kv_cache_bits, KV_GROUP_SIZE)
+        return make_prompt_cache(self.loaded.model)
 
     def _schedule(self) -> None:
         self._fit_reservations()
@@ -439,7 +465,9 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
                 break
             seq = admitted[0]
             try:
-                if seq.requeued is not None:
+                if seq.req.score is not None:  # a prefill-only row: scored after this turn's step
+                    self.scorer.add(seq)
+                elif seq.requeued is not None:
                     self._resume_requeued(seq)
                 else:
                     self._insert(seq)
