@@ -152,7 +152,7 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         self._step_start = 0.0
         self._bg = self._new_batch()
         # Prefill-only rows (``GenerationRequest.score``), scored between batch steps (``scoring``).
-        self.scorer = Scorer(
+        self.scorer: Scorer[_Seq] = Scorer(
             loaded.model, self.prompt_cache, self._empty_cache, cache_key=self.cache_key,
             chunk=params.prefill_chunk_size, min_tokens=params.cache_min_tokens,
             cache_on=params.prompt_cache != "off", vocab_size=self.vocab_size, replicated=ops.replicated)

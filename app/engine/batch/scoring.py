@@ -42,7 +42,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 
@@ -52,6 +52,7 @@ from app.engine.types import ScoreRequest, ScoreResult, TokenDelta
 from app.errors import EngineError, InvalidRequestError
 
 log = logging.getLogger("tandem.engine")
+S = TypeVar("S", bound=Seq)
 
 # The most logits one forward pass may materialize (rows x columns x vocabulary, float32).
 LOGITS_BUDGET_BYTES = 256 * 2**20
@@ -71,10 +72,10 @@ def check_score(score: ScoreRequest, prompt_len: int, vocab_size: int | None) ->
 
 
 @dataclass(eq=False)
-class _Row:
+class _Row(Generic[S]):
     """One admitted score row: its request's tokens and what it reads."""
 
-    seq: Seq
+    seq: S
     tokens: list[int]
     score: ScoreRequest
 
@@ -95,7 +96,7 @@ class _Prefix:
     written: int
 
 
-class Scorer:
+class Scorer(Generic[S]):
     """Score rows admitted in one loop turn, scored together after its batch step."""
 
     def __init__(self, model: Any, prompt_cache: PrefixCache, new_cache: Callable[[], list[Any]], *,
@@ -114,10 +115,10 @@ class Scorer:
         self.vocab_size = vocab_size
         # Distributed: the other ranks replay the batch's calls; these would not be replayed.
         self.replicated = replicated
-        self.pending: list[Seq] = []
-        self._failed: list[tuple[Seq, TokenDelta]] = []
+        self.pending: list[S] = []
+        self._failed: list[tuple[S, TokenDelta]] = []
 
-    def add(self, seq: Seq) -> None:
+    def add(self, seq: S) -> None:
         """An admitted score row, scored at this turn's ``run``."""
         score = seq.req.score
         assert score is not None
@@ -130,11 +131,12 @@ class Scorer:
             return
         self.pending.append(seq)
 
-    def run(self) -> list[tuple[Seq, TokenDelta]]:
+    def run(self) -> list[tuple[S, TokenDelta]]:
         """Score every pending row; each row's final delta (or its error), to be sent."""
-        rows = [_Row(s, list(s.req.prompt_tokens), s.req.score) for s in self.pending if not s.done]
+        rows = [_Row(s, list(s.req.prompt_tokens), s.req.score) for s in self.pending
+                if not s.done and s.req.score is not None]
         out, self._failed, self.pending = self._failed, [], []
-        groups: dict[Any, list[_Row]] = {}
+        groups: dict[Any, list[_Row[S]]] = {}
         for row in rows:
             groups.setdefault(self._group_key(row), []).append(row)
         for group in groups.values():
@@ -147,28 +149,28 @@ class Scorer:
             mx.clear_cache()
         return out
 
-    def _group_key(self, row: _Row) -> Any:
+    def _group_key(self, row: _Row[S]) -> Any:
         req = row.seq.req
         declared = req.cache_prefix_len
         if not declared:
             return id(row)
         return self._cache_key(req.cache_namespace), tuple(row.tokens[:declared])
 
-    def _uses_cache(self, row: _Row) -> bool:
+    def _uses_cache(self, row: _Row[S]) -> bool:
         return self.cache_on or row.seq.req.share_prefix
 
-    def _score_group(self, rows: list[_Row]) -> list[tuple[Seq, TokenDelta]]:
+    def _score_group(self, rows: list[_Row[S]]) -> list[tuple[S, TokenDelta]]:
         declared = rows[0].seq.req.cache_prefix_len or len(rows[0].tokens)
         length = min(declared, min(r.stem_end for r in rows), _common_length([r.tokens for r in rows]))
         prefix = self._prefix(rows[0], rows[0].tokens[:length])
-        out: list[tuple[Seq, TokenDelta]] = []
+        out: list[tuple[S, TokenDelta]] = []
         owner = True
         for batch in self._batches(rows):
             out += self._score_batch(batch, prefix, owner)
             owner = False
         return out
 
-    def _prefix(self, row: _Row, tokens: list[int]) -> _Prefix:
+    def _prefix(self, row: _Row[S], tokens: list[int]) -> _Prefix:
         """The KV of ``tokens``: from the prefix cache as far as it has them, the rest prefilled
         here and stored back."""
         key = self._cache_key(row.seq.req.cache_namespace)
@@ -187,12 +189,12 @@ class Scorer:
             written = len(rest)
         return _Prefix(cache, len(tokens), len(tokens) - len(rest), written)
 
-    def _batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The rows in forward passes whose logits stay within the budget, rows of one stem
-        kept together where they fit."""
+    def _batches(self, rows: list[_Row[S]]) -> list[list[_Row[S]]]:
+        """The rows, in their order (a request's rows come together), in forward passes whose
+        logits stay within the budget."""
         width = max(r.score.tail + 1 for r in rows)
         most = max(1, LOGITS_BUDGET_BYTES // (width * self._vocab_guess() * 4))
-        batches: list[list[_Row]] = [[]]
+        batches: list[list[_Row[S]]] = [[]]
         for row in rows:
             if len(batches[-1]) >= most:
                 batches.append([])
@@ -202,7 +204,7 @@ class Scorer:
     def _vocab_guess(self) -> int:
         return self.vocab_size or 2**17
 
-    def _score_batch(self, rows: list[_Row], prefix: _Prefix, owner: bool) -> list[tuple[Seq, TokenDelta]]:
+    def _score_batch(self, rows: list[_Row[S]], prefix: _Prefix, owner: bool) -> list[tuple[S, TokenDelta]]:
         stems: dict[tuple[int, ...], int] = {}
         row_stem = [stems.setdefault(tuple(r.tokens[prefix.length:r.stem_end]), len(stems)) for r in rows]
         batch = [c.merge([c] * len(stems)) for c in prefix.cache]
@@ -215,7 +217,7 @@ class Scorer:
         logits = self.model(mx.array([f + [0] * (width - len(f)) for f in finals]), cache=batch)
         logprobs = self._read(logits, rows, finals)
         now = time.monotonic()
-        out: list[tuple[Seq, TokenDelta]] = []
+        out: list[tuple[S, TokenDelta]] = []
         seen: set[int] = set()
         for i, (row, read) in enumerate(zip(rows, logprobs)):
             first = i == 0 and owner
@@ -252,7 +254,7 @@ class Scorer:
             mx.eval([c.state for c in batch])
 
     @staticmethod
-    def _read(logits: mx.array, rows: list[_Row], finals: list[list[int]]) -> list[list[float]]:
+    def _read(logits: mx.array, rows: list[_Row[S]], finals: list[list[int]]) -> list[list[float]]:
         """Per row: the log-probability of each tail token given all before it, then of each
         candidate next token given the whole prompt."""
         where: list[tuple[int, int, int]] = []
