@@ -41,8 +41,10 @@ from app.engine.types import (
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
+from app.pipeline import deciding
 from app.pipeline.breakpoints import breakpoints
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
+from app.pipeline.decisions import Decision, DecisionRequest
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.prompting import (
     ModelProfile,
@@ -223,6 +225,39 @@ class Pipeline:
         gen = replace(gen, request_id=REQUEST_ID.get(),
                       cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key))
         return self._hold(Prepared(model.profile.name, gen, req.prompt, n=req.options.n), lease)
+
+    async def decide(self, req: DecisionRequest) -> Decision:
+        """Answer ``req``'s questions from the model's distribution (``app.pipeline.deciding``):
+        images seen as for a chat (captions for a proxy-vision model), one prompt per question,
+        its options scored on the engine, the input's KV computed once for all of them."""
+        if len(req.input) > self.server.max_messages:
+            raise InvalidRequestError(f"at most {self.server.max_messages} input items", param="input")
+        model, lease = await self.served(req.options.model)
+        try:
+            profile = model.profile
+            if profile.prompts.takes_images:  # its engine (a VLM's batch) has no score rows yet
+                raise InvalidRequestError(f"model {profile.name} is a native vision model, which does not serve "
+                                          "decisions yet; ask a text model (images reach it as captions)",
+                                          param="model")
+            check_prompt_chars(profile, sum(map(len, req.texts())), "input")
+            asked = tuple(Message("user", q.instructions, param=q.param) for q in req.questions)
+            seen, _ = await self._see(model, ChatRequest(req.options, req.input + asked, messages_param="input"))
+            n = len(req.input)
+            plan = await anyio.to_thread.run_sync(deciding.plan, profile, seen[:n], req.questions,
+                                                  [m.content for m in seen[n:]])
+            base = GenerationRequest(
+                TokenPrompt([]), 0, request_id=REQUEST_ID.get(), priority=req.options.priority,
+                cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key),
+                cache_prefix_len=plan.prefix_len, share_prefix=True, cache_breakpoints=plan.breakpoints,
+                cache_implicit=req.options.cache_implicit)
+            params = profile.params
+            window = params.max_num_seqs + min(params.max_num_seqs, params.max_queue // 2)
+            finals = await deciding.score(model.engine, plan.rows, base, window)
+        finally:
+            lease.release()
+        note_model(profile.name)
+        return Decision(profile.name, tuple(deciding.answers(req.questions, plan.rows, finals)),
+                        deciding.usage(finals))
 
     async def count_chat(self, req: ChatRequest) -> int:
         """The prompt tokens ``req`` would use, prepared exactly as ``prepare_chat`` prepares it
