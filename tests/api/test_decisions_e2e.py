@@ -209,8 +209,8 @@ def test_a_model_that_cannot_decide_is_a_400(vision, model):
 # ---- a scripted model: the right position, the right tokens -----------------------------
 
 # After [/THINK] (the closed reasoning block a decision's prompt ends with) the model writes
-# "blue" then " jay": nothing else is likely there.
-SCRIPT = "[THINK]Birds.[/THINK]blue jay"
+# "blue" then " bird" (the tokens the tokenizer gives "blue bird"): nothing else is likely there.
+SCRIPT = "[THINK]Birds.[/THINK]blue bird"
 
 
 @pytest.fixture(scope="module")
@@ -229,12 +229,13 @@ def test_the_answer_is_read_after_the_closed_reasoning_block(scripted):
     first_token = {"type": "choice", "name": "first", "instructions": "Which bird?",
                    "choices": [{"value": "red"}, {"value": "blue"}]}
     whole = {"type": "choice", "name": "whole", "instructions": "Which bird?",
-             "choices": [{"value": "blue whale"}, {"value": "blue jay"}, {"value": "blue"}]}
+             "choices": [{"value": "blue whale"}, {"value": "blue bird"}, {"value": "blue"}]}
     predicate = {"type": "predicate", "name": "yes_no", "instructions": "It is a bird."}
     d = client.decisions.create(model="ministral", input="A small bird.", questions=[first_token, whole, predicate])
     assert d.answers[0].choice == "blue" and d.answers[0].probabilities[1].probability > 0.99
-    # "blue whale", "blue jay" and "blue" share their first token: each is read as its whole sequence.
-    assert d.answers[1].choice == "blue jay" and d.answers[1].probabilities[1].probability > 0.99
+    # "blue whale", "blue bird" and "blue" share their first token: each is read as its whole
+    # sequence ("blue" as "blue" and nothing after it, which the model does not write either).
+    assert d.answers[1].choice == "blue bird" and d.answers[1].probabilities[1].probability > 0.99
     # Neither Yes nor No is what the model would write there: the question is refused.
     assert d.answers[2].type == "refusal" and d.answers[2].name == "yes_no"
 
