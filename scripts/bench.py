@@ -49,6 +49,9 @@ It measures, in this order (one server at a time, so they never compete):
  16. speculative: decode tokens/s with speculation over without, at 1 and 4 streams, for a
      code edit (prompt lookup), the same edit with the answer as `prediction`, and free
      chat; the acceptance rate per drafter and TTFT (scripts/bench_speculative.py).
+ 17. decisions: 20 predicate questions about one ~1,000-token input against one question
+     about it, each request in its own cache scope: the input is read once per request
+     (scripts/bench_decisions.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -800,7 +803,8 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
+            "decisions")
 
 
 def main() -> None:
@@ -1028,6 +1032,16 @@ def main() -> None:
         ours, base = serve(max_num_seqs=4)
         try:
             ratios += bench_speculative(base, name, prof)
+        finally:
+            stop(ours)
+
+    if "decisions" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_decisions import bench_decisions
+
+        ours, base = serve()
+        try:
+            ratios += bench_decisions(base, name, args.model_path)
         finally:
             stop(ours)
 

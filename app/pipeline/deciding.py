@@ -56,7 +56,7 @@ from app.parsers import template_opens_reasoning
 from app.pipeline.breakpoints import breakpoints, common_length
 from app.pipeline.decisions import Answer, Question
 from app.pipeline.prompting import ModelProfile, encode, render, template_message
-from app.pipeline.request import ImagePart, Message, Part, TextPart
+from app.pipeline.request import Message, Part, TextPart
 from app.pipeline.results import Usage
 
 # How a transcript names each turn.
@@ -269,6 +269,3 @@ def usage(finals: list[TokenDelta]) -> Usage:
     return Usage(sum(f.prompt_tokens for f in finals), 0, sum(f.cached_tokens for f in finals),
                  cache_write_tokens=sum(f.cache_write_tokens for f in finals))
 
-
-def images_in(parts: Sequence[Part]) -> bool:
-    return any(isinstance(p, ImagePart) for p in parts)

@@ -255,7 +255,6 @@ class Pipeline:
             finals = await deciding.score(model.engine, plan.rows, base, window)
         finally:
             lease.release()
-        note_model(profile.name)
         return Decision(profile.name, tuple(deciding.answers(req.questions, plan.rows, finals)),
                         deciding.usage(finals))
 

@@ -115,3 +115,34 @@ def test_a_row_that_cannot_be_read_fails_alone(engine, score):
     assert engine.in_flight == 0 and engine.admission.reserved == 0
     _, ok = asyncio.run(run(engine, score_req(ids, ScoreRequest(next_tokens=(1,)))))
     assert ok.finish_reason == "scored"
+
+
+def test_rows_score_over_a_quantized_kv_cache(tmp_path_factory, demo_model_dir):
+    """kv_cache_bits: the prefix cache holds quantized KV, and the score rows' batch is
+    merged, padded, rolled and expanded over it (kv_quant's batch cache); the scores are the
+    model's own, within what 8-bit KV changes."""
+    from tests.fixtures.tiny_llama import build_tiny_llama
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-5,
+              "vocab_size": 49152, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+              "tie_word_embeddings": True}
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-q"), demo_model_dir, config)
+    eng = make_engine(path, kv_cache_bits=8)
+    try:
+        head = tokens(eng, "A shared input about the weather in Paris and in Rome. " * 2)
+        rows = [(head + tokens(eng, " Sunny?"), ScoreRequest(next_tokens=(10, 20))),
+                (head + tokens(eng, " Which city is first?") + tokens(eng, " Paris"), ScoreRequest(tail=1)),
+                (head + tokens(eng, " Which city is first?") + tokens(eng, " Rome"), ScoreRequest(tail=1))]
+
+        async def together():
+            return await asyncio.gather(*(run(eng, score_req(ids, s, prefix=len(head), share_prefix=True))
+                                          for ids, s in rows))
+
+        for (ids, score), (_, last) in zip(rows, asyncio.run(together())):
+            tail, nexts = expected(eng, ids, score)
+            assert last.scores.tail == pytest.approx(tail, abs=0.05)
+            assert last.scores.next_tokens == pytest.approx(nexts, abs=0.05)
+        assert eng.prompt_cache.nbytes > 0  # the input, kept (quantized) for later requests
+    finally:
+        eng.worker.stop()
