@@ -36,8 +36,8 @@ budget of 0 it answers without opening a block.
 Cost: every question's prompt starts with the same input, and its rows declare where
 that shared prefix ends (``cache_prefix_len``), so the engine computes the input's KV once
 and every other row of the request, and any later request about the same input, reads it
-from the prefix cache (``app.engine.batch.scoring``). A request keeps at most a batch's
-worth of rows in the engine at a time.
+from the prefix cache (``app.engine.batch.scoring``). The first question's rows go alone
+and compute it; then the others, at most a batch's worth in the engine at a time.
 """
 
 from __future__ import annotations
@@ -223,8 +223,15 @@ def plan(profile: ModelProfile, inputs: Sequence[Message], questions: Sequence[Q
 
 
 async def score(engine: Engine, rows: list[Row], base: GenerationRequest, window: int) -> list[TokenDelta]:
-    """Every row's final delta, at most ``window`` rows in the engine at a time; the first
-    error cancels the rest."""
+    """Every row's final delta: the first question's rows (a batch's worth at most) alone,
+    which compute the shared input and leave it in the prefix cache, then the others, at most
+    ``window`` in the engine at a time, so none waits in its queue while the input is read;
+    the first error cancels the rest."""
+    first = [r for r in rows[:window] if r.question == rows[0].question]
+    return await _score(engine, first, base, window) + await _score(engine, rows[len(first):], base, window)
+
+
+async def _score(engine: Engine, rows: list[Row], base: GenerationRequest, window: int) -> list[TokenDelta]:
     gate = asyncio.Semaphore(max(1, window))
 
     async def one(row: Row) -> TokenDelta:

@@ -250,9 +250,7 @@ class Pipeline:
                 cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key),
                 cache_prefix_len=plan.prefix_len, share_prefix=True, cache_breakpoints=plan.breakpoints,
                 cache_implicit=req.options.cache_implicit)
-            params = profile.params
-            window = params.max_num_seqs + min(params.max_num_seqs, params.max_queue // 2)
-            finals = await deciding.score(model.engine, plan.rows, base, window)
+            finals = await deciding.score(model.engine, plan.rows, base, profile.params.max_num_seqs)
         finally:
             lease.release()
         return Decision(profile.name, tuple(deciding.answers(req.questions, plan.rows, finals)),

@@ -190,6 +190,8 @@ class TextEngine(BatchingEngine[_Seq, LoadedModel]):
         if isinstance(req.prompt, MultimodalPrompt):
             raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
         p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        if req.score is not None:  # a prefill-only row holds its prompt's KV, no more (``scoring``)
+            return _Seq(req, self._streams.open(), n, n, prefill=n)
         # Its prompt is prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``).
         cached = p.prompt_cache != "off" or req.share_prefix
         segments = 1 + (cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n)
