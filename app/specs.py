@@ -69,7 +69,8 @@ def vision_engine_params(p: VisionParams) -> EngineParams:
 def encoder_limits(p: EncoderParams) -> EncoderLimits:
     """How an embedding or rerank model batches."""
     return EncoderLimits(max_batch=p.max_batch, max_batch_tokens=p.max_batch_tokens, max_inputs=p.max_inputs,
-                         max_length=p.max_model_len, max_jobs=p.max_jobs, max_step_ms=p.max_step_ms)
+                         max_length=p.max_model_len, max_jobs=p.max_jobs, max_step_ms=p.max_step_ms,
+                         truncate=p.truncate)
 
 
 def model_spec(entry: ModelEntry, file_idle_unload_secs: int | None) -> ModelSpec:

@@ -26,6 +26,7 @@ scrape time by a collector. Each app has its own registry.
     tandem_encoder_jobs_running{model}, tandem_encoder_jobs_waiting{model}   embedding / rerank jobs now
     tandem_encoder_jobs_total{model,outcome}      ended jobs: done, cancelled (client gone), error
     tandem_encoder_batches_total{model}, tandem_encoder_tokens_total{model}   batches run, tokens encoded
+    tandem_encoder_truncated_{inputs,tokens}_total{model}   inputs cut to the model's length, tokens cut
     tandem_model_loaded{model,role}, tandem_model_memory_bytes{model,part}
     tandem_memory_limit_bytes, tandem_memory_used_bytes
     tandem_mlx_active_memory_bytes, tandem_mlx_peak_memory_bytes, tandem_mlx_cache_memory_bytes
@@ -196,6 +197,10 @@ def _encoder_metrics(stats: list[tuple[str, EncoderStats]]) -> Iterator[Metric]:
                                "cancelled, error).", labels=["model", "outcome"])
     batches = CounterMetricFamily("tandem_encoder_batches", "Encoder batches run.", labels=["model"])
     tokens = CounterMetricFamily("tandem_encoder_tokens", "Tokens encoded (without padding).", labels=["model"])
+    cut_inputs = CounterMetricFamily("tandem_encoder_truncated_inputs", "Inputs longer than the model takes, cut "
+                                     "to its length (models.yaml truncate, or the request's).", labels=["model"])
+    cut_tokens = CounterMetricFamily("tandem_encoder_truncated_tokens", "Tokens truncation cut from those inputs.",
+                                     labels=["model"])
     for name, s in stats:
         running.add_metric([name], s.running)
         waiting.add_metric([name], s.waiting)
@@ -203,7 +208,9 @@ def _encoder_metrics(stats: list[tuple[str, EncoderStats]]) -> Iterator[Metric]:
             jobs.add_metric([name, outcome], s.jobs.get(outcome, 0))
         batches.add_metric([name], s.batches)
         tokens.add_metric([name], s.tokens)
-    yield from (running, waiting, jobs, batches, tokens)
+        cut_inputs.add_metric([name], s.truncated_inputs)
+        cut_tokens.add_metric([name], s.truncated_tokens)
+    yield from (running, waiting, jobs, batches, tokens, cut_inputs, cut_tokens)
 
 
 def _model_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from litestar import Request, post
 from litestar.params import JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.openai.embeddings import usage
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
 from app.pipeline.request import RerankRequest as TypedRerank
@@ -29,7 +30,8 @@ class RerankRequest(BaseModel):
     documents: list[Any] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
-    truncate: bool = False
+    # As on /v1/embeddings: absent takes the model's models.yaml ``truncate``.
+    truncate: bool | None = None
 
     def texts(self) -> list[Any]:
         return [d.get("text") if isinstance(d, dict) else d for d in self.documents]
@@ -48,4 +50,4 @@ async def rerank(data: JSONBody[RerankRequest], request: Request[Any, Any, Any])
             result["document"] = {"text": texts[index]}
         results.append(result)
     return {"id": f"rerank-{uuid.uuid4().hex[:24]}", "model": data.model, "results": results,
-            "usage": {"prompt_tokens": ranking.prompt_tokens, "total_tokens": ranking.prompt_tokens}}
+            "usage": usage(ranking.prompt_tokens, ranking.truncated_inputs, ranking.truncated_tokens)}

@@ -210,6 +210,11 @@ class EncoderParams(_QueueParams, _WeightParams):
         default=200, ge=1, description="Target milliseconds of one encoder batch: batches are cut below "
         "max_batch_tokens to stay near it, so chat streams keep getting tokens during a job. One input that alone "
         "takes longer still runs in one step.")
+    truncate: bool = Field(
+        default=True, description="Cut an input longer than max_model_len to its first tokens (counted in the "
+        "response's usage.truncated_tokens and in /metrics), as Ollama and text-embeddings-inference do for the "
+        "clients that cannot ask (Open WebUI); false: such an input is a 400 context_length_exceeded. A request's "
+        "own \"truncate\" wins.")
 
 
 # ---- capabilities (chat entries) --------------------------------------------------------------------

@@ -112,6 +112,8 @@ class EncoderLimits:
     max_length: int | None  # schema: max_model_len; None: the model's own limit
     max_jobs: int
     max_step_ms: int
+    # Inputs longer than max_length are cut to it unless a request says otherwise (else refused).
+    truncate: bool
 
 
 @dataclass(frozen=True)

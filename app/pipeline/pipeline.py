@@ -46,6 +46,7 @@ from app.pipeline.breakpoints import breakpoints
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
 from app.pipeline.decisions import Decision, DecisionRequest
 from app.pipeline.logprobs import logprob_infos
+from app.pipeline.predicted import prediction_usage
 from app.pipeline.prompting import (
     ModelProfile,
     encode,
@@ -325,19 +326,25 @@ class Pipeline:
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
                                  tools_offered=p.tools_offered)
+        prediction = gen.speculation.prediction if gen.speculation is not None else ()
+        written: list[str] = []  # the answer's text, kept only to count the prediction against it
         async with aclosing(p.lease.handle.stream(replace(gen, announce_queued=True))) as deltas:
             async for delta in deltas:
                 if not delta.tokens and delta.finish_reason is None:  # queued
                     yield Step([], index=index, tokens=0)
                     continue
+                if prediction:
+                    written.append(delta.text)
                 events = parser.feed(delta.text) if parser is not None and delta.text else []
                 usage = None
                 if delta.finish_reason is not None:
                     if parser is not None:
                         events += parser.finish()
+                    accepted, rejected = (await asyncio.to_thread(
+                        prediction_usage, p.lease.handle.tokenizer, prediction, "".join(written))
+                        if prediction else (0, 0))
                     usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens,
-                                  delta.reasoning_tokens, delta.accepted_prediction_tokens,
-                                  delta.rejected_prediction_tokens, delta.cache_write_tokens)
+                                  delta.reasoning_tokens, accepted, rejected, delta.cache_write_tokens)
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
@@ -407,8 +414,8 @@ class Pipeline:
                                           f"dimensions {req.dimensions} cannot be served", param="dimensions")
             encoder.check_size(req.input)
             tokens, vectors = await engine.encode(lambda: encoder.prepare_embed(req.input, truncate=req.truncate))
-            note_model(lease.name, sum(len(t) for t in tokens))
-            return Embeddings(vectors, [len(t) for t in tokens]), encoder.dim
+            note_model(lease.name, sum(len(t) for t in tokens.ids))
+            return encoder.embeddings(tokens, vectors), encoder.dim
         finally:
             lease.release()
 
@@ -423,7 +430,7 @@ class Pipeline:
             encoder.check_size(EncoderInputs(req.documents, "documents"))
             tokens, result = await engine.encode(
                 lambda: encoder.prepare_rerank(req.query, req.documents, truncate=req.truncate))
-            note_model(lease.name, sum(len(t) for t in tokens))
+            note_model(lease.name, sum(len(t) for t in tokens.ids))
             return encoder.ranking(tokens, result)
         finally:
             lease.release()

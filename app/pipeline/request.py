@@ -194,13 +194,15 @@ class EmbedRequest:
     model: str
     # Texts and token ids, in order (OpenAI's ``input``; ``EmbedRequest.of`` reads it).
     input: EncoderInputs
-    # Cut inputs longer than the model takes instead of refusing them (TEI's ``truncate``).
-    truncate: bool = False
+    # Cut inputs longer than the model takes instead of refusing them (TEI's ``truncate``);
+    # None: the model's models.yaml ``truncate``.
+    truncate: bool | None = None
     # The vector size asked for; only the model's own is served.
     dimensions: int | None = None
 
     @classmethod
-    def of(cls, model: str, raw: object, *, truncate: bool = False, dimensions: int | None = None) -> EmbedRequest:
+    def of(cls, model: str, raw: object, *, truncate: bool | None = None,
+           dimensions: int | None = None) -> EmbedRequest:
         """The request for OpenAI's ``input`` as the client sent it (a string, strings, token ids,
         or lists of token ids; see ``encoder_inputs``); a bad shape is a 400 naming the item."""
         return cls(model, encoder_inputs(raw), truncate=truncate, dimensions=dimensions)
@@ -213,10 +215,11 @@ class RerankRequest:
     model: str
     query: str
     documents: tuple[str, ...]
-    truncate: bool = False
+    # As ``EmbedRequest.truncate``.
+    truncate: bool | None = None
 
     @classmethod
-    def of(cls, model: str, query: object, documents: object, *, truncate: bool = False) -> RerankRequest:
+    def of(cls, model: str, query: object, documents: object, *, truncate: bool | None = None) -> RerankRequest:
         """The request for a query and documents as the client sent them: a non-empty string,
         and a non-empty list of them; a bad one is a 400 naming it."""
         return cls(model, _text(query, "query"), _texts(documents, "documents"), truncate=truncate)

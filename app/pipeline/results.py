@@ -43,8 +43,8 @@ class Usage:
     cached_tokens: int = 0
     # Of completion_tokens, those the model spent inside its reasoning block (markers aside).
     reasoning_tokens: int = 0
-    # Of the prediction's tokens (OpenAI's Predicted Outputs), those the model kept and those
-    # it refused (proposed where the output matched, then not written).
+    # Of the prediction's tokens (OpenAI's Predicted Outputs), those that appear in the
+    # completion and those that do not (``app.pipeline.predicted``).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     # Prompt tokens written to the prefix cache where the request asked (its breakpoints), or a

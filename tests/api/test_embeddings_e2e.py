@@ -15,6 +15,7 @@ import yaml
 from openai import OpenAI
 
 from tests.api.serving import assert_openai_error, serving
+from tests.fixtures.open_webui import embeddings_request, queries_from_reply, query_generation_request
 
 KEY = "sk-rag"
 SENTENCES = ["A cat sits on the mat.", "A kitten is sleeping on a rug.", "The stock market closed higher today."]
@@ -25,6 +26,8 @@ def srv(tmp_path_factory, minilm_dir):
     models = [
         {"name": "demo", "builtin": "smollm2-135m-instruct", "params": {"mem": 64, "max_model_len": 2048}},
         {"name": "all-minilm-l6-v2", "role": "embedding", "builtin": "all-minilm-l6-v2", "params": {"max_inputs": 64}},
+        # The same model with truncation off: long inputs are 400s unless a request asks.
+        {"name": "strict-minilm", "role": "embedding", "builtin": "all-minilm-l6-v2", "params": {"truncate": False}},
     ]
     text = yaml.safe_dump({"default_model": "demo", "server": {"api_key": KEY, "shutdown_grace_s": 1},
                            "models": models})
@@ -85,7 +88,8 @@ def test_token_ids_equal_the_text(srv):
     ("empty list", {"input": []}, None, "input", "input"),
     ("a null item", {"input": ["ok", None]}, None, "input", "input[1]"),
     ("too many inputs", {"input": ["x"] * 65}, None, "input", "64"),
-    ("over the model's length", {"input": "word " * 600}, "context_length_exceeded", "input", "256"),
+    ("over the model's length, truncation off", {"input": "word " * 600, "truncate": False},
+     "context_length_exceeded", "input", "256"),
     ("a token id outside the vocabulary", {"input": [[101, 99999999]]}, None, "input", "input[0][1]"),
     ("tiktoken ids, as LangChain sends", {"input": [[9906, 1917, 100256]]}, None, "input", "another tokenizer's ids"),
     ("other dimensions", {"input": "hi", "dimensions": 128}, None, "dimensions", "384"),
@@ -95,10 +99,102 @@ def test_bad_inputs_are_400s_naming_the_item(srv, name, body, code, param, names
     assert err["param"] == param and names in err["message"], err
 
 
-def test_truncation_only_when_asked(srv):
+@pytest.fixture(scope="module")
+def wordpiece(minilm_dir):
+    """MiniLM's own tokenizer, whole (no truncation): how long an input really is."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_truncation()
+    return tok
+
+
+def cut_counters(srv, model: str = "all-minilm-l6-v2") -> tuple[float, float]:
+    text = srv.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    values = []
+    for name in ("tandem_encoder_truncated_inputs_total", "tandem_encoder_truncated_tokens_total"):
+        line = next(x for x in text.splitlines() if x.startswith(f'{name}{{model="{model}"}}'))
+        values.append(float(line.rsplit(" ", 1)[1]))
+    return values[0], values[1]
+
+
+def test_long_inputs_are_cut_by_default_and_counted(srv, wordpiece):
     long = "word " * 600
-    r = post(srv, "/v1/embeddings", {"model": "all-minilm-l6-v2", "input": long, "truncate": True})
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
+    before = cut_counters(srv)
+    r = post(srv, "/v1/embeddings", {"model": "all-minilm-l6-v2", "input": [long, "short"]})
+    assert r.status_code == 200, r.text
+    cut = len(wordpiece.encode(long).ids) - 256
+    assert r.json()["usage"] == {"prompt_tokens": 256 + 3, "total_tokens": 256 + 3, "truncated_inputs": 1,
+                                 "truncated_tokens": cut}
+    assert cut_counters(srv) == (before[0] + 1, before[1] + cut)
+    # Asked for: the same vector.
+    asked = post(srv, "/v1/embeddings", {"model": "all-minilm-l6-v2", "input": [long, "short"], "truncate": True})
+    assert asked.json()["data"] == r.json()["data"]
+    # Nothing cut: OpenAI's usage, nothing added.
+    assert set(post(srv, "/v1/embeddings", {"model": "all-minilm-l6-v2", "input": "short"}).json()["usage"]) == {
+        "prompt_tokens", "total_tokens"}
+
+
+def test_truncation_off_in_models_yaml_keeps_the_400(srv):
+    long = "word " * 300
+    err = assert_openai_error(post(srv, "/v1/embeddings", {"model": "strict-minilm", "input": long}), 400,
+                              "context_length_exceeded")
+    assert "302 tokens" in err["message"] and '"truncate": true' in err["message"]
+    r = post(srv, "/v1/embeddings", {"model": "strict-minilm", "input": long, "truncate": True})
+    assert r.status_code == 200 and r.json()["usage"]["truncated_tokens"] == 302 - 256
+    documents = ["cats", long]
+    assert_openai_error(post(srv, "/v1/rerank", {"model": "strict-minilm", "query": "cats", "documents": documents}),
+                        400, "context_length_exceeded")
+    ranked = post(srv, "/v1/rerank", {"model": "all-minilm-l6-v2", "query": "cats", "documents": documents})
+    assert ranked.status_code == 200 and ranked.json()["usage"]["truncated_inputs"] == 1
+
+
+def open_webui_reply(wordpiece, tokens: int) -> str:
+    """A retrieval-query reply written as prose, not JSON (what the demo model wrote), of
+    ``tokens`` MiniLM tokens with [CLS] and [SEP]."""
+    words = ("The user wants to know what the attached file says about the project plan and its dates, so "
+             "relevant searches would cover the plan, the schedule, the milestones and the people").split()
+    text, n = "", 0
+    while len(wordpiece.encode(text).ids) < tokens:
+        text = f"{text} {words[n % len(words)]}".strip()
+        n += 1
+    assert len(wordpiece.encode(text).ids) == tokens
+    return text
+
+
+def test_open_webui_document_chat_embeds_a_long_query(srv, wordpiece):
+    """Open WebUI's document chat with its default settings, as its own HTTP calls: the chat
+    model's query-generation reply (prose, 258 MiniLM tokens, as the demo model wrote it) is
+    read as Open WebUI reads it (no JSON object: the whole reply is the query) and embedded.
+    It used to be a 400 Open WebUI cannot avoid (it has no "truncate"), and the answer came
+    back with no sources; Open WebUI itself is not installed here (its wheel pulls torch,
+    sentence-transformers and chromadb)."""
+    import httpx
+
+    queries = queries_from_reply(open_webui_reply(wordpiece, 258))
+    assert len(queries) == 1
+    body, headers = embeddings_request("all-minilm-l6-v2", queries, KEY)
+    r = httpx.post(srv.base_url + "/v1/embeddings", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"][0]["embedding"]) == 384
+    assert r.json()["usage"]["truncated_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_open_webui_query_generation_then_embedding(srv):
+    """The whole flow on the demo model: Open WebUI's query-generation request as it sends
+    it (no max_tokens), its reading of the reply, then the embedding call: every query,
+    however long the model's reply, gets a vector."""
+    import httpx
+
+    r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=900, headers={"authorization": f"Bearer {KEY}"},
+                   json=query_generation_request("demo", "What does the attached plan say about the launch date?"))
+    assert r.status_code == 200, r.text
+    queries = queries_from_reply(r.json()["choices"][0]["message"]["content"]) or ["launch date"]
+    body, headers = embeddings_request("all-minilm-l6-v2", queries, KEY)
+    embedded = httpx.post(srv.base_url + "/v1/embeddings", json=body, headers=headers, timeout=120)
+    assert embedded.status_code == 200, embedded.text
+    assert len(embedded.json()["data"]) == len(queries)
 
 
 def test_models_serve_their_own_apis(srv):

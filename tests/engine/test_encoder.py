@@ -96,10 +96,20 @@ def test_token_ids_equal_the_string(minilm, wordpiece):
     np.testing.assert_allclose(mixed.vectors, from_text.vectors[:2], atol=1e-6)
 
 
-def test_over_length_is_refused(minilm):
+def test_over_length_is_cut_by_default_and_counted(minilm):
+    """models.yaml ``truncate`` is on unless an entry says otherwise: what was cut is counted."""
+    assert minilm.limits.truncate
+    out = minilm.embed(typed(["short", "word " * 300, "word " * 260]))
+    assert out.token_counts == [3, 256, 256]
+    assert (out.truncated_inputs, out.truncated_tokens) == (2, 302 - 256 + 262 - 256)
+    whole = minilm.embed(typed(["short"]))
+    assert (whole.truncated_inputs, whole.truncated_tokens) == (0, 0)
+
+
+def test_over_length_is_refused_when_truncation_is_off(minilm):
     assert minilm.max_length == 256  # sentence-transformers' max_seq_length for this model
     with pytest.raises(ContextLengthError) as err:
-        minilm.embed(typed(["short", "word " * 300]))
+        minilm.embed(typed(["short", "word " * 300]), truncate=False)
     assert err.value.status_code == 400 and err.value.param == "input"
     assert err.value.code == "context_length_exceeded"
     assert "input[1]" in err.value.message and "302 tokens" in err.value.message and "256" in err.value.message
@@ -128,16 +138,16 @@ def test_a_megabyte_input_is_tokenized_by_its_head(minilm, wordpiece):
     full = wordpiece.encode(huge).ids
     whole_s = time.perf_counter() - started
     started = time.perf_counter()
-    (ids,) = minilm.tokenize(typed(huge), truncate=True)
+    (ids,) = minilm.tokenize(typed(huge), truncate=True).ids
     head_s = time.perf_counter() - started
     assert ids == full[:255] + full[-1:]
     assert head_s < whole_s / 10, (head_s, whole_s)
     with pytest.raises(ContextLengthError) as err:
-        minilm.tokenize(typed(huge))
+        minilm.tokenize(typed(huge), truncate=False)
     assert "has at least" in err.value.message and "256" in err.value.message
     # Mostly whitespace: the head holds too few tokens, so all of it is read.
     sparse = "cat" + " " * 50_000 + "dog"
-    assert minilm.tokenize(typed(sparse), truncate=True) == [wordpiece.encode(sparse).ids]
+    assert minilm.tokenize(typed(sparse), truncate=True).ids == [wordpiece.encode(sparse).ids]
 
 
 def test_tokenize_from_many_threads_at_once(minilm):
@@ -215,8 +225,8 @@ def test_rerank_puts_the_cat_document_first(minilm):
 )
 def test_bad_rerank_requests_are_400s(minilm, query, documents, param, fragment):
     with pytest.raises(InvalidRequestError) as err:
-        req = RerankRequest.of("minilm", query, documents)
-        minilm.rerank(req.query, req.documents)
+        req = RerankRequest.of("minilm", query, documents, truncate=False)
+        minilm.rerank(req.query, req.documents, truncate=req.truncate)
     assert err.value.param == param and fragment in err.value.message
 
 
@@ -307,9 +317,10 @@ def test_the_engine_runs_rerank_jobs_in_turns(reranker):
 def test_cross_encoder_over_length_pair(reranker):
     long_doc = "word " * 80
     with pytest.raises(ContextLengthError, match="query and document together have"):
-        reranker.rerank("cats", ["short", long_doc])
-    ranking = reranker.rerank("cats", ["short", long_doc], truncate=True)
+        reranker.rerank("cats", ["short", long_doc], truncate=False)
+    ranking = reranker.rerank("cats", ["short", long_doc])  # the model's default: cut
     assert ranking.prompt_tokens == 5 + 64  # [CLS] cats [SEP] short [SEP], then the cut pair
+    assert ranking.truncated_inputs == 1 and ranking.truncated_tokens == (3 + 80 + 1) - 64  # the pair had 84
 
 
 def test_bert_cross_encoder_is_refused_with_the_reason(tmp_path):

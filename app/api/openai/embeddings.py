@@ -1,4 +1,11 @@
-"""POST /v1/embeddings: OpenAI's embeddings format over the pipeline's encoders."""
+"""POST /v1/embeddings: OpenAI's embeddings format over the pipeline's encoders.
+
+An input longer than the model takes is cut to its first tokens when the model's
+models.yaml ``truncate`` is on (the default) or the request sends ``"truncate": true``,
+and refused with a 400 ``context_length_exceeded`` otherwise. What was cut is counted in
+``usage.truncated_inputs`` / ``usage.truncated_tokens`` (only when something was) and in
+``/metrics`` (``tandem_encoder_truncated_*``).
+"""
 
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ class EmbeddingRequest(BaseModel):
     input: Any
     encoding_format: str = Field(default="float", pattern="^(float|base64)$")
     dimensions: int | None = Field(default=None, ge=1)
-    # Hugging Face TEI's: cut inputs longer than the model takes instead of refusing them.
-    truncate: bool = False
+    # Hugging Face TEI's: cut inputs longer than the model takes (true) or refuse them with a
+    # 400 (false); absent: the model's models.yaml ``truncate`` (on unless the entry says).
+    truncate: bool | None = None
 
 
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")
@@ -42,5 +50,14 @@ async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
         "model": data.model,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        "usage": usage(result.prompt_tokens, result.truncated_inputs, result.truncated_tokens),
     }
+
+
+def usage(prompt_tokens: int, truncated_inputs: int, truncated_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, and Tandem's count of what truncation cut when it cut something
+    (``truncated_inputs``, ``truncated_tokens``): an answer with nothing cut is OpenAI's shape."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    if truncated_inputs:
+        out.update(truncated_inputs=truncated_inputs, truncated_tokens=truncated_tokens)
+    return out

@@ -62,23 +62,29 @@ def usage_dict(u: Usage) -> dict[str, Any]:
             "total_tokens": u.total_tokens}
 
 
-def response_skeleton(data: ResponsesRequest, extras: dict[str, Any] | None) -> dict[str, Any]:
-    """The response object before any output: what the request asked for, echoed, and
-    Tandem's ``extensions`` (captions, warnings, the prompt) when the request asks for them."""
+def response_skeleton(data: ResponsesRequest, prepared: Prepared, extras: dict[str, Any] | None) -> dict[str, Any]:
+    """The response object before any output, with every field of the Open Responses spec's
+    ``ResponseResource``: what the request asked for, echoed, with the sampling values
+    actually used (the model's defaults where the request gave none), and Tandem's
+    ``extensions`` (captions, warnings, the prompt) when the request asks for them."""
+    sampling = prepared.gen.sampling
     body: dict[str, Any] = {
-        "id": new_id("resp", "_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
-        "error": None, "incomplete_details": None, "instructions": data.instructions,
-        "max_output_tokens": data.max_output_tokens, "model": data.model, "output": [],
-        "parallel_tool_calls": data.parallel_tool_calls is not False,
+        "id": new_id("resp", "_"), "object": "response", "created_at": int(time.time()), "completed_at": None,
+        "status": "in_progress", "error": None, "incomplete_details": None, "instructions": data.instructions,
+        "max_output_tokens": data.max_output_tokens, "max_tool_calls": data.max_tool_calls, "model": data.model,
+        "output": [], "parallel_tool_calls": data.parallel_tool_calls is not False,
         "previous_response_id": data.previous_response_id,
         "reasoning": data.reasoning.model_dump(exclude_none=True) if data.reasoning else None,
-        "store": data.stores, "temperature": data.temperature, "top_p": data.top_p,
-        "top_logprobs": data.top_logprobs,
+        "store": data.stores, "background": False, "service_tier": "default",
+        "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+        # Alternatives returned per token: none unless the output text's logprobs are included.
+        "top_logprobs": prepared.gen.logprobs or 0,
         "text": data.text.model_dump(by_alias=True, exclude_none=True) if data.text and data.text.format
         else {"format": {"type": "text"}},
         "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
-        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in data.tools],
-        "truncation": "disabled", "usage": None, "metadata": data.metadata or {},
+        "tools": data.echoed_tools(), "truncation": "disabled", "usage": None, "metadata": data.metadata or {},
+        "safety_identifier": data.safety_identifier, "prompt_cache_key": data.prompt_cache_key, "user": data.user,
     }
     if extras is not None:
         body["extensions"] = extras
@@ -172,8 +178,11 @@ class ResponseWriter:
         return [*out, self._event(kind, response=self.response)]
 
     def error(self, err: AppError) -> Event:
-        """The one event that ends a stream that failed after it started."""
-        return self._event("error", code=err.code or err.openai_type, message=err.message, param=err.param)
+        """The one event that ends a stream that failed after it started: OpenAI's fields at
+        the top (its SDKs read them there), the Open Responses spec's in ``error``."""
+        code = err.code or err.openai_type
+        return self._event("error", code=code, message=err.message, param=err.param,
+                           error={"type": err.openai_type, "code": code, "message": err.message, "param": err.param})
 
     def _text_logprobs(self, step: Step) -> list[LogprobInfo]:
         """The logprobs that go with this step's output text: its tokens' and those of the
@@ -279,7 +288,7 @@ async def response_events(writer: ResponseWriter, steps: AsyncIterator[Step],
 def _rendering(request: Request, data: ResponsesRequest, history: list[dict[str, Any]],
                prepared: Prepared) -> Rendering:
     store: ResponseStore = request.app.state.tandem.responses
-    writer = ResponseWriter(response_skeleton(data, prepared.extras if data.extensions else None),
+    writer = ResponseWriter(response_skeleton(data, prepared, prepared.extras if data.extensions else None),
                             data.namespaces(), data.encrypted_reasoning, data.with_logprobs)
     conversation = [*history, *(i.model_dump(by_alias=True, exclude_none=True) for i in data.input)]
 

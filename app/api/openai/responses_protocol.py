@@ -14,9 +14,10 @@ model sees them as ``<namespace>__<name>``, and calls come back split into
 ``file_search``, ``mcp``, ...) is a tool OpenAI's servers run; this server
 cannot, and ignores them, so a client's usual tool list (Codex sends
 ``web_search``) never fails a request. ``prompt_cache_key`` scopes the prefix cache as
-``cache_salt`` does, and ``prompt_cache_breakpoint`` on input_text and input_image parts
-marks what it should keep (``app.pipeline.breakpoints``). Unknown fields are accepted and
-ignored (``user``, ...). ``metadata`` is echoed and stored with the
+``cache_salt`` does (and is echoed), and ``prompt_cache_breakpoint`` on input_text and
+input_image parts marks what it should keep (``app.pipeline.breakpoints``). Unknown fields
+are accepted and ignored; ``safety_identifier``, ``user``, ``service_tier`` and
+``max_tool_calls`` are read only to be echoed. ``metadata`` is echoed and stored with the
 response, within OpenAI's bounds: 16 keys, of at most 64 characters, with string
 values of at most 512.
 """
@@ -179,6 +180,12 @@ class FunctionTool(Lenient):
         parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
         return typed.Tool(flat_name(namespace, self.name), self.description, parameters, bool(self.strict))
 
+    def echo(self) -> dict[str, Any]:
+        """The tool as a response object lists it: every field of the spec's ``FunctionTool``,
+        ``strict`` as it was applied (absent: not strict)."""
+        return {**self.model_dump(by_alias=True, exclude_none=True), "description": self.description,
+                "parameters": self.parameters, "strict": bool(self.strict)}
+
 
 class OtherTool(Lenient):
     """A tool OpenAI's servers run (web_search, custom, mcp, ...): accepted, not served."""
@@ -263,6 +270,8 @@ class ResponsesRequest(Lenient):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = True
@@ -276,13 +285,20 @@ class ResponsesRequest(Lenient):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
+    # Echoed in the response, as OpenAI's are; none but prompt_cache_key (the prefix cache's
+    # scope, below) changes how it is served. max_tool_calls bounds calls to built-in tools,
+    # and this server runs none; every request is served at the one service tier there is.
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    service_tier: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    user: str | None = Field(default=None, max_length=512)
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
     extensions: bool = False
     # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
     cache_salt: str | None = None
     # OpenAI's: scopes cached prefixes as cache_salt does; and the breakpoints' mode and TTL.
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
     prompt_cache_options: PromptCacheOptions | None = None
 
     @field_validator("input", mode="before")
@@ -340,6 +356,11 @@ class ResponsesRequest(Lenient):
                 out += [f.to_tool(t.name) for f in t.tools if isinstance(f, FunctionTool)]
         return tuple(out)
 
+    def echoed_tools(self) -> list[dict[str, Any]]:
+        """``tools`` as the response lists them: function tools with every field, the rest as sent."""
+        return [t.echo() if isinstance(t, FunctionTool) else t.model_dump(by_alias=True, exclude_none=True)
+                for t in self.tools]
+
     def output_format(self) -> typed.OutputFormat:
         f = self.text.format if self.text is not None else None
         if f is None or f.type == "text":
@@ -357,7 +378,8 @@ class ResponsesRequest(Lenient):
         if self.instructions:
             messages.insert(0, typed.Message.of("system", self.instructions, param="instructions"))
         choice, tools = tool_choice(self.tool_choice, self.served_tools())
-        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p)
+        sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         implicit = self.prompt_cache_options is None or self.prompt_cache_options.mode == "implicit"
         options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
                                 priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt,

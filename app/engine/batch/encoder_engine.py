@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.engine.batch.admission import busy_error
-from app.engine.models.encoder import Encoder
+from app.engine.models.encoder import Encoder, Tokenized
 from app.engine.worker import MLXWorker
 from app.errors import AppError, EngineDeadError, EngineError, RateLimitError
 
@@ -56,6 +56,9 @@ class EncoderStats:
     jobs: dict[str, int]  # ended jobs by outcome: done, cancelled, error
     batches: int
     tokens: int  # real (unpadded) tokens encoded
+    # Of the jobs done: inputs truncation cut to the model's length, and the tokens it cut.
+    truncated_inputs: int = 0
+    truncated_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -109,6 +112,8 @@ class EncoderEngine:
         self._outcomes: Counter[str] = Counter()
         self._batches = 0
         self._tokens = 0
+        self._truncated_inputs = 0
+        self._truncated_tokens = 0
         worker.add_stepper(self._step, self._on_worker_death)
 
     # ---- the event loop ---------------------------------------------------------------
@@ -122,18 +127,19 @@ class EncoderEngine:
         """Jobs preparing, queued or running (the registry keeps a busy model loaded)."""
         return self._preparing + len(self._inbox) + len(self._waiting) + len(self._running)
 
-    async def encode(self, prepare: Callable[[], list[list[int]]]) -> tuple[list[list[int]], np.ndarray]:
+    async def encode(self, prepare: Callable[[], Tokenized]) -> tuple[Tokenized, np.ndarray]:
         """Tokens from ``prepare()`` (run in a worker thread) and what ``Encoder.forward``
         gives for each, in order. Cancelling the caller cancels the job."""
         self._check_open()
         self._check_queue()
         self._preparing += 1  # counted as waiting from the start: tokenizing is part of the wait
         try:
-            tokens = await asyncio.to_thread(prepare)
+            tokenized = await asyncio.to_thread(prepare)
         finally:
             self._preparing -= 1
         self._check_open()
         loop = asyncio.get_running_loop()
+        tokens = tokenized.ids
         order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
         job = _Job(tokens, loop, loop.create_future(), order,
                    np.empty((len(tokens), *self.encoder.out_shape), dtype=np.float32))
@@ -141,7 +147,10 @@ class EncoderEngine:
             self._inbox.append(job)
         self.worker.wake()
         try:
-            return tokens, await job.future
+            result = await job.future
+            self._truncated_inputs += tokenized.truncated_inputs
+            self._truncated_tokens += tokenized.truncated_tokens
+            return tokenized, result
         finally:
             if not job.done:
                 job.cancelled = True
@@ -163,7 +172,8 @@ class EncoderEngine:
 
     def stats(self) -> EncoderStats:
         return EncoderStats(running=len(self._running), waiting=self._preparing + len(self._inbox) + len(self._waiting),
-                            jobs=dict(self._outcomes), batches=self._batches, tokens=self._tokens)
+                            jobs=dict(self._outcomes), batches=self._batches, tokens=self._tokens,
+                            truncated_inputs=self._truncated_inputs, truncated_tokens=self._truncated_tokens)
 
     def stop_accepting(self) -> None:
         self._accepting = False

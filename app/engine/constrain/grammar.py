@@ -37,6 +37,7 @@ import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
+import transformers
 
 from app.engine.constrain.constraints import (
     Constraint,
@@ -211,11 +212,15 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer (an mlx-lm ``TokenizerWrapper`` or a fast HF tokenizer)."""
+    """Compiles constraints for one tokenizer (an mlx-lm ``TokenizerWrapper``, or a fast HF tokenizer
+    such as a native VLM's)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+        # mlx-lm's TokenizerWrapper holds the fast tokenizer in ``_tokenizer``; a transformers
+        # tokenizer (a VLM processor's) is one, and its own ``_tokenizer`` is the Rust one below.
+        hf = tokenizer if isinstance(tokenizer, transformers.PreTrainedTokenizerFast) else getattr(
+            tokenizer, "_tokenizer", tokenizer)
+        self.eos = eos_ids(tokenizer, hf)
         self.lltok = llguidance.hf.from_tokenizer(hf, eos_token=self.eos)
         self._special = {
             added.content: tid for tid, added in hf.added_tokens_decoder.items()
@@ -251,6 +256,19 @@ class GrammarCompiler:
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def eos_ids(tokenizer: Any, hf: Any) -> list[int]:
+    """The tokens that end a generation, as a sorted list. mlx-lm's wrapper keeps a set in
+    ``eos_token_ids``; an mlx-vlm processor's transformers tokenizer keeps one int there (the
+    VLM engine stops on it and on more: a subset is what the grammar may offer)."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None or ids == []:
+        ids = getattr(hf, "eos_token_id", None)
+    found = [ids] if isinstance(ids, int) else list(ids or ())
+    if not found or not all(isinstance(t, int) for t in found):
+        raise EngineError("the tokenizer names no end-of-sequence token: output cannot be constrained")
+    return sorted(set(found))
 
 
 def _subject(spec: Constraint) -> str:

@@ -28,6 +28,9 @@ MLX-owner thread; ``app.engine.batch.encoder_engine`` schedules a request's batc
 there between chat steps. ``embed`` / ``rerank`` do both in one go, in process
 (tests, benchmarks).
 
+An input longer than ``max_length`` is cut to it when the model's ``truncate``
+(``EncoderLimits``, models.yaml) or the request says so, else refused; ``Tokenized``
+carries how many tokens were cut from each input, for the answer's usage and /metrics.
 A string far longer than the model takes is tokenized by a prefix cut at a
 word boundary (``_head``): a 1 MB input costs the tokens that can be kept, not
 a megabyte of tokenizing.
@@ -73,11 +76,32 @@ _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32
 
 
 @dataclass(frozen=True)
+class Tokenized:
+    """A request's token ids, one list per input (or per query-document pair), and how many
+    tokens truncation cut from each (0: whole). A string far longer than the model takes
+    is tokenized only by its head (``Encoder._head``): its count is what was cut from that."""
+
+    ids: list[list[int]]
+    cut: list[int]
+
+    @property
+    def truncated_inputs(self) -> int:
+        return sum(1 for n in self.cut if n)
+
+    @property
+    def truncated_tokens(self) -> int:
+        return sum(self.cut)
+
+
+@dataclass(frozen=True)
 class Embeddings:
     """The vectors of one request, in input order, and what each input cost."""
 
     vectors: np.ndarray  # (inputs, dim) float32, each row of L2 norm 1
     token_counts: list[int]
+    # Inputs truncation cut, and the tokens it cut from them (``Tokenized``).
+    truncated_inputs: int = 0
+    truncated_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,6 +114,8 @@ class Ranking:
 
     scores: list[float]
     prompt_tokens: int
+    truncated_inputs: int = 0
+    truncated_tokens: int = 0
 
     def top(self, n: int | None = None) -> list[tuple[int, float]]:
         """``(document index, score)``, best first (ties: lower index first), at most ``n``."""
@@ -129,14 +155,15 @@ class Encoder:
         leaves = cast("list[tuple[str, mx.array]]", tree_flatten(self._model.parameters()))
         return sum(int(v.nbytes) for _, v in leaves)
 
-    def tokenize(self, inputs: EncoderInputs, *, truncate: bool = False) -> list[list[int]]:
+    def tokenize(self, inputs: EncoderInputs, *, truncate: bool | None = None) -> Tokenized:
         """Token ids for each input. Any thread.
 
         Raises ``InvalidRequestError`` for too many inputs or a token id outside the
-        vocabulary, and ``ContextLengthError`` for an input longer than ``max_length``
-        unless ``truncate``, which keeps its first ``max_length`` tokens (a string
-        keeps its closing special token).
+        vocabulary. An input longer than ``max_length`` is cut to its first ``max_length``
+        tokens (a string keeps its closing special token) when ``truncate`` is on (None:
+        the model's setting, ``EncoderLimits.truncate``), else a ``ContextLengthError``.
         """
+        truncate = self.limits.truncate if truncate is None else truncate
         check_count(inputs, max_inputs=self.limits.max_inputs)
         items, param = inputs.items, inputs.param
         # Token ids are used as given, if the vocabulary has them; texts are tokenized below.
@@ -150,6 +177,7 @@ class Encoder:
             if cut and len(enc.ids) <= self.max_length + HEAD_MARGIN:  # mostly whitespace: all of it
                 texts[i] = (cast(str, items[i]), False)
                 out[i] = self._tokenizer.encode(texts[i][0]).ids
+        dropped = [0] * len(out)
         for i, ids in enumerate(out):
             if len(ids) <= self.max_length:
                 continue
@@ -157,9 +185,10 @@ class Encoder:
             if not truncate:
                 where = f"{param}[{i}]" if len(items) > 1 else param
                 raise over_length(self.name, where, len(ids), self.max_length, at_least=cut)
+            dropped[i] = len(ids) - self.max_length
             # A prefix's first max_length tokens are the whole string's (it ends at a word boundary).
             out[i] = self._truncating.encode(text).ids if i in texts else ids[: self.max_length]
-        return out
+        return Tokenized(out, dropped)
 
     def _head(self, text: str) -> tuple[str, bool]:
         """``text``, or a prefix of it ending at whitespace, and whether it was cut."""
@@ -176,28 +205,31 @@ class Encoder:
         is tokenized (the rest of the checks come with ``tokenize``)."""
         check_count(inputs, max_inputs=self.limits.max_inputs)
 
-    def prepare_embed(self, inputs: EncoderInputs, *, truncate: bool = False) -> list[list[int]]:
+    def prepare_embed(self, inputs: EncoderInputs, *, truncate: bool | None = None) -> Tokenized:
         """The token ids to embed for ``inputs`` (any thread)."""
         if self.kind != "embedding":
             raise InvalidRequestError(f"model {self.name!r} is a reranker; it gives no embeddings", param="model")
         return self.tokenize(inputs, truncate=truncate)
 
-    def prepare_rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> list[list[int]]:
+    def prepare_rerank(self, query: str, documents: Sequence[str], *, truncate: bool | None = None) -> Tokenized:
         """The token ids ``forward`` scores for a rerank (any thread): for a cross-encoder one
         (query, document) pair per document; for an embedding model the query, then each document."""
         docs = EncoderInputs(tuple(documents), "documents")
         check_count(docs, max_inputs=self.limits.max_inputs)
+        truncate = self.limits.truncate if truncate is None else truncate
         if self.kind == "cross-encoder":
             return self._pair_tokens(query, list(documents), truncate)
-        return self.tokenize(EncoderInputs((query,), "query", bare=True), truncate=truncate) + self.tokenize(
-            docs, truncate=truncate)
+        q = self.tokenize(EncoderInputs((query,), "query", bare=True), truncate=truncate)
+        d = self.tokenize(docs, truncate=truncate)
+        return Tokenized(q.ids + d.ids, q.cut + d.cut)
 
-    def ranking(self, tokens: list[list[int]], result: np.ndarray) -> Ranking:
+    def ranking(self, tokens: Tokenized, result: np.ndarray) -> Ranking:
         """The ``Ranking`` of what ``forward`` gave for ``prepare_rerank``'s tokens."""
+        used, cut = sum(len(t) for t in tokens.ids), (tokens.truncated_inputs, tokens.truncated_tokens)
         if self.kind == "cross-encoder":
-            return Ranking([float(s) for s in result], sum(len(p) for p in tokens))
+            return Ranking([float(s) for s in result], used, *cut)
         # Unit vectors: the dot product is the cosine.
-        return Ranking([float(s) for s in result[1:] @ result[0]], sum(len(t) for t in tokens))
+        return Ranking([float(s) for s in result[1:] @ result[0]], used, *cut)
 
     def forward(self, batch: list[list[int]]) -> np.ndarray:
         """One batch through the model: unit vectors (embedding) or scores (cross-encoder). MLX thread."""
@@ -208,22 +240,28 @@ class Encoder:
         """The shape of one input's result from ``forward``."""
         return () if self.kind == "cross-encoder" else (self.dim,)
 
-    def embed(self, inputs: EncoderInputs, *, truncate: bool = False) -> Embeddings:
+    def embed(self, inputs: EncoderInputs, *, truncate: bool | None = None) -> Embeddings:
         """``embed_steps`` run to its end in one go."""
         return _drain(self.embed_steps(inputs, truncate=truncate))
 
-    def embed_steps(self, inputs: EncoderInputs, *, truncate: bool = False) -> Generator[None, None, Embeddings]:
+    def embed_steps(self, inputs: EncoderInputs, *, truncate: bool | None = None
+                    ) -> Generator[None, None, Embeddings]:
         """Embed ``inputs``, one batch per step; returns their ``Embeddings``."""
         tokens = self.prepare_embed(inputs, truncate=truncate)
-        vectors = yield from self._steps(tokens)
-        return Embeddings(vectors, [len(t) for t in tokens])
+        vectors = yield from self._steps(tokens.ids)
+        return self.embeddings(tokens, vectors)
 
-    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> Ranking:
+    @staticmethod
+    def embeddings(tokens: Tokenized, vectors: np.ndarray) -> Embeddings:
+        """The ``Embeddings`` of what ``forward`` gave for ``prepare_embed``'s tokens."""
+        return Embeddings(vectors, [len(t) for t in tokens.ids], tokens.truncated_inputs, tokens.truncated_tokens)
+
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool | None = None) -> Ranking:
         """``rerank_steps`` run to its end in one go."""
         return _drain(self.rerank_steps(query, documents, truncate=truncate))
 
     def rerank_steps(
-        self, query: str, documents: Sequence[str], *, truncate: bool = False
+        self, query: str, documents: Sequence[str], *, truncate: bool | None = None
     ) -> Generator[None, None, Ranking]:
         """Score each document against ``query``, one batch per step.
 
@@ -231,21 +269,23 @@ class Encoder:
         by its classifier's sigmoid (0 to 1). Higher is more relevant.
         """
         tokens = self.prepare_rerank(query, documents, truncate=truncate)
-        result = yield from self._steps(tokens)
+        result = yield from self._steps(tokens.ids)
         return self.ranking(tokens, result)
 
-    def _pair_tokens(self, query: str, docs: list[str], truncate: bool) -> list[list[int]]:
+    def _pair_tokens(self, query: str, docs: list[str], truncate: bool) -> Tokenized:
         # Cut texts keep more tokens than the pair can hold: the truncated pair is the same.
         (query, q_cut), heads = self._head(query), [self._head(d) for d in docs]
         pairs = [enc.ids for enc in self._tokenizer.encode_batch([(query, d) for d, _ in heads])]
+        dropped = [0] * len(pairs)
         for i, ids in enumerate(pairs):
             if len(ids) > self.max_length:
                 if not truncate:
                     cut = q_cut or heads[i][1]
                     raise over_length(self.name, f"documents[{i}]", len(ids), self.max_length, pair=True,
                                       at_least=cut)
+                dropped[i] = len(ids) - self.max_length
                 pairs[i] = self._truncating.encode(query, heads[i][0]).ids
-        return pairs
+        return Tokenized(pairs, dropped)
 
     def _steps(self, tokens: list[list[int]]) -> Generator[None, None, np.ndarray]:
         out = np.empty((len(tokens), *self.out_shape), dtype=np.float32)
