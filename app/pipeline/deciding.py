@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from app.engine.batch.admission import KV_STEP
 from app.engine.prompt import TokenPrompt
 from app.engine.types import CacheBreakpoint, Engine, GenerationRequest, ScoreRequest, TokenDelta
 from app.errors import EngineError
@@ -217,6 +218,16 @@ def plan(profile: ModelProfile, inputs: Sequence[Message], questions: Sequence[Q
     first = Message("user", (*head, *question_parts(replace(questions[0], instructions=asked[0]))))
     marked = breakpoints(prompts[0], (first,), (), variant)
     return Plan(rows, prefix, tuple(b for b in marked if b.tokens <= prefix))
+
+
+def window(profile: ModelProfile, plan: Plan) -> int:
+    """How many rows a request keeps in the engine at once: a batch's worth (``max_num_seqs``),
+    fewer where that many rows' KV and the cached input would not fit the KV budget together
+    (the input would be evicted between the turns that read it, and computed again)."""
+    longest = max(len(r.tokens) for r in plan.rows)
+    budget = profile.kv_budget_tokens or profile.max_model_len
+    fits = (budget - plan.prefix_len) // (longest + KV_STEP)
+    return max(1, min(profile.params.max_num_seqs, fits))
 
 
 # ---- the answers ------------------------------------------------------------------------

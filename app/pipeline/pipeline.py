@@ -251,7 +251,7 @@ class Pipeline:
                 cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key),
                 cache_prefix_len=plan.prefix_len, share_prefix=True, cache_breakpoints=plan.breakpoints,
                 cache_implicit=req.options.cache_implicit)
-            finals = await deciding.score(model.engine, plan.rows, base, profile.params.max_num_seqs)
+            finals = await deciding.score(model.engine, plan.rows, base, deciding.window(profile, plan))
         finally:
             lease.release()
         return Decision(profile.name, tuple(deciding.answers(req.questions, plan.rows, finals)),
