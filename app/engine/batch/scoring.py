@@ -184,6 +184,8 @@ class Scorer(Generic[S]):
             self.model(mx.array([rest[i:i + self.chunk]]), cache=cache)
             mx.eval([c.state for c in cache])
         written = 0
+        if rest:
+            cache = _exact(cache)
         if use_cache and rest and len(tokens) >= self.min_tokens:
             self.prompt_cache.insert_cache(key, tokens, cache, cache_type="system")
             written = len(rest)
@@ -269,6 +271,19 @@ class Scorer(Generic[S]):
         for (i, _, _), value in zip(where, values):
             out[i].append(value)
         return out
+
+
+def _exact(cache: list[Any]) -> list[Any]:
+    """``cache`` holding its tokens and no more: a prefill leaves room behind them for the next
+    chunk (``KVCache.step`` at a time), which the prefix cache would count as held. Copied
+    through the batch-cache protocol (``merge`` of one, ``extract``); a layer without it stays."""
+    out = []
+    for c in cache:
+        try:
+            out.append(c.merge([c]).extract(0))
+        except (AttributeError, NotImplementedError, ValueError):
+            out.append(c)
+    return out
 
 
 def _common_length(sequences: list[list[int]]) -> int:
