@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 
 from app.api import request_id
 from app.api.agui import agui
@@ -32,15 +34,16 @@ from app.api.rerank import rerank
 from app.api.state import AppState
 from app.api.streaming import WARNING_HEADER
 from app.api.ui.activity import Activity
-from app.api.ui.dashboard import ADMIN, PAGE, dashboard_events
+from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
-from app.config.schema import ChatEntry, ModelEntry
+from app.config.schema import ChatEntry, ModelEntry, ServerSettings
 from app.engine.distributed.distributed import Distributed
 from app.engine.registry import Registry
 from app.engine.roles import ROLES
 from app.engine.worker import MLXWorker
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
+from app.pipeline.runtime import family_report
 from app.specs import load_params, model_spec
 
 log = logging.getLogger("tandem")
@@ -83,8 +86,10 @@ def build_state(config: ResolvedConfig, *, load_vision: bool = True, worker: MLX
     state.metrics.watch(state.figures)
     profile = state.profile
     if profile is not None:
-        log.info("model %s: parser=%s reasoning=%s thinking_switch=%s system_prompt=%s", primary.name,
-                 profile.parser, profile.reasoning, profile.thinking_switch, profile.system_prompt)
+        family = family_report(profile)
+        log.info("model %s: parser=%s reasoning=%s markers=%s switches=%s system_prompt=%s (%s)", primary.name,
+                 profile.parser, profile.reasoning, "...".join(family["reasoning_markers"]),
+                 ",".join(profile.switches) or "-", profile.system_prompt, family["why"])
     log.info("serving %s; memory limit %.0f MB", ", ".join(s.name for s in specs), registry.limit_bytes / 2**20)
     return state
 
@@ -155,6 +160,15 @@ async def drain(state: AppState) -> None:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
 
 
+def openapi_config(server: ServerSettings, guards: list[Any]) -> OpenAPIConfig | None:
+    """The OpenAPI schema as JSON at /docs/openapi.json (and /docs), under the API key, when
+    ``server.openapi_schema`` asks for it; never a viewer page, whose scripts come from a CDN."""
+    if not server.openapi_schema:
+        return None
+    return OpenAPIConfig(title="Tandem", version="0.1.0", render_plugins=[JsonRenderPlugin()],
+                         openapi_router=Router("/docs", route_handlers=[], guards=guards, include_in_schema=False))
+
+
 def create_app(state: AppState) -> Litestar:
     server = state.config.server
     guards = [api_key_guard(server)] if api_keys(server) else []
@@ -194,7 +208,7 @@ def create_app(state: AppState) -> Litestar:
         cors_config=cors,
         request_max_body_size=server.max_body_bytes,
         request_class=BoundedRequest,  # a body's JSON values are counted before it is decoded
-        openapi_config=OpenAPIConfig(title="Tandem", version="0.1.0", path="/docs"),
+        openapi_config=openapi_config(server, guards),
         before_request=request_id.before_request,
         # Every response, errors and SSE included, is tagged with its request id and counted.
         before_send=[request_id.before_send, state.metrics.before_send],
@@ -205,4 +219,5 @@ def create_app(state: AppState) -> Litestar:
     )
     app.state.tandem = state
     app.state.activity = activity
+    app.state.event_streams = EventStreams(server)  # /ui/events, capped below max_connections
     return app

@@ -73,6 +73,38 @@ def tiny_ministral(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Pat
     return make
 
 
+@pytest.fixture(scope="session")
+def zoo_model(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path):
+    """Builds the zoo's tiny random text models (tests/fixtures/zoo.py), each once a session:
+    ``zoo_model("qwen3_5") -> Path``, a directory mlx_lm.load reads."""
+    from tests.fixtures.zoo import build_zoo_model
+
+    built: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in built:
+            built[name] = build_zoo_model(name, tmp_path_factory.mktemp(f"zoo-{name}"), demo_model_dir)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def zoo_vlm(tmp_path_factory: pytest.TempPathFactory):
+    """Builds the zoo's tiny random vision-language models (tests/fixtures/zoo_vision.py), each
+    once a session: ``zoo_vlm("mistral3") -> Path``, a directory mlx_vlm.load reads."""
+    from tests.fixtures.zoo_vision import build_zoo_vlm
+
+    built: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in built:
+            built[name] = build_zoo_vlm(name, tmp_path_factory.mktemp(f"zoo-vlm-{name}"))
+        return built[name]
+
+    return make
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

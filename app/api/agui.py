@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.api.errors import as_app_error
 from app.api.state import AppState
 from app.api.streaming import Event, EventStream, Rendering, answer
-from app.api.wire import new_id
+from app.api.wire import JsonBool, new_id
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 from app.pipeline.results import (
@@ -71,7 +71,7 @@ class ForwardedProps(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     max_tokens: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    thinking: bool | None = None
+    thinking: JsonBool | None = None
     # How much to reason: an effort level (the model's reasoning_budgets), or a budget in tokens.
     reasoning_effort: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
     thinking_budget: int | None = Field(default=None, ge=0)

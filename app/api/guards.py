@@ -13,8 +13,13 @@ the user's own browser, and LAN clients when bound beyond loopback.
 - **API keys**: with keys configured, ``/v1/*`` and ``/metrics`` need one, as
   ``Authorization: Bearer <key>`` or ``x-api-key`` (Anthropic's header),
   compared in constant time. Which key was used (its name) becomes the
-  request's client, which partitions the prefix cache under
+  request's client, which partitions the prefix and caption caches under
   ``prompt_cache_scope: per_key``.
+- **Key roles**: an admin key (``server.api_key``, or a named key with ``role:
+  admin``) may also use ``/v1/admin/*`` and see every key's requests on the
+  dashboard; any other key gets a 403 there and sees only its own requests.
+  With no key configured there are no roles: whoever passes the Host check is
+  the one user, and an admin.
 """
 
 from __future__ import annotations
@@ -82,12 +87,39 @@ def request_guard(server: ServerSettings) -> Callable[[ASGIApp], ASGIApp]:
     return factory
 
 
+# The name of ``server.api_key``, the one key of a single-user set-up.
+DEFAULT_KEY = "default"
+
+
 def api_keys(server: ServerSettings) -> dict[str, bytes]:
     """Every configured key by its name (``api_key`` alone is named "default")."""
-    keys = {name: secret.get_secret_value().encode() for name, secret in server.api_keys.items()}
+    keys = {name: entry.key.get_secret_value().encode() for name, entry in server.api_keys.items()}
     if server.api_key is not None:
-        keys.setdefault("default", server.api_key.get_secret_value().encode())
+        keys.setdefault(DEFAULT_KEY, server.api_key.get_secret_value().encode())
     return keys
+
+
+def admin_keys(server: ServerSettings) -> frozenset[str]:
+    """The names of the admin keys: ``api_key``'s and every named key with ``role: admin``."""
+    admins = {name for name, entry in server.api_keys.items() if entry.role == "admin"}
+    if server.api_key is not None:
+        admins.add(DEFAULT_KEY)
+    return frozenset(admins)
+
+
+def sees_everything(server: ServerSettings) -> bool:
+    """Whether this request may act as an admin: each one when no key is set (one user), else
+    one that presented an admin key (read after ``api_key_guard`` has named the client)."""
+    return not (server.api_key or server.api_keys) or CLIENT.get() in admin_keys(server)
+
+
+async def admin_only(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """A Litestar guard for the admin routes, run after ``api_key_guard``: 403 for a key
+    without the admin role."""
+    server: ServerSettings = connection.app.state.tandem.settings
+    if not sees_everything(server):
+        raise ForbiddenError(f"the key {CLIENT.get()!r} has the role user; the admin endpoints need an admin key "
+                             "(server.api_keys: {name: {key: ..., role: admin}})", code="admin_key_required")
 
 
 def presented_key(connection: ASGIConnection[Any, Any, Any, Any]) -> str:

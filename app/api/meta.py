@@ -62,6 +62,8 @@ def _health(state: AppState, request: Request[Any, Any, Any]) -> tuple[dict[str,
     body["default_model"] = report.default_model
     body["memory"] = {k: snapshot[k] for k in ("limit_mb", "used_mb", "free_mb", "mlx")}
     body["models"] = snapshot["models"]
+    for name, family in report.families.items():
+        body["models"][name]["family"] = family
     for name, drafters in report.speculation.items():
         body["models"][name]["speculation"] = {drafter: {
             "proposed": c.proposed, "accepted": c.accepted, "steps": c.steps,

@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from app.pipeline.decisions import Decision
+from app.pipeline.decisions.request import Decision
 from app.pipeline.runtime import EncoderStats, EngineStats, Figures, GenerationRecord
 
 # No "_created" timestamp series next to every counter: nothing here reads them.

@@ -1,8 +1,15 @@
-"""The request id: one per request, echoed as ``x-request-id``, carried by every log record.
+"""The request id: one per request, made by the server, echoed as ``x-request-id``, carried by every log record.
 
-A client's own ``x-request-id`` is reused when it is short and plain, so one id
-can be followed across a client, a proxy and Tandem; anything else (too long,
-spaces, control characters: a log-injection vector) is replaced by a fresh id.
+The id is always the server's own (``req-`` and 24 hex digits): it keys the
+dashboard's request rows and tags the log lines of one request, so a client must
+not choose it (one that sent another request's id overwrote that request's row and
+tagged its own log lines with it). A client's own id, sent as
+``x-client-request-id`` (OpenAI's header) or ``x-request-id``, is recorded beside
+it when it is short and plain: echoed as ``x-client-request-id`` and shown in the
+dashboard's request list, so one call can be followed across a client, a proxy
+and Tandem. Anything else (too long, spaces, control characters: a log-injection
+vector) is dropped.
+
 The id is set by a ``before_request`` hook for routed requests and by the
 ``before_send`` hook otherwise (404s, 405s, body-too-large), which also puts it
 on the response, SSE streams and errors included. A context variable makes it
@@ -21,19 +28,29 @@ from litestar import Request
 from app.request_context import REQUEST_ID
 
 HEADER = "x-request-id"
+CLIENT_HEADER = "x-client-request-id"
 _SANE = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
 
 
 def request_id(scope: Any) -> str:
-    """This request's id, chosen (and put in the log context) on first use."""
+    """This request's id, made (and put in the log context) on first use."""
     state = scope.setdefault("state", {})
     rid = state.get("request_id")
     if rid is None:
-        sent = next((v for k, v in scope.get("headers", ()) if k == HEADER.encode()), b"").decode("latin-1")
-        rid = sent if _SANE.fullmatch(sent) else f"req-{uuid.uuid4().hex[:24]}"
-        state["request_id"] = rid
+        rid = state["request_id"] = f"req-{uuid.uuid4().hex[:24]}"
         REQUEST_ID.set(rid)
     return rid
+
+
+def client_request_id(scope: Any) -> str | None:
+    """The id the client sent (``x-client-request-id``, else ``x-request-id``) if short and plain, else None."""
+    headers = dict(scope.get("headers", ()))
+    for name in (CLIENT_HEADER, HEADER):
+        sent = headers.get(name.encode())
+        if sent is not None:
+            text = sent.decode("latin-1")
+            return text if _SANE.fullmatch(text) else None
+    return None
 
 
 async def before_request(request: Request) -> None:
@@ -42,4 +59,7 @@ async def before_request(request: Request) -> None:
 
 async def before_send(message: Any, scope: Any) -> None:
     if message["type"] == "http.response.start":
-        message["headers"] = [*message.get("headers", ()), (HEADER.encode(), request_id(scope).encode())]
+        headers = [*message.get("headers", ()), (HEADER.encode(), request_id(scope).encode())]
+        if (sent := client_request_id(scope)) is not None:
+            headers.append((CLIENT_HEADER.encode(), sent.encode()))
+        message["headers"] = headers

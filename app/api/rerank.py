@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api.openai.embeddings import usage
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.api.wire import JsonBool
 from app.pipeline.request import RerankRequest as TypedRerank
 
 
@@ -29,9 +30,9 @@ class RerankRequest(BaseModel):
     # Strings, or Jina's {"text": ...} objects.
     documents: list[Any] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=1)
-    return_documents: bool = True
+    return_documents: JsonBool = True
     # As on /v1/embeddings: absent takes the model's models.yaml ``truncate``.
-    truncate: bool | None = None
+    truncate: JsonBool | None = None
 
     def texts(self) -> list[Any]:
         return [d.get("text") if isinstance(d, dict) else d for d in self.documents]

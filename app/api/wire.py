@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
 
 from app.errors import InvalidRequestError
 
@@ -21,6 +22,18 @@ class Lenient(BaseModel):
     (``user``, ``store``, ``metadata``, ...), and rejecting them would break the SDKs."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def _json_bool(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean: true or false")
+    return value
+
+
+# A request's boolean: JSON's true or false, nothing else. pydantic's lax mode reads "yes", "no",
+# "on", 0 and 1 as booleans (Litestar validates with strict=False, which overrides a field's
+# own StrictBool), so `"pinned": "yes"` pinned a model; this check runs whatever the mode.
+JsonBool = Annotated[bool, BeforeValidator(_json_bool)]
 
 
 def new_id(prefix: str, sep: str = "-", hex_chars: int = 24) -> str:

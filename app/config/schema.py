@@ -256,8 +256,9 @@ class ModelCapabilities(_Strict):
         "saying so and a warning (the x-tandem-warning header on every format, and in the body where the format has "
         "room); \"refuse\" answers 400, so the client knows the model never saw them.")
     tool_parser: str | None = Field(
-        default=None, description="Model family for tool calls (app/families: qwen, mistral, llama, "
-        "generic); None detects it from the chat template.")
+        default=None, description="Model family for tool calls and reasoning (app/families: qwen, qwen3_coder, "
+        "glm, deepseek_v3, kimi, gpt_oss, gemma4, lfm2, mistral, llama, generic, ...; the list is in the tool-calls "
+        "guide); None detects it by rendering the chat template with a probe call.")
     reasoning_parser: str | None = Field(
         default=None, description="The model reasons, with this family's markers (\"none\": it does not); None "
         "detects it from the chat template, then the model name.")
@@ -370,6 +371,21 @@ def role_params(role: str) -> type[BaseModel]:
 # ---- the HTTP side and the file ---------------------------------------------------------------------
 
 
+class ApiKey(_Strict):
+    """A named key and its role (Security: key roles); a key written alone (`alice: sk-...`) is
+    `{key: sk-..., role: user}`."""
+
+    key: SecretStr = Field(description="The key itself, as clients send it.")
+    role: Literal["admin", "user"] = Field(
+        default="user", description="admin: also `/v1/admin/*` (load, unload, pin) and every key's requests on the "
+        "dashboard; user: the API, and its own requests on the dashboard only.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_alone(cls, data: Any) -> Any:
+        return {"key": data} if isinstance(data, str) else data
+
+
 class ServerSettings(_Strict):
     """The file's ``server``: limits and security of the HTTP side."""
 
@@ -379,9 +395,11 @@ class ServerSettings(_Strict):
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
     api_key: SecretStr | None = Field(
         default=None, description="When set, every /v1 request and /metrics need `Authorization: Bearer <api_key>` "
-        "(or `x-api-key`). Also TANDEM_API_KEY, or --api-key-file, so the key never shows in `ps`.")
-    api_keys: dict[str, SecretStr] = Field(
-        default={}, description="Several named keys (name -> key), one per user or agent; any of them is accepted.")
+        "(or `x-api-key`). Also TANDEM_API_KEY, or --api-key-file, so the key never shows in `ps`. The one key of a "
+        "single-user set-up, so an admin key (named \"default\").")
+    api_keys: dict[str, ApiKey] = Field(
+        default={}, description="Several named keys (name -> key, or name -> {key, role}), one per user or agent; any "
+        "of them is accepted. A key given alone has the role `user`.")
     prompt_cache_scope: Literal["per_key", "shared"] = Field(
         default="per_key", description="per_key: requests with different keys never share prefix-cache entries (one "
         "user cannot probe another's prompts through cached_tokens or time to first token); shared: they do.")
@@ -391,6 +409,10 @@ class ServerSettings(_Strict):
     dashboard: bool = Field(
         default=True, description="Serve the dashboard at `/` and `/ui` (models, memory, live charts, requests, a "
         "playground) and its event stream `/ui/events`; false: those paths are 404.")
+    openapi_schema: bool = Field(
+        default=False, description="Serve the API's OpenAPI schema as JSON at `/docs/openapi.json` (and `/docs`), "
+        "behind the key when keys are set; off: `/docs` is a 404. No viewer page is served: Swagger UI and its kin "
+        "load scripts from a CDN, which would run in the API's origin.")
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest request body in bytes (413 beyond).")
     max_json_values: int = Field(
@@ -405,6 +427,12 @@ class ServerSettings(_Strict):
         default=256, ge=1, description="Open HTTP connections. At the limit, the connections idle longest (fresh or "
         "kept alive, no byte of a request received) are closed to make room; when all are busy a request gets 503, "
         "except /health.")
+    max_event_streams: int = Field(
+        default=16, ge=0, description="Dashboard event streams (`/ui/events`) open at once, from every client "
+        "together; never more than half of `max_connections`, so the API always has connections left. 429 beyond.")
+    max_event_streams_per_client: int = Field(
+        default=4, ge=0, description="Dashboard event streams one client (an API key; with no keys, an address) may "
+        "hold open at once: a few tabs. 429 beyond.")
     header_timeout_s: float = Field(
         default=5.0, gt=0, description="Seconds a connection has to send a complete request head, from connecting or "
         "from the first byte of its next request; then it is closed (slowloris). Idle kept-alive connections close "
@@ -448,13 +476,28 @@ class ServerSettings(_Strict):
         default=None, ge=64, description="The process's memory budget in MB: weights plus KV budget (`mem`) of every "
         "loaded model must fit in it. None: 75% of physical memory (unified memory on a Mac).")
     caption_cache_entries: int = Field(
-        default=512, ge=0, description="Cached captions, keyed by image hash, prompt and model.")
+        default=512, ge=0, description="Cached captions, keyed by image pixels, prompt and model, and partitioned as "
+        "the prefix cache is (per key under `prompt_cache_scope: per_key`, and per `cache_salt`).")
     responses_store_entries: int = Field(
         default=1024, ge=0, description="Responses API (/v1/responses): responses kept for previous_response_id and "
         "GET, in memory, least recently used out first; a restart forgets them, and `store: false` keeps nothing.")
     responses_store_mb: int = Field(
         default=64, ge=0, description="The memory the stored responses may take together, in MB (each is kept as "
         "its JSON text).")
+
+    @model_validator(mode="after")
+    def _keys_tell_clients_apart(self) -> ServerSettings:
+        # A request is known by its key: two names for one key would give it two names and maybe two roles.
+        named = {name: entry.key for name, entry in self.api_keys.items()}
+        if self.api_key is not None:
+            if "default" in named:
+                raise ValueError('api_keys has a key named "default", the name of api_key: rename one of them')
+            named["default"] = self.api_key
+        seen: dict[str, str] = {}
+        for name, secret in named.items():
+            if (other := seen.setdefault(secret.get_secret_value(), name)) != name:
+                raise ValueError(f"api keys {other!r} and {name!r} are the same key: give each its own")
+        return self
 
 
 class ModelsFile(_Strict):

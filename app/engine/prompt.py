@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from app.engine.chat_templates import render_template
 from app.errors import ContextLengthError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -86,9 +87,9 @@ class PromptBuilder(Protocol):
     takes_images: bool
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               thinking: bool | None = None, generation_prompt: bool = True) -> str:
-        """The chat template applied; ``thinking`` None leaves ``enable_thinking`` out.
-        ``InvalidRequestError`` when the template rejects the messages."""
+               switches: Mapping[str, Any] | None = None, generation_prompt: bool = True) -> str:
+        """The chat template applied, with ``switches`` as template variables (``enable_thinking``,
+        ``reasoning_effort``, ...). ``InvalidRequestError`` when the template rejects the messages."""
         ...
 
     def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
@@ -105,17 +106,28 @@ class TextPrompts:
         self.tokenizer = tokenizer
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               thinking: bool | None = None, generation_prompt: bool = True) -> str:
-        kwargs: dict[str, Any] = {"add_generation_prompt": generation_prompt, "tokenize": False}
-        if tools:
+               switches: Mapping[str, Any] | None = None, generation_prompt: bool = True) -> str:
+        kwargs: dict[str, Any] = {**(switches or {}), "add_generation_prompt": generation_prompt, "tokenize": False}
+        if tools is not None:
             kwargs["tools"] = tools
-        if thinking is not None:
-            kwargs["enable_thinking"] = thinking
         try:
             return str(self.tokenizer.apply_chat_template(messages, **kwargs))
         except Exception as exc:  # noqa: BLE001 - jinja errors are the request's shape
+            try:  # what transformers' renderer refuses and llama.cpp's takes (Kimi K2's list appends)
+                return self._render_permissive(messages, kwargs)
+            except Exception:  # noqa: BLE001 - the first error says it best
+                pass
             raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}",
                                       param="messages") from exc
+
+    def _render_permissive(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            raise TypeError("no single chat template")
+        variables = {k: v for k, v in kwargs.items() if k != "tokenize"}
+        special = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        variables = {**{k: v for k, v in special.items() if isinstance(v, str)}, **variables}
+        return render_template(template, messages, **variables)
 
     def build(self, text: str, images: Sequence[Image] = ()) -> Prompt:
         if images:

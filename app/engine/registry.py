@@ -1,7 +1,7 @@
 """The model registry: every served model by name, loaded on demand, under one memory budget.
 
     unloaded --acquire--> loading --> loaded --idle / room--> unloading --> unloaded
-                             \\--> failed (the next acquire tries again)
+                             \\--> failed --retry time, or an admin load--> loading
 
 What a role loads, costs and serves is its row of ``app/engine/roles.py``; the
 registry asks nothing else of a role. ``acquire_chat(name)`` returns a
@@ -25,6 +25,14 @@ own entry (its weights and KV budget its own), and holds a lease on it while loa
 draft is never unloaded under its target, and is free to go once the target is. The draft's
 KV for the target's rows counts with the target (``roles._load_chat``).
 
+A model that fails to load is remembered as failed, with why: until its retry time
+(``LOAD_RETRY_S`` after the first failure in a row, then the next step of it, the last
+one repeating), each request for it gets a 503 with that reason and a ``Retry-After``
+at once, rather than load it again (a broken model used to be loaded, and its error
+logged, by every request of a burst). At the retry time the next request loads it
+again; an admin load (``load``) tries at once. A load that succeeds forgets the
+failures.
+
 The dashboard's buttons are ``load``, ``unload_idle`` and ``pin``: the same
 transitions, asked for by name (an unload never cuts off a request: 409 when busy).
 While a model loads, its slot's ``LoadProgress`` says how far (downloading, converting,
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Generator
@@ -76,6 +85,11 @@ MB = 2**20
 DEFAULT_MEMORY_SHARE = 0.75
 # How often idle models are looked for.
 IDLE_SWEEP_S = 1.0
+# Seconds a model that failed to load is not tried again, after 1, 2, 3, ... failures in a row
+# (the last repeats): a model that cannot load costs a load every few minutes, not every request.
+LOAD_RETRY_S = (10.0, 30.0, 60.0, 120.0, 300.0)
+# An admin load (by a name clients may use) tries at once; a proxy's vision model has no such name.
+_OR_ADMIN = {True: ", or on an admin load", False: ""}
 
 
 @dataclass(eq=False)
@@ -95,6 +109,9 @@ class _Slot:
     draft: _Slot | None = None
     # How far the load in progress has got (None when not loading).
     progress: LoadProgress | None = None
+    # Loads failed in a row, and when (time.monotonic) the next request may try again.
+    failures: int = 0
+    retry_at: float = 0.0
 
     @property
     def budget_bytes(self) -> int:
@@ -175,8 +192,9 @@ class Registry:
     """Every served model by name and alias, its state, and the memory budget."""
 
     def __init__(self, worker: MLXWorker, specs: list[ModelSpec], *, memory_limit_bytes: int | None = None,
-                 load_chat: ChatLoader | None = None) -> None:
+                 load_chat: ChatLoader | None = None, load_retry_s: tuple[float, ...] = LOAD_RETRY_S) -> None:
         self.worker = worker
+        self.load_retry_s = load_retry_s
         # How a text chat model loads when not by mlx-lm's load (distributed: this rank's shard,
         # Distributed.load_engine): (engine, weights bytes). MLX thread.
         self._load_ctx = LoadContext(worker, load_chat)
@@ -325,7 +343,9 @@ class Registry:
                                       code="wrong_model_type")
         return Lease(slot, handle)
 
-    async def _ensure_loaded(self, slot: _Slot) -> None:
+    async def _ensure_loaded(self, slot: _Slot, *, now: bool = False) -> None:
+        """Load ``slot`` unless it is loaded; a model that failed is tried again only at its
+        retry time, or at once when ``now`` (an admin load)."""
         while slot.state != "loaded":
             if slot.transition is not None and not slot.transition.done():
                 await self._wait(slot)
@@ -333,6 +353,8 @@ class Registry:
             if self._closing:
                 raise EngineDeadError("the server is shutting down", retry_after=10)
             async with slot.lock:
+                if slot.state == "failed" and not now and time.monotonic() < slot.retry_at:
+                    raise self._load_error(slot)
                 if slot.state in ("unloaded", "failed"):
                     draft = await self._acquire_draft(slot)
                     try:
@@ -343,7 +365,24 @@ class Registry:
                     self._start_loading(slot)
                     slot.transition = asyncio.ensure_future(self._load(slot, draft))
             if slot.state == "failed":
-                raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
+                raise self._load_error(slot)
+
+    def _load_error(self, slot: _Slot) -> ModelLoadError:
+        """The 503 for a model whose last load failed: why, and when it is tried again."""
+        wait = max(1, math.ceil(slot.retry_at - time.monotonic()))
+        tries = f"{slot.failures} time{'s' if slot.failures > 1 else ''}"
+        return ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error} (tried {tries}; next try "
+                              f"in {wait}s{_OR_ADMIN[slot.role.public]})", retry_after=wait)
+
+    def _failed(self, slot: _Slot, error: str, exc: BaseException | None = None) -> None:
+        """Remember a failed load: why, and when the next request may try again; ``exc``: an
+        unexpected exception, logged with its traceback."""
+        slot.state, slot.error, slot.progress = "failed", error, None
+        slot.failures += 1
+        delay = self.load_retry_s[min(slot.failures, len(self.load_retry_s)) - 1]
+        slot.retry_at = time.monotonic() + delay
+        log.error("model %s: load failed (%d in a row; next try in %gs%s): %s", slot.spec.name, slot.failures, delay,
+                  _OR_ADMIN[slot.role.public], error, exc_info=exc)
 
     async def _wait(self, slot: _Slot) -> None:
         """Wait for a load (or unload) in progress, under the model's queue limits."""
@@ -361,7 +400,7 @@ class Registry:
         finally:
             slot.waiting -= 1
         if slot.state == "failed":
-            raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: {slot.error}")
+            raise self._load_error(slot)
 
     def load_now(self, name: str, *, required: bool = True) -> str | None:
         """Load ``name`` at start-up, before the event loop runs (the default model, ``preload:
@@ -370,9 +409,10 @@ class Registry:
         slot = self._slots[name]
         draft = self._draft_slot(slot)
         if draft is not None and draft.state != "loaded" and (error := self.load_now(draft.spec.name, required=False)):
-            slot.state, slot.error = "failed", f"its draft model {draft.spec.name!r} could not be loaded: {error}"
+            error = f"its draft model {draft.spec.name!r} could not be loaded: {error}"
             if required:
-                raise ModelLoadError(f"model {name!r} could not be loaded: {slot.error}")
+                raise ModelLoadError(f"model {name!r} could not be loaded: {error}")
+            self._failed(slot, error)
             return slot.error
         if draft is not None:
             draft.leases += 1
@@ -382,11 +422,11 @@ class Registry:
             handle, weights = self.worker.submit_steps(lambda: self._load_steps(slot, draft)).result()
         except Exception as exc:
             self._release_draft(draft)
-            slot.state, slot.error = "failed", exc.message if isinstance(exc, AppError) else repr(exc)
-            slot.progress = None
-            if required:
+            error = exc.message if isinstance(exc, AppError) else repr(exc)
+            if required:  # start-up stops, and says why
+                slot.state, slot.error, slot.progress = "failed", error, None
                 raise
-            log.error("model %s: preload failed: %s", name, slot.error)
+            self._failed(slot, error)
             return slot.error
         self._loaded(slot, handle, weights, started, draft)
         return None
@@ -398,20 +438,18 @@ class Registry:
                 self.worker.submit_steps(lambda: self._load_steps(slot, draft)))
         except AppError as exc:
             self._release_draft(draft)
-            slot.state, slot.error, slot.progress = "failed", exc.message, None
-            log.error("model %s: load failed: %s", slot.spec.name, exc.message)
+            self._failed(slot, exc.message)
             return
         except Exception as exc:  # noqa: BLE001 - a model that cannot load fails its requests, not the server
             self._release_draft(draft)
-            slot.state, slot.error, slot.progress = "failed", f"{type(exc).__name__}: {exc}", None
-            log.exception("model %s: load failed", slot.spec.name)
+            self._failed(slot, f"{type(exc).__name__}: {exc}", exc)
             return
         self._loaded(slot, handle, weights, started, draft)
 
     def _loaded(self, slot: _Slot, handle: ModelHandle, weights: int, started: float,
                 draft: _Slot | None = None) -> None:
         slot.handle, slot.weights_bytes, slot.error, slot.progress = handle, weights, None, None
-        slot.state, slot.draft = "loaded", draft
+        slot.state, slot.draft, slot.failures = "loaded", draft, 0
         if (engine := slot.chat) is not None:
             for listener in self._listeners:
                 engine.add_listener(listener)
@@ -456,7 +494,7 @@ class Registry:
         except AppError as exc:
             draft.leases -= 1
             raise ModelLoadError(f"model {slot.spec.name!r} could not be loaded: its draft model "
-                                 f"{draft.spec.name!r}: {exc.message}") from exc
+                                 f"{draft.spec.name!r}: {exc.message}", headers=exc.headers) from exc
         except BaseException:
             draft.leases -= 1
             raise
@@ -472,12 +510,13 @@ class Registry:
 
     async def load(self, name: str, param: str = "model") -> str:
         """Load a model clients may name, as its first request would (making room the same way),
-        without serving anything; returns its served name."""
+        without serving anything; one that failed is tried at once, whatever its retry time.
+        Returns its served name."""
         slot = self._slot(name, None, param)
         slot.leases += 1  # no idle sweep or room-making unloads it while it loads
         slot.last_used = time.monotonic()
         try:
-            await self._ensure_loaded(slot)
+            await self._ensure_loaded(slot, now=True)
         finally:
             slot.leases -= 1
         return slot.spec.name

@@ -18,18 +18,51 @@ imports nothing of the app::
 
 A family's module name, registry key and the ``tool_parser:`` /
 ``reasoning_parser:`` value in models.yaml are one string; users type it, so
-a rename breaks configs. Adding a family is its module, its line below, and
-its recorded outputs in ``tests/fixtures/parsers/<name>.json``.
+a rename breaks configs. The modules sit in one subpackage per call shape
+(``json_calls``, ``named_calls``, ``xml_calls``, ``other_calls``). Adding a
+family is its module, its line below, and its recorded outputs in
+``tests/fixtures/parsers/<name>.json``.
 """
 
 from __future__ import annotations
 
-from app.families import generic, llama, mistral, qwen
-from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family, new_call_id
+from app.families.family import BARE_JSON, REASONING_MARKERS, THINK, Family, new_call_id
+from app.families.json_calls import (
+    apertus,
+    apriel,
+    cohere,
+    firefunction,
+    generic,
+    gigachat,
+    granite,
+    llama,
+    minimax_m1,
+    nemotron,
+    qwen,
+)
+from app.families.named_calls import deepseek_r1, deepseek_v3, functionary, kimi, mistral, solar
+from app.families.other_calls import gemma4, gpt_oss, lfm2, llama4, muse
+from app.families.syntax import CallSyntax, Syntax
+from app.families.xml_calls import (
+    deepseek_dsml,
+    glm,
+    hunyuan,
+    kimi_k3,
+    minicpm,
+    minimax,
+    minimax_m3,
+    qwen3_coder,
+    seed_oss,
+)
 
-# In detection order, first match wins: generic's "deepseek" before the Qwen and Llama
-# names its distills carry, and qwen before llama (Hermes-style Llama fine-tunes say <tool_call>).
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (generic, mistral, qwen, llama)}
+# In detection order: a template is matched against each family's call syntax in turn
+# (app.pipeline.detection), and the hints of the fallback are tried in this order too,
+# generic (which reads every JSON shape) last.
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (
+    gpt_oss, muse, kimi_k3, kimi, deepseek_dsml, deepseek_r1, deepseek_v3, minimax_m3, minimax, glm, hunyuan, seed_oss,
+    qwen3_coder, minicpm, gemma4, lfm2, llama4, cohere, nemotron, apertus, apriel, minimax_m1, granite, solar, gigachat,
+    functionary, firefunction, mistral, qwen, llama, generic,
+)}
 # The family of a model nothing detects.
 DEFAULT = generic.FAMILY.name
 
@@ -41,5 +74,6 @@ __all__ = [
     "THINK",
     "CallSyntax",
     "Family",
+    "Syntax",
     "new_call_id",
 ]

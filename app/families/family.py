@@ -20,6 +20,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.families.syntax import CallSyntax, HarmonyCalls, NestedXmlCalls, RecipientCalls, Syntax, XmlCalls
+
 # Every reasoning block a model is known to write; every family's parser reads them all
 # (templates that open one block sometimes get another from the model).
 REASONING_MARKERS: tuple[tuple[str, str], ...] = (
@@ -36,40 +38,6 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """A fresh OpenAI-style tool call id: ``call_`` and 24 letters or digits."""
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
-@dataclass(frozen=True)
-class CallSyntax:
-    """How a model writes a tool call: the one description the parser reads and the grammar forces.
-
-    ``args`` set: ``{begin}name{args}{arguments}{end}`` (Mistral, Llama's ``<function=``);
-    with no ``end`` the arguments end where their JSON value does.
-    Unset: ``{begin}`` a JSON object ``{"name": ..., "arguments": {...}}`` ``{end}`` (Qwen);
-    with no ``begin`` either it is bare JSON, the whole answer (the tool note's form).
-    Parallel calls are ``separator``-joined; bare JSON ones are a JSON list instead.
-
-    Markers are spelled as the grammar writes them, whitespace included (Qwen's
-    ``<tool_call>\\n``); the parser looks for them without the whitespace at their
-    edges, which JSON allows anyway.
-    """
-
-    begin: str = ""
-    args: str | None = None
-    end: str = ""
-    separator: str = ""
-    # The arguments' key in a call object (Llama 3.1's template asks for "parameters");
-    # the parser reads either key.
-    arguments_key: str = "arguments"
-    # Read, never written: a call id the model puts between the name and ``args``
-    # (``[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]``); our ids replace it.
-    id_marker: str = ""
-    # The sentence that asks for this syntax in a tool note (a template that cannot show tools).
-    note: str = ""
-
-    @property
-    def bare(self) -> bool:
-        """A JSON call object (or a list of them) with no markers: the whole answer is the call."""
-        return not self.begin and self.args is None
 
 
 # What the tool note asks for; every family reads it, and generic models write nothing else.
@@ -89,23 +57,34 @@ class Family:
     """
 
     name: str
-    templated: tuple[tuple[str, CallSyntax], ...] = ()
+    templated: tuple[tuple[str, Syntax], ...] = ()
     noted: CallSyntax = BARE_JSON
-    also_reads: tuple[CallSyntax, ...] = ()
-    # The reasoning block the model writes, when neither its template nor its tokenizer says.
-    reasoning: tuple[str, str] = THINK
-    # Detection (app.parsers.detect): chat-template substrings that say this family, a
-    # regular expression for model names when the template says nothing, and one for
-    # the names of models that always reason.
-    template_hints: tuple[str, ...] = ()
+    also_reads: tuple[Syntax, ...] = ()
+    # The reasoning blocks the family's models write, its own first (the one a budget closes
+    # and the grammar lets through); the parser reads these and every shared one.
+    reasoning: tuple[tuple[str, str], ...] = (THINK,)
+    # Markers that are structure, not text: dropped wherever they stand (Cohere's
+    # <|START_RESPONSE|>, Kimi K3's response tags). Call sections are dropped too.
+    dropped: tuple[str, ...] = ()
+    # A call the model writes inside its reasoning block: a call (the block ends there, as
+    # DeepSeek, Kimi and Ling write them), or part of the reasoning (Hermes-style templates,
+    # whose models think about calls in <think>). See docs/guides/tool-calls.md.
+    calls_in_reasoning: bool = True
+    # Detection's fallback, when the template writes no call a family reads (app.parsers.detect):
+    # chat-template substrings that say this family (a tuple: all of them), a regular expression
+    # for model names when the template says nothing, one for the names of models that always reason.
+    template_hints: tuple[str | tuple[str, ...], ...] = ()
     name_hint: str = ""
     reasoning_names: str = ""
     # Makes tool call ids; a family whose chat template checks ids brings its own.
     call_id: Callable[[], str] = new_call_id
     # A conversation's call id (any client's) as the family's template accepts it.
     fit_call_id: Callable[[str], str] = str
+    # How the family's template writes a call's id, when it writes its own: earlier calls
+    # and their results get ids in this form ({name}, {index}: its place in its turn).
+    call_id_format: str = ""
 
-    def call_syntax(self, template: str, template_takes_tools: bool) -> CallSyntax:
+    def call_syntax(self, template: str, template_takes_tools: bool) -> Syntax:
         """What the model is told to write, and forced to when a call is required."""
         if template_takes_tools:
             for hint, syntax in self.templated:
@@ -114,15 +93,35 @@ class Family:
         return self.noted
 
     @property
-    def writes(self) -> tuple[CallSyntax, ...]:
-        """Every syntax ``call_syntax`` may choose."""
-        return _unique((*(syntax for _, syntax in self.templated), self.noted))
+    def writes(self) -> tuple[Syntax, ...]:
+        """Every syntax ``call_syntax`` may choose (a Harmony template always renders the
+        tools, so a channels family is never told the tool note's form)."""
+        noted = () if self.channels else (self.noted,)
+        return _unique((*(syntax for _, syntax in self.templated), *noted))
 
     @property
-    def reads(self) -> tuple[CallSyntax, ...]:
+    def reads(self) -> tuple[Syntax, ...]:
         """Every syntax the family's parser reads: what it writes, and ``also_reads``."""
         return _unique((*self.writes, *self.also_reads))
 
+    @property
+    def reasoning_pairs(self) -> tuple[tuple[str, str], ...]:
+        """Every reasoning block the parser reads: the family's, then the shared ones
+        (templates that open one block sometimes get another from the model)."""
+        return tuple(dict.fromkeys((*self.reasoning, *REASONING_MARKERS)))
 
-def _unique(syntaxes: tuple[CallSyntax, ...]) -> tuple[CallSyntax, ...]:
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The markers around runs of calls, which the parser drops when tools are offered."""
+        sectioned = (s for s in self.reads if isinstance(s, (CallSyntax, XmlCalls, NestedXmlCalls)))
+        return tuple(dict.fromkeys(m.strip() for s in sectioned for m in s.section if m.strip()))
+
+    @property
+    def channels(self) -> bool:
+        """Whether the family writes messages with headers rather than markers (gpt-oss's
+        Harmony channels, muse-glimmer's recipients)."""
+        return any(isinstance(s, (HarmonyCalls, RecipientCalls)) for _, s in self.templated)
+
+
+def _unique(syntaxes: tuple[Syntax, ...]) -> tuple[Syntax, ...]:
     return tuple(dict.fromkeys(syntaxes))

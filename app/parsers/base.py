@@ -27,12 +27,15 @@ Choices where models or specs leave room:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from app.families import REASONING_MARKERS, Family
-from app.parsers.calls import BareJson, CallReader, call_format
+from app.families import Family
+from app.families.syntax import CallSyntax, PythonicCalls
+from app.parsers.calls import BareJson, CallReader
 from app.parsers.events import ContentDelta, Event, ReasoningDelta, ToolCallError, ToolCallStart
+from app.parsers.formats import call_format
+from app.parsers.shapes.pythonic import PythonicReader
 from app.streamtext import split_marker
 
 
@@ -46,7 +49,7 @@ class StreamParser(Protocol):
         """The output ended: release held-back text and close what is open."""
 
 
-class _Channel:
+class Channel:
     """Content or reasoning text, trimmed at the edges of each stretch.
 
     Trailing whitespace waits until more text of the same kind shows it is
@@ -98,26 +101,39 @@ class FamilyParser:
         starts_in_reasoning: bool = False,
         tools_offered: bool = False,
         id_factory: Callable[[], str] | None = None,
+        tools: Mapping[str, Any] | None = None,
+        primer: str = "",
     ) -> None:
         self._reasoning_on = reasoning
         self._in_reasoning = reasoning and starts_in_reasoning
         # Calls are read only when the request offered tools (and allowed them), as OpenAI and
         # vLLM do; otherwise the model's call text stays content.
-        self._bare_json = tools_offered and any(syntax.bare for syntax in family.reads)
+        self._bare_json = tools_offered and any(isinstance(s, CallSyntax) and s.bare for s in family.reads)
+        # Llama 4 writes [f(x=1)] as its whole answer: Python calls with no markers.
+        self._bare_python = tools_offered and any(isinstance(s, PythonicCalls) and not s.begin.strip()
+                                                  for s in family.reads)
         self._new_id = id_factory or family.call_id
-        formats = [call_format(syntax) for syntax in family.reads if not syntax.bare]
-        self._formats = {fmt.start: fmt for fmt in formats} if tools_offered else {}
-        self._closer_of = dict(REASONING_MARKERS)
+        self._tools = tools or {}
+        self.calls_allowed = tools_offered
+        # Recipient headers (Functionary's >>>all) are the answer's structure: read without tools too.
+        formats = [fmt for syntax in family.reads if (fmt := call_format(syntax)) is not None
+                   and (tools_offered or (isinstance(syntax, CallSyntax) and syntax.content_header))]
+        self._formats = {start: fmt for fmt in formats for start in fmt.starts}
+        self._closer_of = dict(family.reasoning_pairs)
         self._closers = frozenset(self._closer_of.values())
+        self._dropped = frozenset((*family.dropped, *(family.sections if tools_offered else ())))
         starts, openers = tuple(self._formats), tuple(self._closer_of)
-        self._reasoning_markers = starts + openers + tuple(self._closers)
-        self._content_markers = self._reasoning_markers if reasoning else starts + openers
-        self._content = _Channel(ContentDelta)
-        self._thought = _Channel(ReasoningDelta)
+        structure = (*openers, *self._closers, *self._dropped)
+        self._reasoning_markers = ((*starts,) if family.calls_in_reasoning else ()) + structure
+        self._content_markers = starts + (structure if reasoning else (*openers, *self._dropped))
+        self._content = Channel(ContentDelta)
+        self._thought = Channel(ReasoningDelta)
         self._held = ""
         self._call: CallReader | None = None
         self._calls = 0
         self._finished = False
+        if primer:  # the prompt opened a call header (Functionary's >>>): read it as the model's
+            self._consume(primer, [])
 
     def feed(self, text: str) -> list[Event]:
         """Read the next chunk of generated text."""
@@ -159,12 +175,31 @@ class FamilyParser:
         return self._content.push(text)
 
     def decline(self) -> None:
-        """Bare JSON was not a call: from here on it is all content."""
-        self._bare_json = False
+        """Bare JSON (or a bare Python list) was not a call: from here on it is all content."""
+        self._bare_json = self._bare_python = False
+
+    def schema(self, name: str) -> dict[str, Any] | None:
+        """The parameters schema of the offered tool ``name``."""
+        params = self._tools.get(name)
+        return params if isinstance(params, dict) else None
 
     # The state machine.
 
-    def _channel(self) -> _Channel:
+    def _bare_reader(self, text: str) -> CallReader | str | None:
+        """The reader for an answer that may be a call without markers: bare JSON (``{`` or
+        ``[{``), a Python list of calls (``[name(``); "wait" while the text cannot tell."""
+        if text[:1] == "{" and self._bare_json:
+            return BareJson(self)
+        if text[:1] != "[":
+            return None
+        rest = text[1:].lstrip()
+        if not rest:
+            return "wait"
+        if self._bare_python and (rest[0].isalpha() or rest[0] == "_"):
+            return PythonicReader(self, "", bare=True)
+        return BareJson(self) if self._bare_json else None
+
+    def _channel(self) -> Channel:
         return self._thought if self._in_reasoning else self._content
 
     def _consume(self, text: str | None, out: list[Event]) -> None:
@@ -180,23 +215,42 @@ class FamilyParser:
     def _scan(self, buf: str, out: list[Event]) -> str | None:
         """Release text up to the next marker and act on it; ``None`` when all is read."""
         self._held = ""
-        if self._bare_json and not self._in_reasoning and not self._content.emitted:
+        if (self._bare_json or self._bare_python) and not self._in_reasoning and not self._content.emitted:
             stripped = buf.lstrip()
-            if stripped[:1] in ("{", "["):
-                self._call = BareJson(self)
+            reader = self._bare_reader(stripped)
+            if isinstance(reader, str):  # too early to tell
+                self._held = buf
+                return None
+            if reader is not None:
+                self._call = reader
                 return stripped
         markers = self._reasoning_markers if self._in_reasoning else self._content_markers
         before, marker, after = split_marker(buf, markers)
+        if marker is not None and self._may_grow(marker, after, markers):
+            after, marker = marker + after, None  # a longer marker may be on its way
         out += self._channel().push(before)
         if marker is None:
             self._held = after
             return None
         return self._on_marker(marker, after, out)
 
+    @staticmethod
+    def _may_grow(marker: str, after: str, markers: tuple[str, ...]) -> bool:
+        """Whether ``marker`` and the text after it are a proper prefix of a longer marker
+        (Gemma's ``<|channel>`` before ``<|channel>thought``)."""
+        seen = marker + after
+        return any(len(m) > len(seen) and m.startswith(seen) for m in markers)
+
     def _on_marker(self, marker: str, after: str, out: list[Event]) -> str | None:
+        if marker in self._dropped:
+            self._channel().boundary()
+            return after
         if marker in self._formats:
             self._channel().boundary()
-            self._call = self._formats[marker].open(self)
+            if self._in_reasoning:  # a call written in the reasoning block ends it
+                self._in_reasoning = False
+                self._thought.boundary()
+            self._call = self._formats[marker].open(self, marker)
             return after
         if marker in self._closers:
             if self._in_reasoning:

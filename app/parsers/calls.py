@@ -1,14 +1,17 @@
 """Tool-call formats: how a call is read once its start marker is seen.
 
 A family (``app.families``) describes its calls as a ``CallSyntax``;
-``call_format`` turns one into the format that reads it. Each format opens a
+``formats.call_format`` turns one into the format that reads it. Each format opens a
 reader that takes the text after the marker and emits call events until the
 call ends, then hands back the text that follows. The formats:
 
     TaggedJson    <tool_call>{"name": "f", "arguments": {...}}</tool_call>
+    bare JSON     {"name": "f", "arguments": {...}} as the whole output
+
+and the formats that put the name in a header (``named_calls``)::
+
     NamedTag      <function=f>{...}</function>
     NameThenArgs  [TOOL_CALLS]f[ARGS]{...}   or   [TOOL_CALLS][{"name": "f", ...}]
-    bare JSON     {"name": "f", "arguments": {...}} as the whole output
 
 A call that cannot be read becomes ``ToolCallError`` plus its raw text as
 content. A call header that goes wrong (no valid name where one belongs)
@@ -20,9 +23,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from app.families import CallSyntax
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from app.parsers.json_args import (
     HEAD,
@@ -58,6 +60,13 @@ class CallContext(Protocol):
     def decline(self) -> None:
         """Bare JSON was not a call after all: stop looking for one."""
 
+    def schema(self, name: str) -> dict[str, Any] | None:
+        """The parameters schema of the offered tool ``name`` (None when it has none)."""
+
+    @property
+    def calls_allowed(self) -> bool:
+        """Whether the request offered tools (a recipient header is read without them)."""
+
 
 class CallReader(Protocol):
     """Reads a tool call (or a run of them) from the text after its marker."""
@@ -70,29 +79,14 @@ class CallReader(Protocol):
 
 
 class CallFormat(Protocol):
-    """A tool-call format, known by the marker that starts it."""
+    """A tool-call format, known by the markers that start it."""
 
     @property
-    def start(self) -> str:
-        """The marker that opens a call."""
+    def starts(self) -> tuple[str, ...]:
+        """The markers that open a call."""
 
-    def open(self, ctx: CallContext) -> CallReader:
-        """A reader for one call whose start marker was just seen."""
-
-
-def call_format(syntax: CallSyntax) -> CallFormat:
-    """The format that reads ``syntax``, found by its markers without their edge whitespace.
-
-    Bare JSON has no marker: the parser opens ``BareJson`` itself, when tools were offered.
-    """
-    begin, end = syntax.begin.strip(), syntax.end.strip()
-    if not begin:
-        raise ValueError(f"a call syntax with markers needs a begin marker: {syntax}")
-    if syntax.args is not None:
-        return NamedTag(begin, syntax.args, end) if end else NameThenArgs(begin, syntax.args, syntax.id_marker)
-    if not end:
-        raise ValueError(f"a tagged call object needs an end marker: {syntax}")
-    return TaggedJson(begin, end)
+    def open(self, ctx: CallContext, marker: str) -> CallReader:
+        """A reader for one call whose start ``marker`` was just seen."""
 
 
 def emit_calls(ctx: CallContext, calls: list[CallSpec]) -> list[Event]:
@@ -111,9 +105,10 @@ class _ObjectCall:
     arguments stream; with another key order it is parsed whole at the end.
     """
 
-    def __init__(self, ctx: CallContext, *, need_arguments: bool = False) -> None:
+    def __init__(self, ctx: CallContext, *, need_arguments: bool = False, keyed: bool = False) -> None:
         self._ctx = ctx
         self._need_arguments = need_arguments
+        self._keyed = keyed
         self.text = ""
         self.index: int | None = None
         self._args: ArgsStream | None = None
@@ -146,15 +141,17 @@ class _ObjectCall:
 
     def close(self) -> list[Event] | str:
         """The events that complete the call(s), or why the text is not a call."""
-        calls = parse_calls(self.text, need_arguments=self._need_arguments)
+        calls = parse_calls(self.text, need_arguments=self._need_arguments, keyed=self._keyed)
         if self._args is None or self.index is None:
             return calls if isinstance(calls, str) else emit_calls(self._ctx, calls)
-        if isinstance(calls, list) and len(calls) == 1:
+        if isinstance(calls, list) and calls:
+            # One call, or the first of a block of call objects one a line (MiniMax M1).
+            rest = emit_calls(self._ctx, calls[1:])
             streamed = self._args.streamed
             if streamed is None:
-                return [ToolCallArgsDelta(self.index, calls[0].arguments_json), ToolCallEnd(self.index)]
+                return [ToolCallArgsDelta(self.index, calls[0].arguments_json), ToolCallEnd(self.index), *rest]
             if same_arguments(streamed, calls[0].arguments_json):
-                return [ToolCallEnd(self.index)]
+                return [ToolCallEnd(self.index), *rest]
             return "tool call arguments are ambiguous"
         if self._args.done and not self._tail.strip():
             # Models sometimes drop the object's final brace; the arguments are whole.
@@ -164,13 +161,21 @@ class _ObjectCall:
 
 @dataclass(frozen=True)
 class TaggedJson:
-    """A call object between two tags: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+    """A call object (or a list of them) after a tag: ``<tool_call>{"name": ..., "arguments":
+    ...}</tool_call>``; with no end tag, up to where the JSON value ends (GigaChat)."""
 
     start: str
     end: str
+    keyed: bool = False
 
-    def open(self, ctx: CallContext) -> CallReader:
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return (self.start,)
+
+    def open(self, ctx: CallContext, marker: str) -> CallReader:
         """A reader for the call object up to the end tag."""
+        if not self.end:
+            return BareJson(ctx, strict=True, prefix=self.start, keyed=self.keyed)
         return _TaggedJsonReader(ctx, self)
 
 
@@ -178,7 +183,7 @@ class _TaggedJsonReader:
     def __init__(self, ctx: CallContext, fmt: TaggedJson) -> None:
         self._ctx = ctx
         self._fmt = fmt
-        self._body = _ObjectCall(ctx)
+        self._body = _ObjectCall(ctx, keyed=fmt.keyed)
         self._held = ""
 
     def feed(self, text: str) -> tuple[list[Event], str | None]:
@@ -200,38 +205,124 @@ class _TaggedJsonReader:
         return result
 
 
+class _CallList:
+    """A JSON list of call objects whose elements go out as calls as each one closes, so a
+    list that max_tokens cuts keeps its complete calls (issue 30: a forced call's list)."""
+
+    def __init__(self, ctx: CallContext, *, need_arguments: bool, keyed: bool) -> None:
+        self._ctx = ctx
+        self._need_arguments = need_arguments
+        self._keyed = keyed
+        self.text = ""
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._element = -1  # where the open element starts in ``text``
+        self.calls = 0
+        self.failed: str | None = None
+        self.declined = False
+
+    def push(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        for ch in text:
+            self.text += ch
+            if self.failed or self.declined:
+                continue
+            if self._in_string:
+                self._escaped = not self._escaped and ch == "\\"
+                self._in_string = self._escaped or ch != '"'
+                continue
+            if ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._element = len(self.text) - 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1 and self._element >= 0:
+                    events += self._close_element(self.text[self._element:])
+                    self._element = -1
+        return events
+
+    def _close_element(self, source: str) -> list[Event]:
+        calls = parse_calls(source, need_arguments=self._need_arguments, keyed=self._keyed)
+        if isinstance(calls, str) or len(calls) != 1:
+            if not self.calls and self._need_arguments:
+                self.declined = True  # bare JSON that is not a list of calls: an answer
+            else:
+                self.failed = calls if isinstance(calls, str) else "expected one tool call a list element"
+            return []
+        self.calls += 1
+        return emit_calls(self._ctx, calls)
+
+    @property
+    def cut(self) -> str:
+        """The text of the element output ended in (what max_tokens cut)."""
+        return self.text[self._element:] if self._element >= 0 else ""
+
+
 class BareJson:
     """``{"name": ..., "arguments": ...}`` or a list of those, without markers.
 
     Not a marker format: the parser opens it when content starts with ``{`` or
     ``[`` and tools were offered. ``strict`` (after an explicit call marker)
     reports what is not a call as an error; otherwise it goes out as content.
+    A list's calls go out one by one as their objects close; a list cut short
+    keeps its complete calls, and the cut one is an error.
     """
 
-    def __init__(self, ctx: CallContext, *, strict: bool = False, prefix: str = "") -> None:
+    def __init__(self, ctx: CallContext, *, strict: bool = False, prefix: str = "", keyed: bool = False) -> None:
         self._ctx = ctx
         self._strict = strict
         self._prefix = prefix
         self._reader = JsonValueReader()
         self._text = ""
-        self._body = _ObjectCall(ctx, need_arguments=not strict)
+        self._body = _ObjectCall(ctx, need_arguments=not strict, keyed=keyed)
+        self._list = _CallList(ctx, need_arguments=not strict, keyed=keyed)
 
     def feed(self, text: str) -> tuple[list[Event], str | None]:
         """Read until the JSON value ends."""
         used = self._reader.feed(text)
         self._text += text[:used]
-        events = self._body.push(text[:used])
-        if self._reader.done:
-            return self._close(events, text[used:])
-        if not self._strict and self._body.index is None and not could_be_call(self._text):
+        if self._reader.kind == "[":
+            events = self._list.push(text[:used])
+            if self._list.declined:
+                return self._decline(text[used:])
+            if self._reader.done or self._list.failed:
+                return self._close_list(events, text[used:])
+        else:
+            events = self._body.push(text[:used])
+            if self._reader.done:
+                return self._close(events, text[used:])
+        if not self._strict and not self._started and not could_be_call(self._text):
             return self._decline(text[used:])
         return events, None
 
+    @property
+    def _started(self) -> bool:
+        return self._body.index is not None or self._list.calls > 0
+
     def finish(self) -> tuple[list[Event], str]:
         """Output ended before the value did."""
-        if self._body.index is None and not self._strict:
+        if not self._started and not self._strict:
             return self._decline("")
+        if self._reader.kind == "[":
+            # The complete calls stand; what was cut is reported, its text kept as content.
+            cut = self._list.cut if self._list.calls else self._prefix + self._text
+            message = f"tool call list cut off after {self._list.calls} complete call(s)"
+            return (self._ctx.fail_call(message, cut) if cut.strip() else []), ""
         return self._close([], "")
+
+    def _close_list(self, events: list[Event], rest: str) -> tuple[list[Event], str]:
+        if self._list.failed:
+            self._list.declined = True  # read no more of it
+            return events + self._ctx.fail_call(self._list.failed, self._prefix + self._text), rest
+        if not self._list.calls and not self._strict:
+            return self._decline(rest)  # an empty list is an answer
+        if not self._list.calls:
+            return events + self._ctx.fail_call("empty tool call list", self._prefix + self._text), rest
+        return events, rest
 
     def _close(self, events: list[Event], rest: str) -> tuple[list[Event], str]:
         # Until a call has started, bare JSON may turn out to be an answer.
@@ -248,162 +339,3 @@ class BareJson:
     def _decline(self, rest: str) -> tuple[list[Event], str]:
         self._ctx.decline()
         return [], self._text + rest
-
-
-class _HeaderReader:
-    """Shared by formats that put the function name in a header before the
-    arguments: reads the header, then the arguments value."""
-
-    def __init__(self, ctx: CallContext, start: str) -> None:
-        self._ctx = ctx
-        self._raw = start
-        self._header = ""
-        self._held = ""
-        self._args: ArgsStream | None = None
-        self._dead = False
-
-    def _die(self, rest: str = "") -> tuple[list[Event], str | None]:
-        """The header is wrong: report it; the rest of the output is content."""
-        self._dead = True
-        raw, self._held = self._raw + self._header + self._held, ""
-        return self._ctx.fail_call(HEADER_ERROR, raw) + self._ctx.content(rest), None
-
-    def _begin(self, name: str, marker: str) -> ToolCallStart:
-        self._raw += self._header + marker
-        start = self._ctx.start_call(name)
-        self._args = ArgsStream(start.index)
-        return start
-
-    def _close(self, tail: str = "", end: str = "") -> list[Event]:
-        assert self._args is not None
-        result = self._args.finish(tail)
-        if isinstance(result, str):
-            raw = self._raw + self._args.text + tail + end
-            return self._ctx.fail_call(result, raw, self._args.index)
-        return result
-
-
-@dataclass(frozen=True)
-class NamedTag:
-    """The name in the opening tag, the arguments as its body: ``<function=f>{...}</function>``."""
-
-    start: str
-    name_end: str
-    end: str
-
-    def open(self, ctx: CallContext) -> CallReader:
-        """A reader for the name, then the body up to the end tag."""
-        return _NamedTagReader(ctx, self)
-
-
-class _NamedTagReader(_HeaderReader):
-    def __init__(self, ctx: CallContext, fmt: NamedTag) -> None:
-        super().__init__(ctx, fmt.start)
-        self._fmt = fmt
-        self._tail = ""
-
-    def feed(self, text: str) -> tuple[list[Event], str | None]:
-        if self._dead:
-            return self._ctx.content(text), None
-        if self._args is None:
-            return self._feed_name(text)
-        return self._feed_body(text)
-
-    def finish(self) -> tuple[list[Event], str]:
-        if self._dead:
-            return [], ""
-        if self._args is None:
-            return self._die()[0], ""
-        return self._close(self._tail, self._held), ""
-
-    def _feed_name(self, text: str) -> tuple[list[Event], str | None]:
-        before, marker, after = split_marker(self._held + text, (self._fmt.name_end,))
-        self._header += before
-        self._held = "" if marker else after
-        if len(self._header) > MAX_HEADER:
-            return self._die(marker + after if marker else "")
-        if marker is None:
-            return [], None
-        if not NAME.fullmatch(self._header.strip()):
-            return self._die(marker + after)
-        start = self._begin(self._header.strip(), marker)
-        events, rest = self._feed_body(after)
-        return [start, *events], rest
-
-    def _feed_body(self, text: str) -> tuple[list[Event], str | None]:
-        assert self._args is not None
-        before, marker, after = split_marker(self._held + text, (self._fmt.end,))
-        self._held = "" if marker else after
-        events, used = self._args.push(before)
-        self._tail += before[used:]
-        if marker is None:
-            return events, None
-        return events + self._close(self._tail, marker), after
-
-
-@dataclass(frozen=True)
-class NameThenArgs:
-    """A start marker, the name, an arguments marker and the arguments:
-    ``[TOOL_CALLS]f[ARGS]{...}``. A JSON value right after the start marker
-    is a call object or a list of them instead: ``[TOOL_CALLS][{"name": ...}]``.
-    ``id_marker`` splits a model-written call id off the name (ignored).
-    """
-
-    start: str
-    args_marker: str
-    id_marker: str = ""
-
-    def open(self, ctx: CallContext) -> CallReader:
-        """A reader for the header, then the self-delimiting arguments value."""
-        return _NameThenArgsReader(ctx, self)
-
-
-class _NameThenArgsReader(_HeaderReader):
-    def __init__(self, ctx: CallContext, fmt: NameThenArgs) -> None:
-        super().__init__(ctx, fmt.start)
-        self._fmt = fmt
-        self._json: BareJson | None = None
-
-    def feed(self, text: str) -> tuple[list[Event], str | None]:
-        if self._dead:
-            return self._ctx.content(text), None
-        if self._json is not None:
-            return self._json.feed(text)
-        if self._args is None:
-            return self._feed_header(text)
-        return self._feed_args(text)
-
-    def finish(self) -> tuple[list[Event], str]:
-        if self._dead:
-            return [], ""
-        if self._json is not None:
-            return self._json.finish()
-        if self._args is None:
-            return self._die()[0], ""
-        return self._close(), ""
-
-    def _feed_header(self, text: str) -> tuple[list[Event], str | None]:
-        buf, self._held = self._held + text, ""
-        if not self._header.strip() and (self._header + buf).lstrip()[:1] in ("[", "{"):
-            self._json = BareJson(self._ctx, strict=True, prefix=self._fmt.start)
-            return self._json.feed(self._header + buf)
-        before, marker, after = split_marker(buf, (self._fmt.args_marker,))
-        self._header += before
-        if len(self._header) > MAX_HEADER:
-            return self._die(marker + after if marker else "")
-        if marker is None:
-            self._held = after
-            return [], None
-        name = self._header.split(self._fmt.id_marker)[0] if self._fmt.id_marker else self._header
-        if not NAME.fullmatch(name.strip()):
-            return self._die(marker + after)
-        start = self._begin(name.strip(), marker)
-        events, rest = self._feed_args(after)
-        return [start, *events], rest
-
-    def _feed_args(self, text: str) -> tuple[list[Event], str | None]:
-        assert self._args is not None
-        events, used = self._args.push(text)
-        if not self._args.done:
-            return events, None
-        return events + self._close(), text[used:]

@@ -20,13 +20,15 @@ _NAME_HINTS = tuple((re.compile(f.name_hint), f.name) for f in FAMILIES.values()
 # deepseek-r1*, qwq-*, Magistral, which always reasons.
 _REASONING_NAMES = re.compile("|".join(["reasoning", "thinking",
                                         *(f.reasoning_names for f in FAMILIES.values() if f.reasoning_names)]))
-_REASONING_TEMPLATE = (*(opener for opener, _ in REASONING_MARKERS), "enable_thinking")
+_REASONING_TEMPLATE = (*dict.fromkeys(opener for f in FAMILIES.values() for opener, _ in f.reasoning_pairs),
+                       "enable_thinking")
 
 
 def detect_parser(model_name: str, chat_template: str | None) -> str:
     """The parser family for a model: from its template's markers, else its name, else ``generic``."""
-    for marker, family in _TEMPLATE_HINTS:
-        if chat_template and marker in chat_template:
+    for hint, family in _TEMPLATE_HINTS:
+        parts = (hint,) if isinstance(hint, str) else hint
+        if chat_template and all(part in chat_template for part in parts):
             return family
     name = _base_name(model_name)
     for pattern, family in _NAME_HINTS:
@@ -42,15 +44,17 @@ def is_reasoning_model(model_name: str, chat_template: str | None) -> bool:
     return _REASONING_NAMES.search(_base_name(model_name)) is not None
 
 
-def template_opens_reasoning(rendered_prompt: str) -> bool:
-    """Whether the prompt ends inside an open reasoning block (``...<think>\\n``, ``...[THINK]``).
+def template_opens_reasoning(rendered_prompt: str,
+                             pairs: tuple[tuple[str, str], ...] = REASONING_MARKERS) -> bool:
+    """Whether the prompt ends inside an open reasoning block of ``pairs`` (``...<think>\\n``,
+    ``...[THINK]``, Command A's ``<|START_THINKING|>``).
 
     Then the output starts as reasoning (Qwen3 and DeepSeek-R1 open ``<think>``
     in the generation prompt; Ministral reasoning opens ``[THINK]`` when
     thinking is on). A prompt ending in an empty closed block does not count.
     """
     tail = rendered_prompt.rstrip()
-    return any(tail.endswith(opener) for opener, _ in REASONING_MARKERS)
+    return any(tail.endswith(opener.rstrip()) for opener, _ in pairs)
 
 
 def _base_name(model_name: str) -> str:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from app.parsers.events import Event, ToolCallArgsDelta, ToolCallEnd
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 # First keys a call object may open with; anything else is ordinary JSON.
-CALL_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id"})
+CALL_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id", "tool_name", "tool_call_id"})
 
 _STRING = r'"(?:[^"\\]|\\.)*"'
 # The head of a call object, up to where its arguments value starts.
@@ -167,20 +168,27 @@ def parse_arguments(value: object) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def parse_calls(text: str, *, need_arguments: bool = False) -> list[CallSpec] | str:
+def parse_calls(text: str, *, need_arguments: bool = False, keyed: bool = False) -> list[CallSpec] | str:
     """Read a call object or a list of them; return the calls or why not.
 
     ``need_arguments`` refuses objects without an arguments key: bare JSON
-    output is only a call when it clearly says so.
+    output is only a call when it clearly says so. ``keyed``: a call object
+    is ``{NAME: arguments}`` (Apertus).
     """
     value, error = decode(text)
     if error:
-        return error
+        lines = _json_lines(text)
+        if lines is None:
+            return error
+        value = lines
     items = value if isinstance(value, list) else [value]
     if not items:
         return "empty tool call list"
     calls = []
     for item in items:
+        if keyed and isinstance(item, dict) and len(item) == 1:
+            (name, args), = item.items()
+            item = {"name": name, "arguments": args}
         call = _call_from(item, need_arguments)
         if isinstance(call, str):
             return call
@@ -188,12 +196,28 @@ def parse_calls(text: str, *, need_arguments: bool = False) -> list[CallSpec] | 
     return calls
 
 
+def _json_lines(text: str) -> list[Any] | None:
+    """Several JSON values one after another (MiniMax M1's one call a line), or None."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            break
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        values.append(value)
+    return values if len(values) > 1 else None
+
+
 def _call_from(item: object, need_arguments: bool) -> CallSpec | str:
     if isinstance(item, dict) and isinstance(item.get("function"), dict):
         item = item["function"]
     if not isinstance(item, dict):
         return "tool call is not a JSON object"
-    name = item.get("name")
+    name = item.get("name", item.get("tool_name"))  # Cohere's actions say tool_name
     if not isinstance(name, str) or not name.strip():
         return "tool call has no function name"
     key = next((k for k in ARGUMENT_KEYS if k in item), None)

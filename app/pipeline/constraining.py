@@ -7,8 +7,9 @@
 
 What each request asks for:
 
-    tool_choice required / named (Anthropic any / tool)    one or more calls, in the model's
-                                                           own call syntax; one if not parallel
+    tool_choice required (Anthropic any)                   one or more calls (at most MAX_PARALLEL_CALLS),
+                                                           in the model's own call syntax; one if not parallel
+    tool_choice named (Anthropic tool)                     one call, unless parallel calls are asked for
     tool_choice auto, tools offered, a response_format     a call, or an answer in the format
     tool_choice auto/none, a response_format               an answer in the format
     otherwise                                              nothing: free text, no cost
@@ -25,7 +26,7 @@ from typing import Any
 from app.engine.constrain import constraints as c
 from app.engine.constrain.grammar import Grammar, compiler_for
 from app.errors import InvalidRequestError
-from app.parsers import template_opens_reasoning
+from app.families.syntax import HarmonyCalls, RecipientCalls
 from app.pipeline.prompting import ModelProfile
 from app.pipeline.request import ChatRequest, OutputFormat, Tool
 
@@ -74,11 +75,21 @@ def constraint_spec(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool
     answer = _answer(req.output)
     mode = req.tool_choice.mode
     if offered and mode in ("required", "named"):
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls)
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=forced_parallel(req))
     if offered and answer is not None:
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=req.parallel_tool_calls,
-                           answer=answer)
+        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax,
+                           parallel=req.parallel_tool_calls is not False, answer=answer)
     return answer
+
+
+def forced_parallel(req: ChatRequest) -> bool:
+    """Whether a forced answer may hold several calls (at most ``MAX_PARALLEL_CALLS``): a named
+    choice is one call unless the client asked for parallel calls in so many words; ``required``
+    (Anthropic's ``any``) may be several unless the client turned them off. A small model that
+    repeats a call then stops where the grammar does, not at max_tokens with a cut list."""
+    if req.tool_choice.mode == "named":
+        return req.parallel_tool_calls is True
+    return req.parallel_tool_calls is not False
 
 
 def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool) -> c.Reasoning | None:
@@ -88,8 +99,9 @@ def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool
     if not parse_reasoning:
         return None
     opener, closer = profile.reasoning_markers
-    started = template_opens_reasoning(prompt_text)
-    if not started and not profile.reasoning_opener_is_token:
+    started = profile.opens_reasoning(prompt_text)
+    harmony = isinstance(profile.call_syntax, (HarmonyCalls, RecipientCalls))  # a message of its own
+    if not started and not profile.reasoning_opener_is_token and not harmony:
         # A text opener ("<think>" in several tokens) would let a model that does not
         # reason wander into a block through "<" and spend its tokens there.
         return None

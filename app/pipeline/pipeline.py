@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
+from app.engine.constrain.constraints import Reasoning
 from app.engine.constrain.grammar import Grammar
 from app.engine.models.encoder import Embeddings, Ranking
 from app.engine.models.encoder_inputs import EncoderInputs
@@ -40,11 +41,12 @@ from app.engine.types import (
     SpeculationRequest,
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
-from app.parsers import PARSERS, ReasoningDelta, make_parser, template_opens_reasoning
-from app.pipeline import deciding
+from app.families import BARE_JSON, CallSyntax
+from app.parsers import ReasoningDelta, make_parser
 from app.pipeline.breakpoints import breakpoints
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
-from app.pipeline.decisions import Decision, DecisionRequest
+from app.pipeline.decisions import reading
+from app.pipeline.decisions.request import Decision, DecisionRequest
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.predicted import prediction_usage
 from app.pipeline.prompting import (
@@ -54,7 +56,7 @@ from app.pipeline.prompting import (
     make_profile,
     offered_tools,
     render,
-    template_message,
+    template_messages,
     tool_note,
 )
 from app.pipeline.request import (
@@ -130,6 +132,10 @@ class Prepared:
     lease: Lease[Engine] | None = None
     # Choices generated from the prompt.
     n: int = 1
+    # The offered tools' parameter schemas by name: what arguments written as text mean.
+    tools: dict[str, Any] = field(default_factory=dict)
+    # A call marker the prompt ended with (Functionary's >>>), read first as the model's.
+    primer: str = ""
 
     @property
     def warnings(self) -> list[str]:
@@ -228,7 +234,7 @@ class Pipeline:
         return self._hold(Prepared(model.profile.name, gen, req.prompt, n=req.options.n), lease)
 
     async def decide(self, req: DecisionRequest) -> Decision:
-        """Answer ``req``'s questions from the model's distribution (``app.pipeline.deciding``):
+        """Answer ``req``'s questions from the model's distribution (``app.pipeline.decisions.reading``):
         images seen as for a chat (captions for a proxy-vision model), one prompt per question,
         its options scored on the engine, the input's KV computed once for all of them."""
         if len(req.input) > self.server.max_messages:
@@ -244,18 +250,18 @@ class Pipeline:
             asked = tuple(Message("user", q.instructions, param=q.param) for q in req.questions)
             seen, _ = await self._see(model, ChatRequest(req.options, req.input + asked, messages_param="input"))
             n = len(req.input)
-            plan = await anyio.to_thread.run_sync(deciding.plan, profile, seen[:n], req.questions,
+            plan = await anyio.to_thread.run_sync(reading.plan, profile, seen[:n], req.questions,
                                                   [m.content for m in seen[n:]])
             base = GenerationRequest(
                 TokenPrompt([]), 0, request_id=REQUEST_ID.get(), priority=req.options.priority,
                 cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key),
                 cache_prefix_len=plan.prefix_len, share_prefix=True, cache_breakpoints=plan.breakpoints,
                 cache_implicit=req.options.cache_implicit)
-            finals = await deciding.score(model.engine, plan.rows, base, deciding.window(profile, plan))
+            finals = await reading.score(model.engine, plan.rows, base, reading.window(profile, plan))
         finally:
             lease.release()
-        return Decision(profile.name, tuple(deciding.answers(req.questions, plan.rows, finals)),
-                        deciding.usage(finals))
+        return Decision(profile.name, tuple(reading.answers(req.questions, plan.rows, finals)),
+                        reading.usage(finals))
 
     async def count_chat(self, req: ChatRequest) -> int:
         """The prompt tokens ``req`` would use, prepared exactly as ``prepare_chat`` prepares it
@@ -296,7 +302,7 @@ class Pipeline:
             raise VisionNotSupportedError(
                 f"model {model.profile.name} cannot see images now: its vision model {vision.model!r} is not "
                 f"available ({vision.reason}); send the request without images", param=first.param)
-        result = await vision.proxy.rewrite(req.messages)
+        result = await vision.proxy.rewrite(req.messages, scope=self.cache_namespace(req.options.cache_salt))
         return tuple(result.messages), {"captions": [c.as_dict() for c in result.captions],
                                         "warnings": list(result.warnings)}
 
@@ -325,7 +331,7 @@ class Pipeline:
         parser = None
         if p.parser is not None:
             parser = make_parser(p.parser, reasoning=p.parse_reasoning, starts_in_reasoning=p.starts_in_reasoning,
-                                 tools_offered=p.tools_offered)
+                                 tools_offered=p.tools_offered, tools=p.tools, primer=p.primer)
         prediction = gen.speculation.prediction if gen.speculation is not None else ()
         written: list[str] = []  # the answer's text, kept only to count the prediction against it
         async with aclosing(p.lease.handle.stream(replace(gen, announce_queued=True))) as deltas:
@@ -474,7 +480,8 @@ def with_tools(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         return msgs, tools, None
     if profile.template_takes_tools:
         return msgs, tools, [t.as_dict() for t in tools]
-    note = tool_note(tools, req.tool_choice.mode == "required", profile.call_syntax)
+    syntax = profile.call_syntax if isinstance(profile.call_syntax, CallSyntax) else BARE_JSON
+    note = tool_note(tools, req.tool_choice.mode == "required", syntax)
     if msgs and msgs[0].role == "system":
         msgs[0] = msgs[0].with_text(f"{msgs[0].text()}\n\n{note}")
     else:
@@ -499,7 +506,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         max_tokens=completion_budget(profile, len(tokens), req.options, req.messages_param),
         sampling=sampling_for(profile, req.options),
         stop=req.options.stop,
-        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted)
+        cache_prefix_len=_cache_prefix_len(profile, dicts, tokens, wanted, req)
         if len(dicts) > 1 and isinstance(prompt, TokenPrompt) else None,
         priority=_priority(req),
         logprobs=req.options.logprobs,
@@ -509,7 +516,7 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         cache_breakpoints=_breakpoints(profile, req, source, prompt, wanted),
         cache_implicit=req.options.cache_implicit,
     )
-    return _parsed_as(profile, req, gen, text, wanted, bool(tools))
+    return _parsed_as(profile, req, gen, text, wanted, tools)
 
 
 def render_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...], wanted: bool
@@ -518,9 +525,10 @@ def render_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message
     (``with_tools``), every message as the template takes it, the template applied. Returns
     the text, the tools offered and the messages as rendered."""
     msgs, tools, template_tools = with_tools(profile, req, messages)
-    fit_id = PARSERS[profile.parser].fit_call_id if profile.parser in PARSERS else str
-    dicts = [template_message(m, fit_id, images=profile.prompts.takes_images) for m in msgs]
-    return render(profile, dicts, template_tools, wanted), tools, dicts
+    dicts = template_messages(msgs, profile.family, images=profile.prompts.takes_images)
+    text = render(profile, dicts, template_tools, wanted, effort=req.reasoning_effort,
+                  budget=thinking_budget(profile, req))
+    return text, tools, dicts
 
 
 def _breakpoints(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...], prompt: Prompt,
@@ -537,19 +545,22 @@ def _breakpoints(profile: ModelProfile, req: ChatRequest, messages: tuple[Messag
 
 
 def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, text: str, wanted: bool,
-               tools_offered: bool) -> Prepared:
+               offered: tuple[Tool, ...]) -> Prepared:
     """How the model's output is read: its family's parser, reasoning, tool calls."""
     parse_reasoning = _reads_reasoning(profile, wanted)
     extras = {"prompt": text} if req.options.extensions else {}
+    tools_offered = bool(offered)
     return Prepared(profile.name, gen, text, profile.parser, parse_reasoning, wanted,
-                    parse_reasoning and template_opens_reasoning(text), tools_offered, extras, n=req.options.n)
+                    parse_reasoning and profile.opens_reasoning(text), tools_offered, extras, n=req.options.n,
+                    tools={t.name: t.parameters for t in offered}, primer=profile.opened_call(text))
 
 
 def _reads_reasoning(profile: ModelProfile, wanted: bool) -> bool:
-    """Whether the output's reasoning block is read. A template with no thinking switch renders
-    the same prompt either way and the model may reason anyway: its reasoning is still read,
-    so markers never reach the content."""
-    return profile.reasoning and (wanted or not profile.thinking_switch)
+    """Whether the output's reasoning block is read: whenever the model reasons. With thinking
+    off a model may reason anyway (a template with no switch renders the same prompt either
+    way, and LFM2.5 reasons whatever its switch says): its reasoning is still read, so
+    markers never reach the content, and it is not sent (``Prepared.emit_reasoning``)."""
+    return profile.reasoning
 
 
 # Effort levels past the table's top, as clients name them (OpenAI's xhigh, Anthropic's max).
@@ -576,7 +587,7 @@ def reasoning_block(profile: ModelProfile, req: ChatRequest, text: str, wanted: 
         return None
     opener, closer = profile.reasoning_markers
     close_ids = tuple(profile.tokenizer.encode(closer, add_special_tokens=False))
-    return ReasoningBlock(opener, closer, close_ids, started=template_opens_reasoning(text),
+    return ReasoningBlock(opener, closer, close_ids, started=profile.opens_reasoning(text),
                           budget=thinking_budget(profile, req))
 
 
@@ -586,7 +597,12 @@ def _constraint(profile: ModelProfile, req: ChatRequest, tools: tuple[Tool, ...]
     spec = constraint_spec(profile, req, tools)
     if spec is None:
         return None
-    reasoning = reasoning_for(profile, text, _reads_reasoning(profile, wanted))
+    # The grammar lets a reasoning block through only when thinking is on: with it off a model
+    # would spend its tokens wandering in one, and one the prompt opened anyway is closed at once.
+    reasoning = reasoning_for(profile, text, profile.reasoning and wanted)
+    if reasoning is None and profile.reasoning and not wanted and profile.opens_reasoning(text):
+        opener, closer = profile.reasoning_markers
+        reasoning = Reasoning(opener, closer, started=True, closed=True)
     return compile_constraint(profile, spec, reasoning, req.output.param)
 
 
@@ -664,7 +680,7 @@ def completion_budget(profile: ModelProfile, prompt_len: int, options: Options, 
 
 
 def _cache_prefix_len(profile: ModelProfile, messages: list[dict[str, Any]], tokens: list[int],
-                      thinking: bool) -> int | None:
+                      thinking: bool, req: ChatRequest) -> int | None:
     """Tokens of the system prompt (or first exchange) that stand alone as a prefix."""
     mode = profile.params.prompt_cache
     if mode == "off":
@@ -674,7 +690,8 @@ def _cache_prefix_len(profile: ModelProfile, messages: list[dict[str, Any]], tok
         upto += 1
     if upto == 0 or upto >= len(messages):
         return None
-    head = encode(profile, render(profile, messages[:upto], None, thinking, generation_prompt=False))
+    head = encode(profile, render(profile, messages[:upto], None, thinking, generation_prompt=False,
+                                  effort=req.reasoning_effort, budget=thinking_budget(profile, req)))
     return len(head) if head and tokens[: len(head)] == head else None
 
 

@@ -20,8 +20,9 @@ from app.config.schema import ChatParams, ModelCapabilities
 from app.engine.mlx_internals import has_thinking, think_markers
 from app.engine.prompt import PromptBuilder, TextPrompts
 from app.errors import ConfigError, InvalidRequestError
-from app.families import BARE_JSON, REASONING_MARKERS, THINK, CallSyntax, Family
-from app.parsers import PARSERS, detect_parser, is_reasoning_model
+from app.families import BARE_JSON, THINK, CallSyntax, Family, Syntax
+from app.parsers import PARSERS, is_reasoning_model, template_opens_reasoning
+from app.pipeline.detection import SWITCHES, Detection, detect
 from app.pipeline.request import ImagePart, Message, TextPart, Tool, ToolChoice
 from app.pipeline.tokenizing import check_within, encode_within
 
@@ -52,7 +53,7 @@ class ModelProfile:
     # Tokens the KV budget holds: prompt + completion never go beyond it.
     kv_budget_tokens: int | None = None
     # How the model writes a tool call when told about tools (forced calls are held to it).
-    call_syntax: CallSyntax = BARE_JSON
+    call_syntax: Syntax = BARE_JSON
     # Its reasoning block's markers (a constrained request may reason inside them first).
     reasoning_markers: tuple[str, str] = THINK
     # Whether the opener is one token: a model trained to reason chooses it deliberately,
@@ -63,10 +64,33 @@ class ModelProfile:
     # Renders every request of this model into a Prompt (app.engine.prompt): its chat template
     # and its tokens, or a native VLM's processor too. None: the tokenizer's (TextPrompts).
     prompts: PromptBuilder = None  # type: ignore[assignment]
+    # The template variables that turn reasoning on or off or set its effort or budget
+    # (app.pipeline.detection.SWITCHES), each of which changes what this template writes.
+    switches: tuple[str, ...] = ()
+    # What the template says about the model, and why the parser was chosen (/health, the load log).
+    detection: Detection | None = None
 
     def __post_init__(self) -> None:
         if self.prompts is None:
             object.__setattr__(self, "prompts", TextPrompts(self.tokenizer))
+
+    @property
+    def family(self) -> Family:
+        """The parser family's data."""
+        return PARSERS[self.parser]
+
+    def opened_call(self, prompt_text: str) -> str:
+        """The call marker ``prompt_text`` ends with, where the family's generation prompt opens
+        a recipient header (Functionary's ``>>>``); "" for none."""
+        tail = prompt_text.rstrip()
+        for syntax in self.family.reads:
+            if isinstance(syntax, CallSyntax) and syntax.content_header and tail.endswith(syntax.begin.strip()):
+                return syntax.begin.strip()
+        return ""
+
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        """Whether ``prompt_text`` ends inside an open reasoning block of this model's family."""
+        return template_opens_reasoning(prompt_text, self.family.reasoning_pairs)
 
 
 def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: int, caps: ModelCapabilities, *,
@@ -82,40 +106,64 @@ def make_profile(name: str, tokenizer: Any, params: ChatParams, max_model_len: i
         if value not in (None, "none") and value not in PARSERS:
             known = ", ".join(sorted(PARSERS))
             raise ConfigError(f"model {name!r}: capabilities.{key} {value!r} is not a parser; known: {known}")
+    prompts = prompts or TextPrompts(tokenizer)
+    found = detect(_renderer(prompts), template, name)
+    parser = caps.tool_parser or (declared if declared not in (None, "none") else found.family)
+    if parser != found.family:
+        found = replace(found, why=f"models.yaml says {parser} ({found.why})")
     if declared is None:
         # mlx-lm's tokenizer wrapper knows the single-token think markers of many families.
-        reasoning = has_thinking(tokenizer) or is_reasoning_model(name, template)
+        reasoning = (has_thinking(tokenizer) or is_reasoning_model(name, template) or found.reasoning is not None
+                     or bool(found.switches))
     else:
         reasoning = declared != "none"
-    parser = caps.tool_parser or (declared if declared not in (None, "none") else detect_parser(name, template))
     default_system = _default_system_prompt(tokenizer)
     takes_tools = "tools" in template
     family = PARSERS[parser]
-    markers = _reasoning_markers(family, template, think_markers(tokenizer))
+    # What the template writes, when it writes the parser's syntax; the tool note's otherwise.
+    syntax = found.syntax if found.syntax is not None and parser == found.family and takes_tools else \
+        family.call_syntax(template, takes_tools)
+    markers = found.reasoning if found.reasoning is not None and parser == found.family else \
+        _reasoning_markers(family, template, think_markers(tokenizer))
     return ModelProfile(
         name, tokenizer, params, max_model_len, parser, reasoning, takes_tools,
-        thinking_switch=_has_thinking_switch(tokenizer),
+        thinking_switch=bool(found.switches),
         alternating=_requires_alternation(tokenizer),
         default_system_prompt=default_system,
         system_prompt=caps.system_prompt or ("append" if default_system else "replace"),
         vocab_size=vocab_size, kv_budget_tokens=kv_budget_tokens,
-        call_syntax=family.call_syntax(template, takes_tools),
+        call_syntax=syntax,
         reasoning_markers=markers,
         reasoning_opener_is_token=_is_one_token(tokenizer, markers[0]),
         reasoning_budgets=tuple((level, min(tokens, max_model_len))
                                 for level, tokens in caps.reasoning_budgets.model_dump().items()),
-        prompts=prompts or TextPrompts(tokenizer),
+        prompts=prompts,
+        switches=found.switches,
+        detection=found,
     )
+
+
+def _renderer(prompts: PromptBuilder) -> Any:
+    """The template as detection renders it (with the empty tool list ``render`` falls back on)."""
+    def run(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool,
+            switches: dict[str, Any]) -> str:
+        try:
+            return prompts.render(messages, tools=tools, switches=switches, generation_prompt=generation_prompt)
+        except InvalidRequestError:
+            if tools is not None:
+                raise
+            return prompts.render(messages, tools=[], switches=switches, generation_prompt=generation_prompt)
+    return run
 
 
 def _reasoning_markers(family: Family, template: str, tokenizer_markers: tuple[str, str] | None) -> tuple[str, str]:
     """The reasoning block's markers for this model: the template's, mlx-lm's, else the family's."""
-    for opener, closer in REASONING_MARKERS:
+    for opener, closer in family.reasoning_pairs:
         if opener in template:
             return opener, closer
     if tokenizer_markers is not None:
         return tokenizer_markers
-    return family.reasoning
+    return family.reasoning[0]
 
 
 def _is_one_token(tokenizer: Any, text: str) -> bool:
@@ -148,14 +196,6 @@ def _default_system_prompt(tokenizer: Any) -> str:
     if not (bare.startswith(head) and bare.endswith(tail)) or len(bare) <= len(head) + len(tail):
         return ""
     return bare[len(head) : len(bare) - len(tail)]
-
-
-def _has_thinking_switch(tokenizer: Any) -> bool:
-    """Whether ``enable_thinking`` changes what the template renders."""
-    messages = [{"role": "user", "content": _PROBE}]
-    on = _render_probe(tokenizer, messages, enable_thinking=True)
-    off = _render_probe(tokenizer, messages, enable_thinking=False)
-    return on is not None and off is not None and on != off
 
 
 def _requires_alternation(tokenizer: Any) -> bool:
@@ -208,7 +248,9 @@ def template_message(m: Message, fit_id: Callable[[str], str] = str, *, images: 
     family's template would refuse (``Family.fit_call_id``). With ``images`` (a builder that
     takes them), a message with images has mlx-vlm's parts as its content: ``{"type":
     "image"}`` where the client put each image, text parts next to each other joined by a
-    newline (``Message.text``'s rule), so the template places the model's placeholders."""
+    newline (``Message.text``'s rule), so the template places the model's placeholders.
+    An assistant turn's reasoning is ``reasoning_content`` (templates that render earlier
+    thinking read it, gpt-oss's as ``thinking``: the renderer passes both)."""
     content: Any = _image_parts(m.content) if images and m.images() else m.text()
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name:
@@ -217,6 +259,29 @@ def template_message(m: Message, fit_id: Callable[[str], str] = str, *, images: 
         out["tool_calls"] = [replace(tc, id=fit_id(tc.id)).as_dict(arguments_as_object=True) for tc in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = fit_id(m.tool_call_id)
+    if m.role == "assistant" and m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    return out
+
+
+def template_messages(messages: list[Message], family: Family, *, images: bool = False) -> list[dict[str, Any]]:
+    """A conversation as the family's template takes it (``template_message`` each): call ids
+    as the template writes them (Kimi's ``functions.NAME:N``, ``Family.call_id_format``) or
+    as it accepts them (``Family.fit_call_id``), each tool result under its call's id, and
+    named after the function it answers where the client left the name out (Gemma 4's and
+    Kimi's templates write it)."""
+    ids: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for m in messages:
+        for i, tc in enumerate(m.tool_calls):
+            ids[tc.id] = family.call_id_format.format(name=tc.name, index=i) if family.call_id_format \
+                else family.fit_call_id(tc.id)
+            names[tc.id] = tc.name
+    out = []
+    for m in messages:
+        if m.role == "tool" and m.tool_call_id and not m.name and m.tool_call_id in names:
+            m = replace(m, name=names[m.tool_call_id])
+        out.append(template_message(m, lambda cid: ids.get(cid) or family.fit_call_id(cid), images=images))
     return out
 
 
@@ -291,11 +356,57 @@ def _first_sentence(text: str, limit: int = 120) -> str:
 
 
 def render(profile: ModelProfile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-           thinking: bool, *, generation_prompt: bool = True) -> str:
-    """The chat template applied, by the model's prompt builder; a template that rejects
-    the messages is the client's 400."""
-    return profile.prompts.render(messages, tools=tools, thinking=thinking if profile.reasoning else None,
-                                  generation_prompt=generation_prompt)
+           thinking: bool, *, generation_prompt: bool = True, effort: str | None = None,
+           budget: int | None = None) -> str:
+    """The chat template applied, by the model's prompt builder, with its reasoning switches set
+    from the request (``template_switches``); a template that rejects the messages is the client's 400."""
+    switches = template_switches(profile, thinking, effort, budget)
+    try:
+        return profile.prompts.render(messages, tools=tools, generation_prompt=generation_prompt, switches=switches)
+    except InvalidRequestError:
+        if tools is not None:
+            raise
+        # Some tool-use templates (Hermes 3's, Command R+'s) iterate over tools unconditionally:
+        # an empty list is what they need when the request offers none.
+        try:
+            return profile.prompts.render(messages, tools=[], generation_prompt=generation_prompt, switches=switches)
+        except InvalidRequestError:
+            pass
+        raise
+
+
+# Effort levels as templates name them, from the names clients send.
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def template_switches(profile: ModelProfile, thinking: bool, effort: str | None = None,
+                      budget: int | None = None) -> dict[str, Any]:
+    """The request's thinking, effort and budget as the template's own variables
+    (``ModelProfile.switches``): an on/off switch (``enable_thinking``, DeepSeek's ``thinking``,
+    Command A's ``reasoning``) follows ``thinking``; an effort (gpt-oss's ``reasoning_effort``,
+    Kimi K3's ``thinking_effort``) the request's effort, "low" with thinking off (gpt-oss cannot
+    stop reasoning); a budget (Seed's ``thinking_budget``) the request's budget, 0 with thinking off.
+    A model that does not reason gets none; one whose template has no switch gets
+    ``enable_thinking`` (templates ignore a variable they do not read)."""
+    if not profile.reasoning:
+        return {}
+    if not profile.switches:
+        return {"enable_thinking": thinking}
+    out: dict[str, Any] = {}
+    for name in profile.switches:
+        kind = SWITCHES[name]
+        if kind == "bool":
+            out[name] = thinking
+        elif kind == "effort":
+            level = "low" if not thinking else _EFFORTS.get(effort or "")
+            if level is not None:
+                out[name] = level
+        elif kind == "budget":
+            if not thinking:
+                out[name] = 0
+            elif budget is not None:
+                out[name] = budget
+    return out
 
 
 def encode(profile: ModelProfile, text: str, param: str | None = None, *, special_tokens: bool = False) -> list[int]:

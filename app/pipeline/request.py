@@ -46,10 +46,10 @@ class Tool:
     cache: CacheMark | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """OpenAI's ``tools[]`` item, as chat templates take it."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        """OpenAI's ``tools[]`` item, as chat templates take it: with a description always
+        ("" when the client sent none), since templates read it unguarded (gpt-oss's,
+        Apertus's, Functionary's would refuse the tool)."""
+        function = {"name": self.name, "description": self.description or "", "parameters": self.parameters}
         return {"type": "function", "function": function}
 
 
@@ -150,7 +150,9 @@ class ChatRequest:
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
-    parallel_tool_calls: bool = True
+    # Several calls in one answer: True / False as the client said, None when it did not say
+    # (allowed, except under a named tool_choice: app.pipeline.constraining).
+    parallel_tool_calls: bool | None = None
     output: OutputFormat = OutputFormat()
     # True / False switch the model's reasoning; None takes the model's default.
     thinking: bool | None = None

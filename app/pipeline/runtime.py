@@ -88,6 +88,18 @@ class Health:
     captions: dict[str, int] | None = None
     # Each loaded chat model's speculative decoding, per drafter: tokens proposed and accepted.
     speculation: dict[str, dict[str, DraftCounts]] = field(default_factory=dict)
+    # Each loaded chat model's family as its template says (``family_report``).
+    families: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def family_report(profile: ModelProfile) -> dict[str, Any]:
+    """How a chat model's output is read, and why: the parser family, its reasoning markers
+    and the template switches Tandem sets (what /health and the load log say)."""
+    found = profile.detection
+    return {"tool_parser": profile.parser, "reasoning": profile.reasoning,
+            "reasoning_markers": list(profile.reasoning_markers),
+            "prompt_opens_reasoning": found.opens_reasoning if found is not None else False,
+            "switches": list(profile.switches), "why": found.why if found is not None else ""}
 
 
 @dataclass(frozen=True)
@@ -222,10 +234,13 @@ class Runtime:
         engine = self.registry.loaded_chat(self.default_model)
         dead = self.worker.dead
         speculation = {name: dict(stats.speculation) for name, stats in self._chat_stats()}
+        families = {name: family_report(profile) for name, _ in self._chat_stats()
+                    if (profile := self.pipeline.profile(name)) is not None}
         return Health(self.worker.alive, repr(dead) if dead else None, self.default_model, self.registry.snapshot(),
                       engine.stats() if engine is not None else None, VisionReport.of(self.vision),
                       self.distributed.health() if self.distributed is not None else None,
-                      self.vision.proxy.cache.stats() if self.vision.proxy is not None else None, speculation)
+                      self.vision.proxy.cache.stats() if self.vision.proxy is not None else None, speculation,
+                      families)
 
     def _chat_stats(self) -> list[tuple[str, EngineStats]]:
         """Every loaded chat model's engine stats."""

@@ -1,12 +1,15 @@
-"""Caption cache: an LRU of captions keyed by image pixels, prompt and model.
+"""Caption cache: an LRU of captions keyed by image pixels, prompt, model and partition.
 
 Chat UIs such as Open WebUI send the whole conversation on every turn, images
 included, so without this cache every turn would caption every earlier image
 again. The image's part of the key is the hash of its decoded pixels as the
 captioner sees them (``app.engine.prompt.pixel_digest``), not of its bytes: one
 picture sent as PNG, as lossless WebP or from another URL is captioned once, as
-a native VLM's vision-feature cache encodes it once. It lives on the event loop
-(no lock): the proxy is its only user.
+a native VLM's vision-feature cache encodes it once. Like the prefix cache, it is
+partitioned by the request's cache namespace (its API key under ``prompt_cache_scope:
+per_key``, and its ``cache_salt``): a hit answers in microseconds where a caption takes
+tens of milliseconds or more, so a shared entry would tell one key that another sent
+that picture. It lives on the event loop (no lock): the proxy is its only user.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class CaptionKey(NamedTuple):
     pixels: str  # sha256 of the decoded pixels the captioner takes (``pixel_digest``)
     prompt: str  # the text the VLM was asked with
     model: str  # the captioner's name
+    scope: str  # the request's cache namespace (``Pipeline.cache_namespace``): "" when unpartitioned
 
 
 class CaptionCache:

@@ -53,8 +53,9 @@ class Captioner(Protocol):
         """The exact text the model is asked with (part of the cache key)."""
         ...
 
-    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
-        """A text description of ``image``, with ``user_text`` (the user's words) as context."""
+    async def describe(self, image: LoadedImage, user_text: str | None, *, scope: str = "") -> str:
+        """A text description of ``image``, with ``user_text`` (the user's words) as context;
+        ``scope`` is the request's cache namespace, which the model's own caches keep apart."""
         ...
 
 
@@ -115,8 +116,10 @@ class VlmCaptioner:
         """The text the VLM is asked for an image in a message with ``user_text``."""
         return render_prompt(self.prompt_template, self.no_text_prompt, user_text, self.max_context_chars)
 
-    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
-        """Caption ``image``; an ``AppError`` when the model cannot load or fails on it."""
+    async def describe(self, image: LoadedImage, user_text: str | None, *, scope: str = "") -> str:
+        """Caption ``image``; an ``AppError`` when the model cannot load or fails on it. The
+        generation runs in ``scope``'s partition of the VLM's prefix and vision-feature caches,
+        so a caption never reads what another key's caption of that image left there."""
         from app.engine.mlx_internals import vlm_clean_output
 
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
@@ -127,7 +130,8 @@ class VlmCaptioner:
             text = self.prompt(user_text)
             prompt = await asyncio.to_thread(lambda: prompts.build(prompts.render([image_then_text(text)]), [pixels]))
             room = completion_room(len(prompt.tokens), engine.max_model_len, engine.stats().kv_max_sequence_tokens)
-            req = GenerationRequest(prompt, max_tokens=min(self.max_tokens, room), request_id=CAPTION_REQUEST_ID)
+            req = GenerationRequest(prompt, max_tokens=min(self.max_tokens, room), request_id=CAPTION_REQUEST_ID,
+                                    cache_namespace=scope)
             out = [delta.text async for delta in engine.stream(req)]
             return str(vlm_clean_output(engine.loaded.processor, "".join(out))).strip()
         except InvalidRequestError as exc:  # the caption's own prompt, never the client's request

@@ -21,6 +21,11 @@ different turns (which per-message numbering would give it).
 
 Roles: an image in any role is captioned (a tool result can carry a
 screenshot); the primary model cannot read image parts from any role.
+
+Partitions: ``rewrite`` takes the request's cache namespace (``scope``: its API key
+and ``cache_salt``, as the prefix cache is partitioned). The caption cache, the
+record of images already decoded and the VLM's own caches are all kept per scope,
+so how fast an image is described never tells one key what another sent.
 """
 
 from __future__ import annotations
@@ -132,14 +137,15 @@ class VisionProxy:
         # One image at a time: VLM work never runs concurrently with itself, and
         # a request waiting here finds a caption another request just made.
         self._lock = asyncio.Lock()
-        # Images that decoded cleanly under this policy, by bytes hash and decode size, with
-        # their pixel hash: chat UIs resend every earlier image on every turn, and a repeat
-        # should cost a hash, not a decode.
-        self._known: OrderedDict[tuple[str, int | None], str] = OrderedDict()
+        # Images that decoded cleanly under this policy, by scope, bytes hash and decode size,
+        # with their pixel hash: chat UIs resend every earlier image on every turn, and a repeat
+        # should cost a hash, not a decode (within one scope: a skipped decode is faster too).
+        self._known: OrderedDict[tuple[str, str, int | None], str] = OrderedDict()
         self._known_max = max(64, cache.max_entries)
 
-    async def rewrite(self, messages: Sequence[Message]) -> ProxyResult:
+    async def rewrite(self, messages: Sequence[Message], *, scope: str = "") -> ProxyResult:
         """Messages with every image replaced by text. ``messages`` is not modified.
+        ``scope``: the request's cache namespace; nothing cached under another is used.
 
         All images are checked (count, URL, decode) before any is captioned, so
         a bad image fails the request with a 400 before any VLM time is spent.
@@ -149,7 +155,7 @@ class VisionProxy:
             return ProxyResult(messages=list(messages))
         self._check_count(parts)
         # A broken image is the client's mistake whether or not vision is loaded.
-        images = [await self._check(p) for _, p in parts]
+        images = [await self._check(p, scope) for _, p in parts]
         if self.captioner is None:
             return self._placeholders(messages, parts)
         result = ProxyResult(messages=list(messages))
@@ -158,7 +164,7 @@ class VisionProxy:
             text = messages[i].text()
             lines = []
             for n, image in numbered:
-                info = await self._caption(i, n, image, text.strip() or None)
+                info = await self._caption(i, n, image, text.strip() or None, scope)
                 if info is None:
                     failed += 1
                     lines.append(FAILED.format(n=n))
@@ -170,11 +176,11 @@ class VisionProxy:
             result.warnings.append(f"{failed} image(s) could not be described by the vision model")
         return result
 
-    async def _check(self, part: ImagePart) -> _Image:
-        """Read the bytes; decode them (the check) unless this exact image decoded before."""
+    async def _check(self, part: ImagePart, scope: str) -> _Image:
+        """Read the bytes; decode them (the check) unless this exact image decoded before in ``scope``."""
         raw = await read_image_async(part.url, self.policy, param=part.param)
         sha = hashlib.sha256(raw).hexdigest()
-        known = (sha, self._decode_pixels())
+        known = (scope, sha, self._decode_pixels())
         pixels = self._known.get(known)
         if pixels is not None:
             self._known.move_to_end(known)
@@ -221,12 +227,12 @@ class VisionProxy:
         return result
 
     async def _caption(
-        self, message_index: int, n: int, image: _Image, user_text: str | None
+        self, message_index: int, n: int, image: _Image, user_text: str | None, scope: str
     ) -> CaptionInfo | None:
-        """Caption one image through the cache; None if the VLM failed on it."""
+        """Caption one image through ``scope``'s part of the cache; None if the VLM failed on it."""
         captioner = self.captioner
         assert captioner is not None
-        key = CaptionKey(image.pixels, captioner.prompt(user_text), captioner.name)
+        key = CaptionKey(image.pixels, captioner.prompt(user_text), captioner.name, scope)
         started = time.perf_counter()
         caption = self.cache.get(key)
         cached = caption is not None
@@ -235,7 +241,7 @@ class VisionProxy:
                 if key in self.cache:  # captioned by another request while we waited
                     caption, cached = self.cache.get(key), True
                 else:
-                    caption = await _describe(captioner, await self._decoded(image), user_text, n)
+                    caption = await _describe(captioner, await self._decoded(image), user_text, n, scope)
                     if caption is None:
                         return None
                     self.cache.put(key, caption)
@@ -259,10 +265,10 @@ class VisionProxy:
 
 
 async def _describe(
-    captioner: Captioner, image: LoadedImage, user_text: str | None, n: int
+    captioner: Captioner, image: LoadedImage, user_text: str | None, n: int, scope: str
 ) -> str | None:
     try:
-        caption = await captioner.describe(image, user_text)
+        caption = await captioner.describe(image, user_text, scope=scope)
     except InvalidRequestError:
         raise
     except AppError:

@@ -8,6 +8,7 @@ A page asks for a table with a marker on a line of its own:
     <!-- generated: metrics app/api/metrics.py -->            every metric the module defines
     <!-- generated: docstring app.engine.mlx_internals -->     a module's docstring, as Markdown
     <!-- generated: layers tests/test_layering.py -->          the import rules, as a picture and a table
+    <!-- generated: families app.families:FAMILIES -->        every model family: models, calls, reasoning, hints
 
 The marker is replaced by Markdown before the page is converted. An unknown kind, a target
 that does not exist, or a table that comes out empty raises, and so fails the build
@@ -21,7 +22,7 @@ Where the facts come from:
 - cli: the argparse parser's actions (flags, choices, defaults, help), recursively.
 - endpoints: the app ``create_app`` builds around a stand-in state that holds only real
   settings and real metrics: no engine starts and no model loads. Whether a route needs the
-  API key is read from its guards in an app built with a key set.
+  API key (or an admin key) is read from its guards in an app built with a key set.
 - metrics: the module's source, read with ``ast``: each ``Counter`` / ``Histogram`` /
   ``*MetricFamily`` call, with the loops over literal tuples that name several of them.
 - layers: the test's ``LAYERS`` and ``OUTSIDE`` tables (literals, read with ``ast``): each
@@ -138,6 +139,10 @@ def _cli_default(a: argparse.Action) -> str:
 # ---- endpoints: the Litestar app's routes -----------------------------------------------------
 
 
+# What a route needs, least first.
+NEEDS = ["never", "when keys are set", "an admin key"]
+
+
 def render_endpoints(target: str) -> str:
     from pydantic import SecretStr
 
@@ -151,12 +156,18 @@ def render_endpoints(target: str) -> str:
         state = types.SimpleNamespace(config=types.SimpleNamespace(server=server), metrics=Metrics())
         return create_app(state)
 
-    with_key = app_with(ServerSettings(api_key=SecretStr("docs")))
-    keyed = {(r.path, m): bool(h.resolve_guards()) for r in with_key.routes for h in r.route_handlers
-             for m in h.http_methods}
-    rows: dict[tuple[str, str], tuple[list[str], list[bool]]] = {}
+    from app.api.guards import admin_only
+
+    # Every route there can be: the OpenAPI schema too (server.openapi_schema).
+    with_key = app_with(ServerSettings(api_key=SecretStr("docs"), openapi_schema=True))
+    # Per route and method: no key, any key, or an admin key (Security: key roles).
+    keyed = {(r.path, m): "an admin key" if admin_only in h.resolve_guards() else
+             "when keys are set" if h.resolve_guards() else "never"
+             for r in with_key.routes for h in r.route_handlers for m in h.http_methods}
+    rows: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
     schema_paths: list[str] = []
-    for route in app_with(ServerSettings()).routes:
+    schema_guarded: list[str] = []
+    for route in app_with(ServerSettings(openapi_schema=True)).routes:
         # A route's handlers come in no fixed order (a set of methods each): sorted, the page is stable.
         for h in sorted(route.route_handlers, key=lambda h: sorted(h.http_methods)):
             module = getattr(h.fn, "__module__", "") or ""
@@ -164,23 +175,25 @@ def render_endpoints(target: str) -> str:
             path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
             if not methods:
                 continue
-            if not module.startswith("app."):  # the OpenAPI schema and its viewers
-                schema_paths.append(path)
+            if not module.startswith("app."):  # Litestar's: the OpenAPI schema
+                if "{" not in path:  # not its catch-all 404
+                    schema_paths.append(path)
+                    schema_guarded.append(keyed.get((route.path, "GET"), "never"))
                 continue
             endpoints, guarded = rows.setdefault((h.summary or (inspect.getdoc(h.fn) or "").split("\n")[0], module),
                                                  ([], []))
             endpoints += [f"{m} {path}" for m in methods]
-            guarded += [keyed.get((route.path, m), False) for m in methods]
+            guarded += [keyed.get((route.path, m), "never") for m in methods]
     if not rows:
         raise PluginError(f"{target}: the app has no routes of its own")
     out = ["| endpoint | what | API key | handler |", "| --- | --- | --- | --- |"]
     for (summary, module), (endpoints, guarded) in rows.items():
         out.append(f"| {', '.join(code(e) for e in endpoints)} | {cell(summary)} | "
-                   f"{'when keys are set' if any(guarded) else 'never'} | `{module}` |")
+                   f"{max(guarded, key=NEEDS.index)} | `{module}` |")
     if schema_paths:
-        base = min(schema_paths, key=len)
-        others = ", ".join(code(p) for p in sorted(set(schema_paths)) if p != base)
-        out.append(f"| `GET {base}` | the OpenAPI schema and its viewers ({others}) | never | Litestar |")
+        paths = ", ".join(code(f"GET {p}") for p in sorted(set(schema_paths), key=len, reverse=True))
+        out.append(f"| {paths} | the OpenAPI schema as JSON, with `server.openapi_schema: true` (off by default) | "
+                   f"{max(schema_guarded, key=NEEDS.index)} | Litestar |")
     return "\n".join(out) + "\n"
 
 
@@ -303,5 +316,78 @@ def render_layers(target: str) -> str:
     return "\n".join(picture) + "\n\n" + "\n".join(table) + "\n"
 
 
+# ---- families: the model families Tandem reads ------------------------------------------------------
+
+
+def _shape(syntax: Any) -> str:
+    """A call syntax in a table cell: its shape and the markers a model writes."""
+    from app.families.syntax import (CallSyntax, GemmaCalls, HarmonyCalls, NestedXmlCalls, PythonicCalls,
+                                     RecipientCalls, XmlCalls)
+
+    def show(text: str) -> str:
+        return _html_code(" ".join(text.split())) if text.strip() else ""
+
+    if isinstance(syntax, CallSyntax):
+        if syntax.bare:
+            return "bare JSON"
+        kind = "name, then JSON" if syntax.args is not None else (
+            "JSON lines" if syntax.lines else "JSON list" if syntax.listed else "JSON")
+        parts = [syntax.section[0], syntax.begin, syntax.header if syntax.args is not None else "",
+                 syntax.args or "", syntax.end, syntax.section[1]]
+        return f"{kind}: " + " ".join(p for p in map(show, parts) if p)
+    if isinstance(syntax, XmlCalls):
+        return "text values: " + " ".join(p for p in map(show, (syntax.section[0], syntax.call, syntax.param,
+                                                                   syntax.end, syntax.section[1])) if p)
+    if isinstance(syntax, NestedXmlCalls):
+        return f"nested elements: {show(syntax.call)} {show(syntax.tag + '<key>...')}"
+    if isinstance(syntax, PythonicCalls):
+        return f"Python calls: {show(syntax.begin + '[f(key=value)]' + syntax.end)}"
+    if isinstance(syntax, GemmaCalls):
+        return f"Gemma 4: {show(syntax.begin + 'call:f{key:' + syntax.quote + '...' + syntax.quote + '}' + syntax.end)}"
+    if isinstance(syntax, HarmonyCalls):
+        return "Harmony: " + show(syntax.channel + syntax.recipient + syntax.constrain + syntax.message)
+    if isinstance(syntax, RecipientCalls):
+        return f"a message to the tool: {show(' to={name}' + syntax.message)}, then " + _shape(syntax.body)
+    raise PluginError(f"no description of {syntax!r}")
+
+
+def render_families(target: str) -> str:
+    """Every family of ``app.families.FAMILIES``: its models (its module docstring's first
+    line), what it reads, its reasoning markers, where calls in reasoning go, its fallback hints."""
+    families = resolve(target)
+    rows = ["| `tool_parser` | Models | Calls | Reasoning | A call in reasoning | Hints when no call is rendered |",
+            "|---|---|---|---|---|---|"]
+    for name, family in families.items():
+        doc = inspect.getdoc(sys.modules[_module_of(name)]) or ""
+        models = doc.split("\n", 1)[0].split(":", 1)[0].rstrip(".")
+        calls = "<br>".join(_shape(s) for s in family.writes if not (getattr(s, "bare", False)
+                                                                       and len(family.writes) > 1))
+        reasoning = "<br>".join(f"{_html_code(o.strip())} … {_html_code(c.strip())}" for o, c in family.reasoning)
+        in_reasoning = "ends the block, is a call" if family.calls_in_reasoning else "stays reasoning"
+        hints = ", ".join(" + ".join(map(_html_code, h)) if isinstance(h, tuple) else _html_code(h.strip())
+                          for h in family.template_hints)
+        rows.append(f"| {code(name)} | {cell(models)} | {calls} | {reasoning} | {in_reasoning} | {hints or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+def _html_code(text: str) -> str:
+    """Code in a table cell, as HTML: markers hold pipes and backticks a code span cannot."""
+    import html
+
+    return "<code>" + html.escape(text).replace("|", "&#124;").replace("`", "&#96;") + "</code>"
+
+
+def _module_of(name: str) -> str:
+    import importlib
+
+    for group in ("json_calls", "named_calls", "xml_calls", "other_calls"):
+        try:
+            return importlib.import_module(f"app.families.{group}.{name}").__name__
+        except ModuleNotFoundError:
+            continue
+    raise PluginError(f"no module for family {name!r}")
+
+
 RENDERERS = {"config": render_config, "cli": render_cli, "endpoints": render_endpoints,
-             "metrics": render_metrics, "docstring": render_docstring, "layers": render_layers}
+             "metrics": render_metrics, "docstring": render_docstring, "layers": render_layers,
+             "families": render_families}

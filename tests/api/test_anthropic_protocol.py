@@ -20,7 +20,7 @@ from app.api.anthropic.protocol import (
     pipeline_tool_id,
 )
 from app.errors import InvalidRequestError
-from app.families.mistral import mistral_call_id
+from app.families.named_calls.mistral import mistral_call_id
 from app.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallError, ToolCallStart
 from app.pipeline import request as typed
 
@@ -95,7 +95,8 @@ def test_consecutive_turns_combine_across_system_messages():
 ])
 def test_tool_choice(choice, typed_choice):
     req = request(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice=choice)
-    assert req.tool_choice == typed_choice and req.parallel_tool_calls
+    # Anthropic has no "parallel: yes", only disable_parallel_tool_use: unsaid, so None.
+    assert req.tool_choice == typed_choice and req.parallel_tool_calls is None
 
 
 @pytest.mark.parametrize(("thinking", "switch"), [

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.api.body import check_json_values, count_json_values
+from app.api.body import check_json_values, count_json_values, decode_body
 from app.errors import PayloadTooLargeError
 
 
@@ -65,3 +65,28 @@ def test_the_limit_refuses_past_it_and_fast():
     check_json_values(body, 3_000_002)
     # A 30 MB string of separators is one value, counted without decoding it.
     check_json_values(json.dumps({"s": "[{}]," * 6_000_000}).encode(), 1000)
+
+
+def test_a_top_level_member_the_model_ignores_is_never_decoded():
+    """0.9 MB of `{}` in an ignored field was a quarter of a million objects a request, and their
+    pymalloc arenas stayed pinned after them: RSS crept (issue 30). They are skipped now."""
+    from ag_ui.core import RunAgentInput
+    from litestar.exceptions import SerializationException
+
+    from app.api.openai.protocol import ChatCompletionRequest
+    from app.api.ui.dashboard import ModelAction
+
+    hi = [{"role": "user", "content": "Hi", "x": [{}]}]
+    body = json.dumps({"model": "m", "messages": hi, "x": [{}] * 1000, "stream": True}).encode()
+    assert decode_body(body, ChatCompletionRequest) == {"model": "m", "messages": hi, "stream": True}
+    # Aliases are read (AG-UI's camelCase), and a model that refuses unknown keys still sees them.
+    assert decode_body(b'{"threadId": "t", "thread_id": "u", "y": 2}', RunAgentInput) == {"threadId": "t",
+                                                                                          "thread_id": "u"}
+    assert decode_body(b'{"model": "m", "x": 1}', ModelAction) == {"model": "m", "x": 1}
+    # A skipped member is still checked: JSON's syntax, and UTF-8.
+    with pytest.raises(SerializationException):
+        decode_body(b'{"model": "m", "x": [1,, 2]}', ChatCompletionRequest)
+    with pytest.raises(UnicodeDecodeError):
+        decode_body(b'{"model": "m", "x": "\xff"}', ChatCompletionRequest)
+    # Not an object: decoded whole, for the model to refuse.
+    assert decode_body(b"[1]", ChatCompletionRequest) == [1]

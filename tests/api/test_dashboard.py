@@ -4,7 +4,9 @@ the tiny chat model and the embedded embedding model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -76,9 +78,12 @@ def test_page_is_served_with_a_strict_csp(served: Served, path: str) -> None:
         assert "http://" not in a.text and "https://" not in a.text
 
 
-def test_unknown_assets_are_404s_in_openai_shape(served: Served) -> None:
-    for name in ("nope.js", "..%2Fdashboard.py", "index.py"):
-        assert_openai_error(served.get("/ui/static/" + name), 404)
+def test_unknown_assets_are_404s_in_openai_shape(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    # A 5,000-character name was a 500 with a traceback: the file system refused the name (issue 30).
+    with caplog.at_level(logging.INFO):
+        for name in ("nope.js", "..%2Fdashboard.py", "index.py", "a" * 4997 + ".js", "static", ".", "%00.js"):
+            assert_openai_error(served.get("/ui/static/" + name), 404)
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
 
 
 def test_dashboard_off_is_404(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
@@ -252,6 +257,65 @@ def test_with_a_key_the_page_loads_but_its_data_and_buttons_need_it(keyed: Serve
     rows = {x["id"]: x for x in history["requests"]}
     assert rows[r.headers["x-request-id"]]["client"] == "default"
     assert any(x["status"] == 401 and x["client"] == "127.0.0.1" for x in rows.values())
+
+
+@contextlib.contextmanager
+def open_streams(s: Served, count: int, headers: dict | None = None) -> Iterator[list[httpx.Response]]:
+    """``count`` /ui/events requests, each on a connection of its own; the open ones are held
+    until the block ends. Yields the responses (200: a stream held open; else the refusal)."""
+    with contextlib.ExitStack() as stack:
+        out = []
+        for _ in range(count):
+            client = stack.enter_context(httpx.Client(timeout=10))
+            r = client.send(client.build_request("GET", s.base_url + "/ui/events", headers=headers), stream=True)
+            if r.status_code == 200:
+                stack.callback(r.close)
+            else:
+                r.read()
+            out.append(r)
+        yield out
+
+
+def wait_for_streams(s: Served, count: int) -> None:
+    """Until the server counts ``count`` open streams (a closed one is seen at its next tick)."""
+    deadline = time.monotonic() + 10
+    while s.server.config.app.state.event_streams.open.total() != count:
+        assert time.monotonic() < deadline, s.server.config.app.state.event_streams.open
+        time.sleep(0.1)
+
+
+def test_event_streams_leave_connections_for_the_api(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
+    """24 streams against max_connections: 24 took every connection, and chat and /v1/models were
+    503s for as long as they stayed open (issue 30). Streams are capped below the limit."""
+    with serving(tmp_path, models_yaml(tiny_model_dir, minilm_dir, {"max_connections": 24})) as s:
+        with open_streams(s, 24) as streams:
+            statuses = [r.status_code for r in streams]
+            chat = s.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 200, chat.text
+            assert s.get("/v1/models").status_code == 200
+        # One client (this address, with no keys) holds at most its share; the others are 429s.
+        assert statuses.count(200) == 4 and statuses.count(429) == 20, statuses
+        refused = next(r for r in streams if r.status_code == 429)
+        assert "max_event_streams_per_client" in refused.text and refused.headers["retry-after"]
+        wait_for_streams(s, 0)  # closed pages give their slots back
+        with open_streams(s, 1) as (again,):
+            assert again.status_code == 200
+
+
+def test_event_streams_are_capped_per_key_and_in_all(tmp_path: Path, tiny_model_dir: Path,
+                                                     minilm_dir: Path) -> None:
+    keys = {"alice": "sk-alice-1", "bob": "sk-bob-1"}
+    server = {"max_connections": 8, "max_event_streams_per_client": 3, "api_keys": keys}  # 4 in all: half of 8
+    alice, bob = ({"authorization": f"Bearer {keys[k]}"} for k in ("alice", "bob"))
+    with serving(tmp_path, models_yaml(tiny_model_dir, minilm_dir, server)) as s:
+        with open_streams(s, 4, alice) as hers:
+            assert [r.status_code for r in hers] == [200, 200, 200, 429]
+            with open_streams(s, 2, bob) as his:
+                assert [r.status_code for r in his] == [200, 429]
+                assert "server.max_event_streams," in his[1].text
+            wait_for_streams(s, 3)
+            with open_streams(s, 1, bob) as (his_again,):
+                assert his_again.status_code == 200
 
 
 def test_foreign_host_gets_no_page(served: Served) -> None:

@@ -34,7 +34,7 @@ REWRITES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}, 
 
 @pytest.fixture(scope="session")
 def fuzzed_server(tmp_path_factory, tiny_model_dir):
-    yaml = tiny_yaml(tiny_model_dir, params={"max_model_len": 64, "max_tokens": 4})
+    yaml = tiny_yaml(tiny_model_dir, {"openapi_schema": True}, params={"max_model_len": 64, "max_tokens": 4})
     with serving(tmp_path_factory.mktemp("fuzz"), yaml) as served:
         yield served
 

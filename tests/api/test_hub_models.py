@@ -111,7 +111,7 @@ def name_upward(fake: FakeHub, tmp_path: Path) -> None:
 def test_a_hostile_hub_fails_the_model_not_the_server_and_writes_nothing_outside(tmp_path, hub, serve, hostile):
     hostile(hub, tmp_path)
     base = serve(hub.url)
-    answers = [chat(base, "hubbed") for _ in range(2)]  # a failed load is tried again by the next request
+    answers = [chat(base, "hubbed") for _ in range(2)]  # the second gets the remembered failure
     outside = [str(p) for p in tmp_path.rglob("*") if not p.is_dir()
                and p.parts[len(tmp_path.parts)] not in ("hf", "tc", "models.yaml", "server.log")]
     assert outside == []

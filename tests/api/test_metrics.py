@@ -105,18 +105,21 @@ def test_every_response_carries_a_request_id(srv):
     assert len(set(ids.values())) == len(ids)
 
 
-@pytest.mark.parametrize("sent, reused", [
+@pytest.mark.parametrize("header", ["x-request-id", "x-client-request-id"])
+@pytest.mark.parametrize("sent, kept", [
     ("trace-1234.abc:def/ghi", True),
     ("x" * 129, False),  # too long
     ("two words", False),
     ("inject\u00e9d", False),
     ("", False),
 ])
-def test_a_sane_client_request_id_is_reused(srv, sent, reused):
-    r = srv.get("/health", headers={"x-request-id": sent.encode("latin-1")})
-    assert (r.headers["x-request-id"] == sent) is reused
-    if not reused:
-        assert r.headers["x-request-id"].startswith("req-")
+def test_a_client_request_id_is_kept_beside_the_servers_own(srv, header, sent, kept):
+    """The id is the server's, whatever the client sends: a client's own id used as the id
+    let one request overwrite another's dashboard row and tag its log lines (issue 30). A
+    short, plain one is echoed as x-client-request-id."""
+    r = srv.get("/health", headers={header: sent.encode("latin-1")})
+    assert re.fullmatch(r"req-[0-9a-f]{24}", r.headers["x-request-id"])
+    assert r.headers.get("x-client-request-id") == (sent if kept else None)
 
 
 def test_log_records_carry_the_request_id(srv, caplog):
@@ -127,9 +130,9 @@ def test_log_records_carry_the_request_id(srv, caplog):
                          headers={"x-request-id": "client-id-42"})
     finally:
         caplog.handler.filters.clear()
-    assert r.headers["x-request-id"] == "client-id-42"
+    assert r.headers["x-client-request-id"] == "client-id-42"
     (done,) = [rec for rec in caplog.records if rec.getMessage().startswith("generation length")]
-    assert done.request_id == "client-id-42"
+    assert done.request_id == r.headers["x-request-id"]
     assert "completion_tokens=1" in done.getMessage()
 
 
@@ -142,6 +145,7 @@ def test_a_cancelled_generation_reports_the_tokens_it_used(srv, caplog):
             with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60, json={
                     "model": "tiny", "messages": HI, "max_tokens": 1000, "stream": True},
                     headers={"x-request-id": "leaves-early"}) as r:
+                rid = r.headers["x-request-id"]
                 seen = 0
                 for line in r.iter_lines():
                     if '"content":"' in line and '"content":""' not in line:
@@ -156,7 +160,7 @@ def test_a_cancelled_generation_reports_the_tokens_it_used(srv, caplog):
     finally:
         caplog.handler.filters.clear()
     (record,) = records
-    assert record.request_id == "leaves-early"
+    assert record.request_id == rid
     fields = dict(part.split("=") for part in record.getMessage().split(": ", 1)[1].split())
     assert int(fields["prompt_tokens"]) > 0 and int(fields["completion_tokens"]) >= 5
     after = scrape(srv)

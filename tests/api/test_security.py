@@ -68,9 +68,29 @@ def test_api_key_guards_v1_and_metrics(srv, method, path, body):
     assert ok.status_code == 200, ok.text
 
 
-@pytest.mark.parametrize("path", ["/health", "/docs/openapi.json"])
-def test_probes_and_docs_stay_open(srv, path):
-    assert srv.get(path).status_code == 200
+def test_probes_stay_open(srv):
+    assert srv.get("/health").status_code == 200
+
+
+VIEWERS = ["/docs", "/docs/swagger", "/docs/redoc", "/docs/scalar", "/docs/elements", "/docs/rapidoc", "/schema"]
+
+
+@pytest.mark.parametrize("path", [*VIEWERS, "/docs/openapi.json"])
+def test_the_openapi_pages_are_off_by_default(srv, path):
+    """/docs needed no key and loaded unpinned CDN scripts, with no CSP, in the API's origin (issue 30)."""
+    for headers in ({}, AUTH):
+        assert_openai_error(srv.get(path, headers=headers), 404)
+
+
+def test_the_openapi_schema_when_asked_for_is_json_behind_the_key(tmp_path, tiny_model_dir):
+    with serving(tmp_path, tiny_yaml(tiny_model_dir, {"api_key": KEY, "openapi_schema": True})) as s:
+        assert_openai_error(s.get("/docs/openapi.json"), 401)
+        r = s.get("/docs/openapi.json", headers=AUTH)
+        assert r.status_code == 200 and "json" in r.headers["content-type"]
+        assert "/v1/chat/completions" in r.json()["paths"]
+        for path in VIEWERS[1:]:  # no viewer page, so no third-party script, ever
+            page = s.get(path, headers=AUTH)
+            assert page.status_code == 404 and "<script" not in page.text, path
 
 
 def test_api_key_never_printed_with_the_settings(tmp_path, tiny_model_dir, srv):

@@ -1,20 +1,21 @@
 """Each family is one data module, and what its grammar forces its parser reads back.
 
-For every family and every call syntax its parser reads (which includes every
-syntax ``Family.call_syntax`` may choose), llguidance compiles the forced-call
-grammar and then:
+For every family and every call syntax it may be told to write (``Family.writes``),
+llguidance compiles the forced-call grammar and then:
 
-- accepts calls written out in that syntax, token by token, and the family's
-  parser reads them back as the same calls;
+- accepts calls written out in that syntax (``writers``), token by token, and the
+  family's parser reads them back as the same calls;
 - drives seeded random walks through the grammar (any allowed token, no model),
-  and the parser reads each output as exactly the call the grammar wrote.
+  and the parser reads each output as one call whose arguments follow the tool's schema.
 
-Both run over the demo tokenizer (markers spelled in text) and the same one
-with the markers as special tokens, as Mistral's and Qwen's tokenizers have them.
+Both run over the demo tokenizer (markers spelled in text) and the same one with
+the markers as special tokens, as real tokenizers have them (random walks on the
+second only: a walk is a few hundred mask computations).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -30,13 +31,15 @@ import pytest
 import app.families
 from app.engine.constrain.constraints import Tool, ToolCalls
 from app.engine.constrain.grammar import Grammar, compiler_for
-from app.families import FAMILIES, REASONING_MARKERS, CallSyntax
+from app.families import FAMILIES, CallSyntax, Syntax
+from app.families.syntax import HarmonyCalls, PythonicCalls, RecipientCalls
 from app.parsers import collect, make_parser
+from tests.families.writers import write
 from tests.fixtures.tiny_llama import TOKENIZER_FILES
 from tests.parsers.streams import FIXTURES
 
 PACKAGE = Path(app.families.__file__).parent
-SHARED = {"__init__", "family"}
+SHARED = {"__init__", "family", "syntax"}
 
 WEATHER = Tool("get_weather", {
     "type": "object",
@@ -61,11 +64,12 @@ MAX_STEPS = 400
 
 def test_each_module_is_one_registered_family_under_its_own_name() -> None:
     """A family's module name, registry key and models.yaml value are one string."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - SHARED
-    assert set(FAMILIES) == modules
-    for name, family in FAMILIES.items():
-        module = __import__(f"app.families.{name}", fromlist=["FAMILY"])
-        assert module.FAMILY is family and family.name == name
+    modules = {p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): p.stem
+               for p in PACKAGE.rglob("*.py") if p.stem not in SHARED}
+    assert sorted(FAMILIES) == sorted(modules.values())
+    for path, name in modules.items():
+        module = importlib.import_module(f"app.families.{path}")
+        assert module.FAMILY is FAMILIES[name] and FAMILIES[name].name == name
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -76,29 +80,42 @@ def test_each_family_has_recorded_outputs(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_family_is_whole(name: str) -> None:
-    """Its reasoning block is one the parsers read; what it may force it reads; its
-    tool note has a sentence to ask for its syntax; its name hints compile."""
+    """Its reasoning blocks are pairs of markers; what it may force it reads; its tool note
+    has a sentence to ask for its syntax; its name hints compile."""
     family = FAMILIES[name]
-    assert family.reasoning in REASONING_MARKERS
+    assert family.reasoning and all(opener and closer for opener, closer in family.reasoning)
     assert set(family.writes) <= set(family.reads)
     assert family.call_syntax("", template_takes_tools=False) is family.noted and family.noted.note
+    assert not family.channels or family.noted not in family.writes
     for pattern in (family.name_hint, family.reasoning_names):
         re.compile(pattern)
 
 
 # ---- forced calls parse back ----------------------------------------------------------
 
+_MARKER = re.compile(r"<\|[^|<>\n]*\|>|<｜[^｜<>\n]*｜>|</?[\w:]+>|\[/?[A-Z_]+\]|<\|[\w\"]+>|<[\w\"]+\|>"
+                     r"|\]<\]minimax\[>\[")
 
-def _label(syntax: CallSyntax) -> str:
-    return syntax.begin.strip() or f"bare-json-{syntax.arguments_key}"
+
+def _label(syntax: Syntax) -> str:
+    if isinstance(syntax, CallSyntax):
+        return syntax.begin.strip() or f"bare-json-{syntax.arguments_key}"
+    return type(syntax).__name__
 
 
-READS = [(name, syntax) for name, family in FAMILIES.items() for syntax in family.reads]
-READ_IDS = [f"{name}:{_label(syntax)}" for name, syntax in READS]
-# Tag-like markers, which real tokenizers have as single tokens ([TOOL_CALLS], <tool_call>, [THINK]).
-MARKERS = sorted(m for m in {*(p for _, s in READS for p in (s.begin.strip(), s.args or "", s.end.strip())),
-                             *(p for pair in REASONING_MARKERS for p in pair)}
-                 if re.fullmatch(r"\[/?[A-Z_]+\]|</?\w+>", m))
+def _texts(syntax: Syntax) -> list[str]:
+    """The literal strings a syntax is written with."""
+    return [v for v in vars(syntax).values() if isinstance(v, str)] + \
+        [m for v in vars(syntax).values() if isinstance(v, tuple) for m in v if isinstance(m, str)]
+
+
+WRITES = [(name, syntax) for name, family in FAMILIES.items() for syntax in family.writes]
+WRITE_IDS = [f"{name}:{_label(syntax)}" for name, syntax in WRITES]
+# Tag-like markers, which real tokenizers have as single tokens ([TOOL_CALLS], <tool_call>, <|"|>).
+MARKERS = sorted({m for family in FAMILIES.values() for s in family.reads for t in _texts(s)
+                  for m in _MARKER.findall(t)} | {m for family in FAMILIES.values()
+                                                 for pair in family.reasoning_pairs for m in pair
+                                                 if _MARKER.fullmatch(m)})
 
 
 @pytest.fixture(scope="module", params=["text-markers", "special-markers"])
@@ -117,38 +134,18 @@ def tokenizer(request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_fac
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in MARKERS])
     tok.save(str(out / "tokenizer.json"))
-    return load_tokenizer(out)
+    wrapped = load_tokenizer(out)
+    wrapped.marker_tokens = True
+    return wrapped
 
 
-def render(syntax: CallSyntax, calls: list[tuple[str, dict[str, Any]]]) -> str:
-    """Calls written out in ``syntax``, as a model following it would."""
-    objects = [{"name": name, syntax.arguments_key: args} for name, args in calls]
-    if syntax.bare:
-        return json.dumps(objects if len(objects) > 1 else objects[0])
-    if syntax.args is not None:
-        pieces = [f"{syntax.begin}{name}{syntax.args}{json.dumps(args)}{syntax.end}" for name, args in calls]
-    else:
-        pieces = [f"{syntax.begin}{json.dumps(obj)}{syntax.end}" for obj in objects]
-    return syntax.separator.join(pieces)
-
-
-def written_call(syntax: CallSyntax, text: str) -> tuple[str, dict[str, Any]]:
-    """The one call in ``text`` as the grammar wrote it, read by the syntax's fields alone."""
-    assert text.startswith(syntax.begin) and text.endswith(syntax.end), text
-    body = text[len(syntax.begin) : len(text) - len(syntax.end)]
-    if syntax.args is not None:
-        name, marker, args = body.partition(syntax.args)
-        assert marker, text
-        return name, json.loads(args)
-    obj = json.loads(body)
-    return obj["name"], obj[syntax.arguments_key]
-
-
-def parsed(family: str, text: str) -> list[tuple[str, dict[str, Any]]]:
-    """The calls the family's own parser reads; nothing may be left over as text or error."""
-    parser = make_parser(family, reasoning=True, tools_offered=True)
+def parsed(family: str, text: str, *, reasoning: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The calls the family's own parser reads; nothing may be left over as text or error
+    (nor as reasoning, unless the grammar writes some first: Harmony's analysis)."""
+    parser = make_parser(family, reasoning=True, tools_offered=True,
+                         tools={t.name: t.parameters for t in (WEATHER, CLOCK)})
     out = collect([*parser.feed(text), *parser.finish()])
-    assert not out.errors and not out.content and not out.reasoning, (text, out)
+    assert not out.errors and not out.content and (reasoning or not out.reasoning), (text, out)
     return [(c.name, json.loads(c.arguments_json)) for c in out.tool_calls]
 
 
@@ -172,36 +169,87 @@ def walk(grammar: Grammar, tokenizer: Any, seed: int) -> str:
     """One random path through the grammar: any allowed token, until only EOS is left."""
     rng = random.Random(seed)
     proc, width, eos = grammar.processor(prompt_len=1), len(tokenizer._tokenizer), set(tokenizer.eos_token_ids)
+    markers = set(tokenizer._tokenizer.added_tokens_decoder)
     ids: list[int] = []
     for _ in range(MAX_STEPS):
         options = [t for t in allowed(proc, ids, width).tolist() if t not in eos]
         if not options:
             return str(tokenizer.decode(ids))
-        ids.append(rng.choice(options))
+        # A marker now and then, or free text (a reasoning block) would run for ever.
+        structural = [t for t in options if t in markers]
+        ids.append(rng.choice(structural if structural and rng.random() < 0.3 else options))
     raise AssertionError(f"no end after {MAX_STEPS} tokens: {tokenizer.decode(ids)!r}")
 
 
-@pytest.mark.parametrize(("family", "syntax"), READS, ids=READ_IDS)
-def test_written_calls_pass_the_grammar_and_parse_back(tokenizer: Any, family: str, syntax: CallSyntax) -> None:
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_written_calls_pass_the_grammar_and_parse_back(tokenizer: Any, family: str, syntax: Syntax) -> None:
     compiler = compiler_for(tokenizer)
     one, both = CALLS[:1], CALLS
     single = compiler.compile(ToolCalls((WEATHER, CLOCK), syntax, parallel=False))
     parallel = compiler.compile(ToolCalls((WEATHER, CLOCK), syntax, parallel=True))
     eos = set(tokenizer.eos_token_ids)
-    assert next_after(single, tokenizer, render(syntax, one)) == eos  # complete: only EOS is left
-    after_both = next_after(parallel, tokenizer, render(syntax, both))
+    assert next_after(single, tokenizer, write(syntax, one)) == eos  # complete: only EOS is left
+    assert parsed(family, write(syntax, one)) == one
+    if isinstance(syntax, (HarmonyCalls, RecipientCalls)):
+        return  # one call a message: the message's end ends the generation
+    after_both = next_after(parallel, tokenizer, write(syntax, both))
     assert after_both is not None and eos <= after_both  # it may end, or call again
-    assert next_after(single, tokenizer, render(syntax, both)) is None
-    assert parsed(family, render(syntax, one)) == one
-    assert parsed(family, render(syntax, both)) == both
+    assert next_after(single, tokenizer, write(syntax, both)) is None
+    assert parsed(family, write(syntax, both)) == both
 
 
-@pytest.mark.parametrize(("family", "syntax"), READS, ids=READ_IDS)
-def test_random_grammar_output_parses_as_the_call_it_wrote(tokenizer: Any, family: str, syntax: CallSyntax) -> None:
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_random_grammar_output_parses_as_a_call_of_its_schema(tokenizer: Any, family: str, syntax: Syntax) -> None:
+    if not getattr(tokenizer, "marker_tokens", False):
+        pytest.skip("walked with the markers as special tokens")
     grammar = compiler_for(tokenizer).compile(ToolCalls((WEATHER, CLOCK), syntax, parallel=False))
-    for seed in range(3):
+    for seed in range(2):
         text = walk(grammar, tokenizer, seed)
-        name, args = written_call(syntax, text)
-        assert parsed(family, text) == [(name, args)]
+        ((name, args),) = parsed(family, text, reasoning=isinstance(syntax, (HarmonyCalls, RecipientCalls)))
         jsonschema.validate(args, TOOLS[name].parameters)
 
+
+# ---- every shape, every family: what a model writes reads back in any chunking --------------
+
+SEARCH = {"type": "object", "properties": {
+    "query": {"type": "string"}, "filters": {"type": "object"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+PING: dict[str, Any] = {"type": "object", "properties": {}}
+SHAPE_TOOLS = {"search": SEARCH, "ping": PING, "get_weather": WEATHER.parameters}
+WRITTEN = {
+    "no arguments": [("ping", {})],
+    "nested objects and arrays": [("search", {"filters": {"a": {"b": [1, 2, None]}, "ok": True}, "tags": ["x", "y"]})],
+    "unicode": [("search", {"query": "Zürich 東京 ☀ — “quoted”"})],
+    "parallel": [("ping", {}), ("search", {"query": "two"})],
+}
+
+
+def _events(family: str, chunks: list[str]) -> Any:
+    parser = make_parser(family, reasoning=True, tools_offered=True, tools=SHAPE_TOOLS)
+    return collect([ev for chunk in chunks for ev in parser.feed(chunk)] + parser.finish())
+
+
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_written_calls_read_back_in_any_chunking(family: str, syntax: Syntax) -> None:
+    from tests.parsers.streams import chunkings
+
+    for label, calls in WRITTEN.items():
+        if label == "parallel" and isinstance(syntax, (HarmonyCalls, RecipientCalls)):
+            continue  # one call a message
+        text = write(syntax, calls)
+        for way, chunks in chunkings(text, seeds=3).items():
+            out = _events(family, chunks)
+            got = [(c.name, json.loads(c.arguments_json)) for c in out.tool_calls]
+            assert got == calls and not out.errors and not out.content.strip(), (label, way, text, out)
+
+
+@pytest.mark.parametrize(("family", "syntax"), WRITES, ids=WRITE_IDS)
+def test_a_call_cut_off_is_no_call(family: str, syntax: Syntax) -> None:
+    """Output that max_tokens ends inside a call's arguments: no half call comes back; where
+    markers said a call began, an error event says it was cut (a bare answer that never got
+    to be a call may be content instead)."""
+    text = write(syntax, [("search", {"query": "a long query that is cut"})])
+    cut = text[: text.index("long") + 2]
+    out = _events(family, [cut])
+    assert not out.tool_calls, (cut, out)
+    bare = (isinstance(syntax, CallSyntax) and syntax.bare) or (isinstance(syntax, PythonicCalls) and not syntax.begin)
+    assert out.errors or bare, (cut, out)

@@ -2,7 +2,8 @@
 
 Each file in ``tests/fixtures/parsers`` holds one family's cases: the raw
 output of a model in that family's format and the expected content,
-reasoning, tool calls and number of errors. A case runs over many chunkings:
+reasoning, tool calls and number of errors (and, for the families that write
+arguments as text, the offered tools whose schemas say what the text means). A case runs over many chunkings:
 one character at a time, the whole text, token-like pieces (markers whole,
 as special tokens arrive) and seeded random splits.
 """
@@ -33,7 +34,7 @@ class Case:
     name: str
     output: str
     expected: dict[str, Any]
-    options: dict[str, bool] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -46,7 +47,8 @@ def load_cases() -> list[Case]:
     for path in sorted(FIXTURES.glob("*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         for raw in data["cases"]:
-            options = {**DEFAULT_OPTIONS, **raw.get("options", {})}
+            # A file's "tools" are the offered tools' schemas (what text values mean).
+            options = {**DEFAULT_OPTIONS, "tools": data.get("tools"), **raw.get("options", {})}
             cases.append(Case(data["parser"], raw["name"], raw["output"], raw["expected"], options))
     return cases
 
@@ -57,7 +59,7 @@ def counting_ids() -> Any:
     return lambda: f"call_{next(counter):024d}"
 
 
-def run(parser: str, options: dict[str, bool], chunks: Iterable[str]) -> list[Event]:
+def run(parser: str, options: dict[str, Any], chunks: Iterable[str]) -> list[Event]:
     """Feed the chunks to a fresh parser, then finish it."""
     p = make_parser(parser, id_factory=counting_ids(), **options)
     events: list[Event] = []

@@ -103,7 +103,7 @@ def test_nothing_after_finish() -> None:
 
 
 def test_foreign_call_ids_fit_mistral_templates() -> None:
-    from app.families.mistral import fit_mistral_call_id
+    from app.families.named_calls.mistral import fit_mistral_call_id
 
     assert fit_mistral_call_id("aB3dE6gH9") == "aB3dE6gH9"  # already Mistral's: kept
     for foreign in ("call_abcdefghijklmnopqrstuvwx", "toolu_01A09q90qw90lq917835lq9", "x", ""):

@@ -60,7 +60,7 @@ def test_random_splits_give_the_one_shot_result(case: Case, data: st.DataObject)
 def test_events_are_well_formed(case: Case) -> None:
     events = run(case.parser, case.options, list(case.output))
     assert_well_formed(events)
-    if not case.expected["errors"] and case.options["reasoning"]:
+    if not case.expected["errors"] and case.options["reasoning"] and case.options["tools_offered"]:
         content = collect(events).content
         assert not [m for m in RAW_MARKERS if m in content]
 

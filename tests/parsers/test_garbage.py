@@ -11,7 +11,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.families import FAMILIES
 from app.parsers import PARSERS
+from tests.families.writers import write
 from tests.parsers.streams import run, summary
 from tests.parsers.test_fixtures import assert_well_formed
 
@@ -21,8 +23,15 @@ _FRAGMENTS = [
     "<reasoning>", "</reasoning>", "<thought>", "</thought>",
     "{", "}", "[", "]", '"', "\\", ":", ",", '"name"', '"arguments"', '"parameters"', '"function"', '"get_weather"',
     '{"name": "f", "arguments": ', '{"city": "Paris"}', "null", "42", " ", "\n", "f", "get_weather", "Paris", "é☀",
+    # The shapes of the other families: XML parameters, sections, Python calls, Gemma 4, Harmony.
+    "<parameter=", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", '<invoke name="',
+    "</invoke>", "<|tool_call_start|>", "<|tool_call_end|>", "f(x=1)", "<|tool_call>call:f{", "<tool_call|>", '<|"|>',
+    "<|channel|>analysis", "<|message|>", "<|end|>", "<|start|>assistant", " to=functions.f", "<|channel>thought",
+    "<channel|>", "]<]minimax[>[", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<|tool_call_begin|>functions.f:0",
+    "<|tool_call_argument_begin|>", ">>>", "<![CDATA[", "]]>", "<seed:think>", "<|START_ACTION|>",
 ]
 TEXT = st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=3)), max_size=25).map("".join)
+_SYNTAXES = sorted({s for f in FAMILIES.values() for s in f.reads}, key=repr)
 _ARGS = st.dictionaries(st.sampled_from(["city", "q", "n", "x y"]), st.one_of(
     st.integers(), st.text(max_size=6), st.lists(st.booleans(), max_size=2)), max_size=3).map(json.dumps)
 _NAME = st.sampled_from(["get_weather", "f", "search.web"])
@@ -35,6 +44,8 @@ _SEGMENT = st.one_of(
     st.builds('[TOOL_CALLS][{{"name": "{}", "arguments": {}}}]'.format, _NAME, _ARGS),
     st.builds("<function={}>{}</function>".format, _NAME, _ARGS),
     st.builds('{{"name": "{}", "arguments": {}}}'.format, _NAME, _ARGS),
+    st.builds(lambda syntax, name, args: write(syntax, [(name, json.loads(args))]), st.sampled_from(_SYNTAXES),
+              _NAME, _ARGS),
 )
 
 

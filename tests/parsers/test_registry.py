@@ -53,7 +53,7 @@ def test_call_ids_look_like_openai_ids() -> None:
         ("Qwen/QwQ-32B", None, "qwen"),
         ("NousResearch/Hermes-3", None, "qwen"),
         ("meta-llama/Llama-3.2-1B-Instruct", None, "llama"),
-        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "<｜tool▁calls▁begin｜><think>", "generic"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "<｜tool▁calls▁begin｜><think>", "deepseek_r1"),
         ("my-model", None, "generic"),
         ("my-model", "{{ messages }}", "generic"),
     ],

@@ -1,4 +1,4 @@
-"""CaptionCache: LRU by entry count, keyed by image, prompt and model."""
+"""CaptionCache: LRU by entry count, keyed by image, prompt, model and partition."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from app.vision.cache import CaptionCache, CaptionKey
 
 
-def key(sha: str, prompt: str = "p", model: str = "m") -> CaptionKey:
-    return CaptionKey(sha, prompt, model)
+def key(sha: str, prompt: str = "p", model: str = "m", scope: str = "") -> CaptionKey:
+    return CaptionKey(sha, prompt, model, scope)
 
 
 def test_hit_and_miss_counters():

@@ -33,6 +33,7 @@ class FakeCaptioner:
 
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[tuple[str, str | None]] = []
+        self.scopes: list[str] = []
         self.fail = fail
         self.running = 0
         self.max_running = 0
@@ -40,8 +41,9 @@ class FakeCaptioner:
     def prompt(self, user_text: str | None) -> str:
         return f"Describe. The user asked: {user_text}"
 
-    async def describe(self, image: LoadedImage, user_text: str | None) -> str:
+    async def describe(self, image: LoadedImage, user_text: str | None, *, scope: str = "") -> str:
         self.calls.append((image.sha256, user_text))
+        self.scopes.append(scope)
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         await asyncio.sleep(0.01)
@@ -73,8 +75,8 @@ def typed(messages: list[dict]) -> list[Message]:
     return [ChatMessage.model_validate(m).to_message(i) for i, m in enumerate(messages)]
 
 
-def rewrite(proxy: VisionProxy, messages: list[dict]):
-    return asyncio.run(proxy.rewrite(typed(messages)))
+def rewrite(proxy: VisionProxy, messages: list[dict], scope: str = ""):
+    return asyncio.run(proxy.rewrite(typed(messages), scope=scope))
 
 
 def text_of(message: Message) -> str:
@@ -156,6 +158,31 @@ def test_same_image_twice_in_one_request_is_captioned_once():
     result = rewrite(make(fake), [user("Same?", img(RED), img(RED))])
     assert len(fake.calls) == 1
     assert [c.cached for c in result.captions] == [False, True]
+
+
+def test_captions_are_kept_per_scope(monkeypatch):
+    """Another key (or cache_salt) sending the same picture is captioned again, in its own
+    scope, and decoded again: a hit took 0.006 ms where a caption takes 29, which told the
+    second key that someone had sent that image (issue 30)."""
+    import app.vision.proxy as proxy_mod
+
+    decodes = []
+    real = proxy_mod.decode_image_async
+
+    async def counting(*a, **k):
+        decodes.append(1)
+        return await real(*a, **k)
+
+    monkeypatch.setattr(proxy_mod, "decode_image_async", counting)
+    fake = FakeCaptioner()
+    proxy = make(fake)
+    asked = [user("What is this?", img(RED))]
+    alice = rewrite(proxy, asked, scope="alice")
+    bob = rewrite(proxy, asked, scope="bob")
+    again = rewrite(proxy, asked, scope="bob")
+    assert [r.captions[0].cached for r in (alice, bob, again)] == [False, False, True]
+    assert fake.scopes == ["alice", "bob"] and len(decodes) == 2
+    assert alice.messages == bob.messages == again.messages
 
 
 def test_captions_are_keyed_by_pixels_not_bytes():
@@ -285,7 +312,7 @@ def test_repeated_image_is_not_decoded_again(monkeypatch):
         def prompt(self, user_text):
             return "describe"
 
-        async def describe(self, image, user_text):
+        async def describe(self, image, user_text, *, scope=""):
             return f"{image.size[0]}x{image.size[1]}"
 
     decodes = []
@@ -320,7 +347,7 @@ def test_images_wait_for_captioning_at_vlm_size():
         def prompt(self, user_text):
             return "describe"
 
-        async def describe(self, image, user_text):
+        async def describe(self, image, user_text, *, scope=""):
             return f"{image.image.size[0] * image.image.size[1]} pixels"
 
     big = data_url(image_bytes(size=(400, 300)))

@@ -14,7 +14,7 @@
                                                                 search, code execution, tool search)
                                                                 run on Anthropic's side: left out
     tool_choice auto / any / tool / none                     -> ToolChoice auto / required / named / none
-    disable_parallel_tool_use                                -> parallel_tool_calls=False
+    disable_parallel_tool_use                                -> parallel_tool_calls=False (else None: unsaid)
     thinking enabled / adaptive, between_tools / disabled    -> thinking True / None (the model's
              / absent                                           default) / False / False (Anthropic's
                                                                 default: no thinking unless asked)
@@ -46,7 +46,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -138,7 +138,7 @@ class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
-    is_error: bool = False
+    is_error: JsonBool = False
     cache_control: CacheControl | None = None
 
     _blocks = field_validator("content", mode="before")(_as_blocks)
@@ -237,7 +237,7 @@ class CustomTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
-    strict: bool | None = None
+    strict: JsonBool | None = None
     cache_control: CacheControl | None = None
 
 
@@ -261,7 +261,7 @@ AnyTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool,
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(default=None, min_length=1)
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: JsonBool = False
 
     def to_choice(self) -> typed.ToolChoice:
         if self.type == "tool":
@@ -345,7 +345,7 @@ class _MessagesBody(Lenient):
         output = typed.OutputFormat("json_schema", fmt.schema_, param=where) if fmt else typed.OutputFormat()
         return typed.ChatRequest(
             options, tuple(typed.merge_turns([*system, *turns])), tools=tools, tool_choice=choice,
-            parallel_tool_calls=not (self.tool_choice and self.tool_choice.disable_parallel_tool_use),
+            parallel_tool_calls=False if self.tool_choice and self.tool_choice.disable_parallel_tool_use else None,
             output=output, thinking=self.thinking.switch() if self.thinking else False,
             reasoning_effort=self.output_config.effort if self.output_config else None,
             reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,
@@ -368,7 +368,7 @@ class MessagesRequest(_MessagesBody):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    stream: JsonBool = False
     # Not Anthropic's: vLLM's extra body field, as on every format here (the prefix cache's scope).
     cache_salt: str | None = None
 

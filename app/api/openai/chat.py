@@ -158,7 +158,7 @@ class ChunkWriter:
         return [opening, self._finish(finish, index)]
 
     def _finish(self, finish: str, index: int) -> dict[str, Any]:
-        if index in self.parse_errors:
+        if index in self.parse_errors and finish != "length":  # cut by max_tokens: a "length" finish
             return self.chunk({}, "error", index, error={"message": self.parse_errors[index],
                                                          "type": "tool_call_parse_error"})
         return self.chunk({}, finish_reason(finish, self.tool_calls.get(index, 0)), index)

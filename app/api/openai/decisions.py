@@ -1,7 +1,7 @@
 """POST /v1/decisions: OpenAI's Decisions API over the typed pipeline.
 
 The body is parsed (``decisions_protocol``), the pipeline answers every question from the
-model's distribution (``Pipeline.decide``; how, in ``app.pipeline.deciding``), and the
+model's distribution (``Pipeline.decide``; how, in ``app.pipeline.decisions.reading``), and the
 answers are rendered as the openai SDK types them (``openai/types/decision.py``): in
 question order, each a predicate's ``probability``, a choice's ``choice``, ``confidence``
 and ``probabilities``, a score's expected ``score``, ``confidence`` and ``probabilities``,
@@ -18,7 +18,7 @@ from litestar.params import JSONBody
 from app.api.openai.decisions_protocol import DecisionCreateRequest
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
-from app.pipeline.decisions import Answer, Decision
+from app.pipeline.decisions.request import Answer, Decision
 from app.pipeline.results import Usage
 
 

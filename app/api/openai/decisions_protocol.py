@@ -1,5 +1,5 @@
 """OpenAI's Decisions request (``openai/types/decision_create_params.py``), validated at the
-edge, and its typed request (``app.pipeline.decisions``).
+edge, and its typed request (``app.pipeline.decisions.request``).
 
 ``input`` is a string or a list of items, each a typed message of the conversation the
 questions are about:
@@ -29,8 +29,8 @@ from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, field_val
 from app.api.openai.protocol import PromptCacheBreakpoint, PromptCacheOptions, cache_mark
 from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
-from app.pipeline import decisions as decided
 from app.pipeline import request as typed
+from app.pipeline.decisions import request as decided
 
 # ---- input ------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.state import AppState
 from app.api.streaming import unless_disconnected
+from app.api.wire import JsonBool
 from app.pipeline.request import EmbedRequest
 
 
@@ -33,7 +34,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
     # Hugging Face TEI's: cut inputs longer than the model takes (true) or refuse them with a
     # 400 (false); absent: the model's models.yaml ``truncate`` (on unless the entry says).
-    truncate: bool | None = None
+    truncate: JsonBool | None = None
 
 
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")

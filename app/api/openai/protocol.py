@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.pipeline import request as typed
 
 
@@ -148,7 +148,7 @@ class FunctionDef(Lenient):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
 
 class ToolDef(Lenient):
@@ -168,7 +168,7 @@ class JsonSchemaFormat(Lenient):
     description: str | None = None
     # "schema" shadows a pydantic BaseModel attribute, so it is read by alias.
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
 
 class ResponseFormat(Lenient):
@@ -211,16 +211,16 @@ class SpeculativeSwitches(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_lookup: bool | None = None
-    draft: bool | None = None
+    prompt_lookup: JsonBool | None = None
+    draft: JsonBool | None = None
 
 
 class StreamOptions(Lenient):
-    include_usage: bool = False
+    include_usage: JsonBool = False
 
 
 class ChatTemplateKwargs(Lenient):
-    enable_thinking: bool | None = None
+    enable_thinking: JsonBool | None = None
 
 
 class _SamplingFields(Lenient):
@@ -244,7 +244,7 @@ class _SamplingFields(Lenient):
     # Any 64-bit seed, signed or not; MLX takes it unsigned, so negatives wrap (-1 -> 2**64 - 1).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: JsonBool = False
     stream_options: StreamOptions | None = None
     # Choices from one prompt (its KV computed once); usage sums their completion tokens.
     n: int = Field(default=1, ge=1, le=16)
@@ -306,17 +306,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     response_format: ResponseFormat | None = None
     # Thinking switches: Tandem's own, vLLM/Qwen's template kwargs, OpenAI's effort.
-    thinking: bool | None = None
+    thinking: JsonBool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     # Also a thinking budget: the model's reasoning_budgets entry for the level (xhigh reads as high).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # Tandem extension: return captions, warnings and parser chunks.
-    extensions: bool = False
+    extensions: JsonBool = False
     # The chosen tokens' log-probabilities, with top_logprobs alternatives each.
-    logprobs: bool | None = None
+    logprobs: JsonBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI's Predicted Outputs. OpenAI refuses it with n > 1, logprobs, tools, penalties and
     # max_completion_tokens (limits of its implementation); here the verify step keeps the
@@ -352,7 +352,7 @@ class ChatCompletionRequest(_SamplingFields):
             self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs,
                             self.prediction.text() if self.prediction is not None else None),
             tuple(m.to_message(i, self.prompt_cache_options) for i, m in enumerate(self.messages)),
-            tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,
+            tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),
             thinking=self.thinking_requested(), reasoning_effort=self.reasoning_effort,
         )
@@ -360,7 +360,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] = Field(min_length=1)
-    echo: bool = False
+    echo: JsonBool = False
     # The legacy completions form: how many alternatives per token (0: the chosen token's only).
     logprobs: int | None = Field(default=None, ge=0, le=5)
 

@@ -39,7 +39,7 @@ from pydantic import (
 )
 
 from app.api.openai.protocol import JsonArguments, PromptCacheBreakpoint, PromptCacheOptions, cache_mark
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
@@ -174,7 +174,7 @@ class FunctionTool(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     def to_tool(self, namespace: str | None = None) -> typed.Tool:
         parameters = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
@@ -217,7 +217,7 @@ class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: JsonBool | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> TextFormat:
@@ -266,7 +266,7 @@ class ResponsesRequest(Lenient):
     tools: list[ToolDef] = []
     # "none" | "auto" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", ...}
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -274,15 +274,15 @@ class ResponsesRequest(Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    store: bool | None = True
+    store: JsonBool | None = True
     previous_response_id: str | None = None
     metadata: Metadata | None = None
     include: list[str] | None = None
     # The most likely alternatives to each output token; logprobs themselves come with
     # include: ["message.output_text.logprobs"] (without it, OpenAI's ``logprobs`` stay empty).
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stream: bool = False
-    background: bool | None = None
+    stream: JsonBool = False
+    background: JsonBool | None = None
     conversation: Any = None
     prompt: Any = None
     # Echoed in the response, as OpenAI's are; none but prompt_cache_key (the prefix cache's
@@ -294,7 +294,7 @@ class ResponsesRequest(Lenient):
     user: str | None = Field(default=None, max_length=512)
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
-    extensions: bool = False
+    extensions: JsonBool = False
     # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
     cache_salt: str | None = None
     # OpenAI's: scopes cached prefixes as cache_salt does; and the breakpoints' mode and TTL.
@@ -386,7 +386,7 @@ class ResponsesRequest(Lenient):
                                 prompt_cache_key=self.prompt_cache_key, cache_implicit=implicit,
                                 logprobs=(self.top_logprobs or 0) if self.with_logprobs else None)
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=self.parallel_tool_calls is not False,
+                                 parallel_tool_calls=self.parallel_tool_calls,
                                  output=self.output_format(), thinking=self.thinking_requested(),
                                  reasoning_effort=self.reasoning.effort if self.reasoning else None,
                                  reasoning_budget=self.reasoning.max_tokens if self.reasoning else None,

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.request_id import request_id
+from app.api.request_id import client_request_id, request_id
 from app.pipeline.runtime import GenerationRecord, Overview
 from app.request_context import CLIENT, NOTE, RequestNote
 
@@ -74,6 +74,10 @@ class RequestRow:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
+    # The id the client sent (x-client-request-id or x-request-id), kept beside the server's own.
+    client_request_id: str | None = None
+    # The name of the API key it presented ("" with none): whose row it is (not sent to pages).
+    key: str = ""
 
 
 class Activity:
@@ -131,11 +135,13 @@ class Activity:
 
             async def sending(message: Message) -> None:
                 if message["type"] == "http.response.start" and scope.get("path_template"):
-                    client = CLIENT.get() or (scope.get("client") or ("",))[0]
+                    key = CLIENT.get()
+                    client = key or (scope.get("client") or ("",))[0]
                     with self._lock:
                         row = self._row(request_id(scope), wall)
                         row.time = wall
                         row.method, row.route, row.client = str(scope.get("method", "")), scope["path_template"], client
+                        row.key, row.client_request_id = key, client_request_id(scope)
                         row.status = message["status"]
                         row.model = row.model or note.model
                         row.prompt_tokens = row.prompt_tokens or note.input_tokens
@@ -156,10 +162,14 @@ class Activity:
 
         return logged
 
-    def requests(self) -> list[dict[str, Any]]:
-        """The last requests, newest first."""
+    def requests(self, key: str | None = None) -> list[dict[str, Any]]:
+        """The last requests, newest first: every key's (``key`` None), or those of the API key named ``key``."""
         with self._lock:
-            return [asdict(row) for row in reversed(self._rows.values()) if row.route]
+            rows = [asdict(row) for row in reversed(self._rows.values())
+                    if row.route and (key is None or row.key == key)]
+        for row in rows:
+            del row["key"]
+        return rows
 
     # ---- samples ----------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 A ``GenerationRequest`` with ``score`` set (a ``ScoreRequest``) asks what the model makes
 of its prompt's last ``tail`` tokens, each given all before it, and of a few candidate
-``next_tokens`` after the whole prompt. The decisions pipeline (``app.pipeline.deciding``)
+``next_tokens`` after the whole prompt. The decisions pipeline (``app.pipeline.decisions.reading``)
 reads answers so, from the model's distribution, never from generated text. The text
 engine admits such a row like any other (it reserves its prompt's KV), hands it here
 instead of to its BatchGenerator (``Scorer.add``), and after that loop turn's batch step

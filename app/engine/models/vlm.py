@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -261,7 +261,7 @@ class VlmPrompts:
         self._run = run or (lambda fn: fn())
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               thinking: bool | None = None, generation_prompt: bool = True) -> str:
+               switches: Mapping[str, Any] | None = None, generation_prompt: bool = True) -> str:
         """The prompt text for ``messages``, through mlx-vlm's chat template for this model.
 
         ``messages`` are dicts ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``:
@@ -285,9 +285,7 @@ class VlmPrompts:
                     param="messages",
                 )
         n = count_images(messages)
-        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-        if thinking is not None:
-            kwargs["enable_thinking"] = thinking
+        kwargs: dict[str, Any] = {**(switches or {}), **({"tools": tools} if tools is not None else {})}
         try:
             text = _apply_template(loaded.processor, loaded.model, messages, n, generation_prompt, kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja and mlx-vlm errors are the request's shape

@@ -285,7 +285,9 @@ window.addEventListener('resize', renderCharts);
 // ---- requests ------------------------------------------------------------------------------------------
 
 function renderRequests(rows) {
-  $('#requests tbody').replaceChildren(...rows.map((r) => el('tr', {},
+  // The row's tooltip: the server's request id, and the client's own beside it when it sent one.
+  const ids = (r) => r.id + (r.client_request_id ? ` (client's id: ${r.client_request_id})` : '');
+  $('#requests tbody').replaceChildren(...rows.map((r) => el('tr', { title: ids(r) },
     el('td', {}, new Date(r.time * 1000).toLocaleTimeString()),
     el('td', {}, r.model || '–'),
     el('td', {}, `${r.method} ${r.route}`),

@@ -27,6 +27,8 @@ CALLS = CallSyntax(begin="<tool_call>\n", end="\n</tool_call>", separator="\n")
 FAMILY = Family(
     "qwen",
     templated=(("", CALLS),),
+    # Hermes-style models think about calls in <think> before they make one (llama.cpp too).
+    calls_in_reasoning=False,
     template_hints=("<tool_call>",),
     name_hint=r"qwen|qwq|hermes",
     reasoning_names=r"qwq",

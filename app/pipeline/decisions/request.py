@@ -1,7 +1,7 @@
 """A decision request and its answers, typed: what ``POST /v1/decisions`` parses into.
 
 Questions about one input, each answered from the model's distribution over the
-question's options (``app.pipeline.deciding`` reads it). Here are the types and the
+question's options (``app.pipeline.decisions.reading`` reads it). Here are the types and the
 rules that turn an option's log-probability into the answer a client gets, kept stable
 because clients set thresholds on them:
 

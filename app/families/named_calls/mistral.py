@@ -53,7 +53,9 @@ def fit_mistral_call_id(call_id: str) -> str:
 FAMILY = Family(
     "mistral",
     templated=(("", CALLS),),
-    reasoning=("[THINK]", "[/THINK]"),
+    reasoning=(("[THINK]", "[/THINK]"),),
+    # Magistral thinks about calls in [THINK] before it makes one (llama.cpp reads them so too).
+    calls_in_reasoning=False,
     template_hints=("[TOOL_CALLS]", "[THINK]"),
     name_hint=r"mistral|ministral|magistral|devstral|mixtral|codestral|pixtral",
     reasoning_names=r"magistral",  # always reasons

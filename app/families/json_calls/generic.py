@@ -1,9 +1,9 @@
 """Any other model: every marker the other families know, plus bare JSON.
 
 The fallback when neither the chat template nor the model name says which
-family a model belongs to. It reads reasoning in any of the usual markers
-(DeepSeek-R1 distills write ``<think>...</think>``), each family's tool-call
-markers, and, when tools were offered, a bare JSON answer::
+family a model belongs to. It reads reasoning in any of the usual markers,
+the JSON call markers of the Qwen, Llama and Mistral families, and, when
+tools were offered, a bare JSON answer::
 
     <think>I should look it up.</think>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -14,13 +14,11 @@ Forced calls are bare JSON, whatever the template.
 
 from __future__ import annotations
 
-from app.families import llama, mistral, qwen
 from app.families.family import Family
+from app.families.json_calls import llama, qwen
+from app.families.named_calls import mistral
 
 FAMILY = Family(
     "generic",
     also_reads=(qwen.CALLS, llama.FUNCTION_TAG, mistral.CALLS),
-    # DeepSeek-R1 distills carry a Qwen or Llama name but DeepSeek's template.
-    name_hint=r"deepseek",
-    reasoning_names=r"deepseek-r1",
 )

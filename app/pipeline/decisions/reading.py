@@ -53,10 +53,9 @@ from app.engine.batch.admission import KV_STEP
 from app.engine.prompt import TokenPrompt
 from app.engine.types import CacheBreakpoint, Engine, GenerationRequest, ScoreRequest, TokenDelta
 from app.errors import EngineError
-from app.parsers import template_opens_reasoning
 from app.pipeline.breakpoints import breakpoints, common_length
-from app.pipeline.decisions import Answer, Question
-from app.pipeline.prompting import ModelProfile, encode, render, template_message
+from app.pipeline.decisions.request import Answer, Question
+from app.pipeline.prompting import ModelProfile, encode, render, template_messages
 from app.pipeline.request import Message, Part, TextPart
 from app.pipeline.results import Usage
 
@@ -141,12 +140,13 @@ def input_parts(messages: Sequence[Message]) -> list[Part]:
 def _prompt_text(profile: ModelProfile, turn: Message) -> str:
     """The one user turn through the chat template, the assistant's answer about to start,
     reasoning closed."""
-    text = render(profile, [template_message(turn, images=profile.prompts.takes_images)], None, False)
+    text = render(profile, template_messages([turn], profile.family, images=profile.prompts.takes_images), None,
+                  False)
     if not profile.reasoning:
         return text
     opener, closer = profile.reasoning_markers
     after = AFTER_CLOSER.get(closer, "")
-    if template_opens_reasoning(text):
+    if profile.opens_reasoning(text):
         return text + closer + after
     if not profile.thinking_switch and profile.reasoning_opener_is_token:
         return text + opener + closer + after  # trained to reason unasked: the empty block of a budget of 0
