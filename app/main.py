@@ -27,6 +27,7 @@ from app.api.meta import get_model, health, health_head, list_models
 from app.api.metrics import metrics
 from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
+from app.api.openai.decisions import create_decision
 from app.api.openai.embeddings import embeddings
 from app.api.openai.responses import create_response, delete_response, get_response, list_input_items
 from app.api.rerank import rerank
@@ -206,7 +207,7 @@ def create_app(state: AppState) -> Litestar:
     app = Litestar(
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
-            Router("/", route_handlers=[chat_completions, completions, create_response, get_response,
+            Router("/", route_handlers=[chat_completions, completions, create_decision, create_response, get_response,
                                         list_input_items, delete_response, embeddings, rerank, agui, list_models,
                                         get_model, metrics, *ADMIN, *([dashboard_events] if server.dashboard else [])],
                    guards=guards),

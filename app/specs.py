@@ -55,6 +55,7 @@ def engine_params(p: ChatParams) -> EngineParams:
         prompt_cache_disk_dir=p.prompt_cache_disk_dir,
         background_share=p.background_share,
         prompt_cache_key_share=p.prompt_cache_key_share,
+        prompt_cache_pin_share=p.prompt_cache_pin_share,
         speculative=SpeculativeParams(prompt_lookup=p.speculative.prompt_lookup, draft=p.speculative.draft,
                                       tokens=p.speculative.tokens),
     )

@@ -59,6 +59,9 @@ It measures, in this order (one server at a time, so they never compete):
      BatchGenerator in a loop, and mlx_lm.server); turn 2's TTFT over turn 1's on a hybrid
      model; rows admitted per MB of KV budget on a Qwen3.5-shaped model, by the per-layer
      accounting against the old one (scripts/bench_engine.py).
+ 19. decisions: 20 predicate questions about one ~1,000-token input against one question
+     about it, each request in its own cache scope: the input is read once per request
+     (scripts/bench_decisions.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -815,7 +818,7 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
             "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
-            "vision_native", "engine")
+            "vision_native", "engine", "decisions")
 
 
 def main() -> None:
@@ -1057,6 +1060,16 @@ def main() -> None:
         from bench_engine import bench_engine
 
         ratios += bench_engine(args.model_path, prof)
+
+    if "decisions" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_decisions import bench_decisions
+
+        ours, base = serve()
+        try:
+            ratios += bench_decisions(base, name, args.model_path)
+        finally:
+            stop(ours)
 
     if "distributed" in run:
         # Two ranks on one machine share its cores: slower, by the collectives' cost per step.

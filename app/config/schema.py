@@ -116,6 +116,11 @@ class _PromptCacheParams(_Params):
         default=0.5, gt=0.0, le=1.0, description="Share of the prefix cache (in memory, and on disk) one cache "
         "partition (an API key, a cache_salt) may hold before its own prefixes are evicted first: one client's "
         "abandoned prompts cannot push out everyone else's. 1.0: least recently used first, whoever's.")
+    prompt_cache_pin_share: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="Share of the prefix cache (in memory, and on disk) that prefixes "
+        "clients asked to keep (cache breakpoints: Anthropic's cache_control, OpenAI's prompt_cache_breakpoint) may "
+        "hold ahead of the rest for their TTL; pins past it, or expired, are evicted least recently used like "
+        "any other. 0: breakpoints store their prefixes but keep none ahead.")
     background_share: float = Field(
         default=0.25, ge=0.0, le=1.0, description="Share of max_num_seqs that background requests (priority "
         "\"background\", Open WebUI's \"### Task:\" prompts) may hold while interactive requests wait for their "

@@ -58,6 +58,7 @@ class EngineParams:
     prompt_cache_disk_dir: str | None
     background_share: float
     prompt_cache_key_share: float
+    prompt_cache_pin_share: float
     # Speculative decoding (models.yaml ``speculative``).
     speculative: SpeculativeParams
     # The engine's own knobs:

@@ -68,10 +68,58 @@ def test_claude_codes_second_run_reads_the_system_prompt_and_tools_from_the_cach
         first = httpx.post(srv.base_url + "/v1/messages", json=run1, timeout=300).json()
         second = httpx.post(srv.base_url + "/v1/messages", json=run2, timeout=300).json()
         shared = _shared(srv.base_url, run1, run2)
-    assert first["usage"]["input_tokens"] > 3000, first["usage"]
+    assert total(first["usage"]) > 3000, first["usage"]
     # Everything run 2 shares with run 1 (the system prompt and the tools; the question and what
     # follows it differ) comes from the cache.
     assert shared > 1500 and second["usage"]["cache_read_input_tokens"] >= shared - 1, (second["usage"], shared)
+
+
+def total(usage: dict) -> int:
+    """A request's prompt tokens: Anthropic splits them into read, written and the rest."""
+    return usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
+
+
+def other_traffic(base: str, n: int, words: int) -> None:
+    """``n`` unrelated requests, each its own long system prompt: what fills the cache."""
+    for i in range(n):
+        r = httpx.post(base + "/v1/messages", timeout=300, json={
+            "model": "tiny", "max_tokens": 2, "system": f"Document {i}: " + f"w{i} " * words,
+            "messages": [{"role": "user", "content": f"Question {i}?"}]})
+        assert r.status_code == 200, r.text
+
+
+def unmarked(body: dict) -> dict:
+    """``body`` without its cache_control marks."""
+    strip = lambda block: {k: v for k, v in block.items() if k != "cache_control"}  # noqa: E731
+    messages = [{**m, "content": [strip(b) for b in m["content"]] if isinstance(m["content"], list) else m["content"]}
+                for m in body["messages"]]
+    return {**body, "system": [strip(b) for b in body["system"]], "messages": messages}
+
+
+@pytest.mark.parametrize("marks", [True, False], ids=["cache_control", "unmarked"])
+def test_claude_codes_cache_control_keeps_its_prompt_through_traffic_that_fills_the_cache(
+        tmp_path, long_context_llama, marks):
+    """Claude Code marks its system prompt and its last message with cache_control: the first
+    run reports what it wrote there, and the next run reads it back after unrelated traffic
+    has filled the prefix cache twice over. Without the marks (the control), that traffic
+    evicts it."""
+    run1, run2 = recorded("run1"), recorded("run2")
+    if not marks:
+        run1, run2 = unmarked(run1), unmarked(run2)
+    # 16 MB of prefix cache: about 8,000 tokens of this model's KV, two of Claude Code's prompts.
+    with serving(tmp_path, models_yaml(long_context_llama, mem=48, prompt_cache_mem=16)) as srv:
+        first = httpx.post(srv.base_url + "/v1/messages", json=run1, timeout=300).json()["usage"]
+        other_traffic(srv.base_url, 8, 1000)  # 8 x ~2,000 tokens: 32 MB of prefixes
+        second = httpx.post(srv.base_url + "/v1/messages", json=run2, timeout=300).json()["usage"]
+        shared = _shared(srv.base_url, run1, run2)
+        evictions = srv.get("/health").json()["engine"]["prompt_cache_tiers"]["memory"]["evictions"]
+    assert evictions >= 4
+    if marks:
+        assert first["cache_creation_input_tokens"] > 3000 and first["cache_read_input_tokens"] == 0, first
+        assert second["cache_read_input_tokens"] >= shared - 1, (second, shared)
+    else:
+        assert first["cache_creation_input_tokens"] == 0
+        assert second["cache_read_input_tokens"] < shared // 2, (second, shared)
 
 
 def _shared(base: str, a: dict, b: dict) -> int:

@@ -8,7 +8,8 @@ lone answer, whatever the prefill chunk cuts (and with 8-bit KV); proposals veri
 batch (all kept, or rejected and rolled back) leave every answer as it is; a row resumed from
 its first turn's KV (taken from the step) gives what a full prefill of the second turn
 gives; a row taken out (in prefill, or decoding) and put back answers as if never paused;
-two images in one batch change the first token's distribution.
+two images in one batch change the first token's distribution; a score row about an image
+reads the distribution a generation draws from.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from app.engine.mlx_internals import vlm_stop_tokens
 from app.engine.models.vlm import LoadedVlm, VlmPrompts, load_vlm
 from app.engine.models.vlm_forward import VlmForward, new_vlm_decode_batch, rebase
 from app.engine.prompt import MultimodalPrompt, Prompt
-from app.engine.step import DecodeBatch, Drawn, RowProposal
+from app.engine.step import DecodeBatch, Drawn, RowProposal, ScoreResponse, ScoreSpec
 from app.engine.step.phase import merge
 from app.engine.step.rows import Feed, Row
 from app.specs import load_params
@@ -273,3 +274,28 @@ def test_a_row_past_its_prompt_lets_its_embeddings_go(vlm, references):
     assert rows[1].inputs is not None and rows[1].inputs.embeddings is None
     assert set(rows[1].inputs.extras) <= {"rope_delta", "sections"}
     assert shared.embeddings is not None
+
+
+def test_score_rows_read_the_distribution_a_generation_draws_from(vlm, references):
+    """A score row about an image (a decision's option read whole: its tokens after the prompt,
+    then candidates for the next one) reads the very log-probabilities a generation of the
+    same prompt draws its tokens from, beside a generating row in the same batch."""
+    prompt, want = references[0]
+    assert isinstance(prompt, MultimodalPrompt) and len(want) >= 3
+    batch = vlm.batch()
+    (gen,) = batch.insert_segments([[prompt.tokens]], max_tokens=[3], inputs=[vlm.inputs(prompt)])
+    drawn: list[tuple[int, mx.array]] = []
+    while len(drawn) < 3:
+        drawn += [(r.token, r.logprobs) for r in batch.next()[1] if r.uid == gen]
+    assert [t for t, _ in drawn] == want[:3]
+    read = MultimodalPrompt([*prompt.tokens, *want[:2]], prompt.images, prompt.inputs)
+    (row,) = batch.insert_segments([[read.tokens]], max_tokens=[0], inputs=[vlm.inputs(read)],
+                                   scores=[ScoreSpec(tail=2, next_tokens=(want[2], 7))])
+    (beside,) = batch.insert_segments([[prompt.tokens]], max_tokens=[2], inputs=[vlm.inputs(prompt)])
+    scored = None
+    while scored is None:
+        scored = next((r for r in batch.next()[1] if r.uid == row), None)
+    assert isinstance(scored, ScoreResponse)
+    assert scored.tail == pytest.approx([drawn[0][1][want[0]].item(), drawn[1][1][want[1]].item()], abs=1e-3)
+    assert scored.next == pytest.approx([drawn[2][1][want[2]].item(), drawn[2][1][7].item()], abs=1e-3)
+    assert finish(batch, [beside])[0] == [want[:2]]

@@ -40,7 +40,8 @@ from app.pipeline.results import (
 def usage_dict(u: Usage) -> dict[str, Any]:
     """OpenAI's usage object."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens,
                                           "accepted_prediction_tokens": u.accepted_prediction_tokens,
                                           "rejected_prediction_tokens": u.rejected_prediction_tokens}}

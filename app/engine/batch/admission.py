@@ -218,23 +218,26 @@ class Admission(Generic[T]):
         """Whether an interactive request waits that the KV budget could take now."""
         return any(w.rank == 0 and self.footprint(w.tokens) <= self.budget_bytes for w in self.waiting)
 
-    def expire(self, now: float | None = None) -> list[T]:
-        """Waiting requests past the queue timeout, removed from the queue."""
+    def expire(self, now: float | None = None, held: Callable[[T], bool] = lambda _: False) -> list[T]:
+        """Waiting requests past the queue timeout, removed from the queue; not those ``held``
+        (waiting, by the engine's choice, for a running row's work they will reuse)."""
         now = time.monotonic() if now is None else now
-        expired = [w for w in self.waiting if not w.paused and now - w.since > self.queue_timeout_s]
+        expired = [w for w in self.waiting
+                   if not w.paused and now - w.since > self.queue_timeout_s and not held(w.item)]
         for w in expired:
             self.waiting.remove(w)
         return [w.item for w in expired]
 
     def admit(self, cache_bytes: int, evict: Callable[[int, T], int], *, background: bool = True,
-              limit: int | None = None) -> list[T]:
+              limit: int | None = None, held: Callable[[T], bool] = lambda _: False) -> list[T]:
         """Pop every waiting request that fits now (at most ``limit``), evicting cache when that helps.
 
         ``cache_bytes`` is what the prefix cache holds; ``evict(n, item)`` frees at
         least ``n`` bytes of it if it can, to admit ``item``, and returns the new cache
         size (the engine takes ``item``'s own cached prefix first: making room for a
         request never evicts the prefix it is about to read).
-        Interactive requests go first; ``background=False`` holds background ones back.
+        Interactive requests go first; ``background=False`` holds background ones back, and
+        ``held`` any the engine holds back itself (they neither run nor block backfill).
         """
         admitted: list[T] = []
         queue = sorted(self.waiting, key=lambda w: w.rank)  # stable: FIFO within a rank
@@ -246,6 +249,8 @@ class Admission(Generic[T]):
                 break
             if w.rank and not background:
                 break
+            if held(w.item):
+                continue
             need = self.footprint(w.tokens)
             if need + cache_bytes > self.budget_bytes and cache_bytes > 0 and need <= self.budget_bytes:
                 cache_bytes = evict(need + cache_bytes - self.budget_bytes, w.item)

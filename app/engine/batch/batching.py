@@ -47,11 +47,14 @@ from app.engine.batch.stops import StopMatcher
 from app.engine.kv.geometry import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.prompt import PromptBuilder
+from app.engine.step import ScoreResponse
 from app.engine.types import (
+    SCORED,
     ConstraintProcessor,
     EngineStats,
     GenerationRecord,
     GenerationRequest,
+    ScoreResult,
     TokenDelta,
     TokenLogprob,
 )
@@ -91,6 +94,8 @@ class Seq:
     # Its prediction's tokens kept and refused so far (speculative decoding's Predicted Outputs).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Prompt tokens it wrote to the prefix cache at a cache breakpoint (``cache_write_tokens``).
+    cache_write_tokens: int = 0
 
     @property
     def background(self) -> bool:
@@ -317,6 +322,10 @@ class BatchingEngine(Generic[S, L]):
             return []
         return [BudgetProcessor(block, self._piece, prompt_len)]
 
+    def _held(self, seq: S) -> bool:
+        """Whether the engine holds a waiting ``seq`` back (it neither runs nor times out)."""
+        return False
+
     def _distribution(self, seq: S, r: Any) -> Any:
         """The log-probabilities ``r``'s token was drawn from (requests with logprobs only)."""
         raise NotImplementedError
@@ -345,7 +354,11 @@ class BatchingEngine(Generic[S, L]):
         with deferred_wakes():  # the event loop is woken once for the step's tokens, not once a stream
             for r in gen_responses:
                 seq = self._running.get(r.uid)
-                if seq is not None:
+                if seq is None:
+                    continue
+                if isinstance(r, ScoreResponse):
+                    self._on_scored(seq, r)
+                else:
                     self._on_token(seq, r)
         return True
 
@@ -376,7 +389,7 @@ class BatchingEngine(Generic[S, L]):
 
     def _expire_waiting(self) -> None:
         with self._lock:
-            expired = self.admission.expire()
+            expired = self.admission.expire(held=self._held)
             for_slot = self.admission.running >= self.admission.max_seqs
         for seq in expired:
             self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
@@ -385,7 +398,7 @@ class BatchingEngine(Generic[S, L]):
                background: bool = True, limit: int | None = None) -> list[S]:
         """Waiting requests that fit now (``Admission.admit``), each now holding its reservation."""
         with self._lock:
-            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit)
+            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit, held=self._held)
         for seq in admitted:
             seq.holds = True
         return admitted
@@ -425,6 +438,16 @@ class BatchingEngine(Generic[S, L]):
             self._release(seq)
             self._finish_with_error(seq, EngineError(f"generation failed: {exc}"))
 
+    def _on_scored(self, seq: S, r: ScoreResponse) -> None:
+        """A score row's pass (``GenerationRequest.score``): its answer on its final delta,
+        nothing generated; the step has let the row go."""
+        delta = TokenDelta(finish_reason=SCORED, scores=ScoreResult(r.tail, r.next),
+                           prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                           cache_write_tokens=seq.cache_write_tokens)
+        self._release(seq)
+        self._end(seq, SCORED)
+        seq.channel.put(delta)
+
     @staticmethod
     def _time_token(seq: Seq) -> None:
         now = time.monotonic()
@@ -444,6 +467,7 @@ class BatchingEngine(Generic[S, L]):
             delta.reasoning_tokens = seq.reasoning.spent if seq.reasoning is not None else 0
             delta.accepted_prediction_tokens = seq.accepted_prediction_tokens
             delta.rejected_prediction_tokens = seq.rejected_prediction_tokens
+            delta.cache_write_tokens = seq.cache_write_tokens
             self._release(seq)
             self._end(seq, finish)
         seq.channel.put(delta)

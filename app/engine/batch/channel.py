@@ -25,6 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 
 from app.engine.types import TokenDelta
 
@@ -154,16 +155,17 @@ def _mergeable(last: TokenDelta, delta: TokenDelta) -> bool:
 
 def _merge(last: TokenDelta, delta: TokenDelta) -> None:
     """``delta`` appended to ``last``: its text, tokens and logprobs, and, when it is the end,
-    what the end carries (usage, the stop string)."""
+    everything else the end carries (usage, the stop string, scores)."""
     last.text += delta.text
     last.tokens += delta.tokens
     last.logprobs += delta.logprobs
     if delta.finish_reason is not None:
-        last.finish_reason, last.stop_sequence = delta.finish_reason, delta.stop_sequence
-        last.prompt_tokens, last.completion_tokens = delta.prompt_tokens, delta.completion_tokens
-        last.cached_tokens, last.reasoning_tokens = delta.cached_tokens, delta.reasoning_tokens
-        last.accepted_prediction_tokens = delta.accepted_prediction_tokens
-        last.rejected_prediction_tokens = delta.rejected_prediction_tokens
+        for f in _END_FIELDS:
+            setattr(last, f, getattr(delta, f))
+
+
+# What only a final delta carries: every field but the streamed ones.
+_END_FIELDS = tuple(f.name for f in fields(TokenDelta) if f.name not in ("text", "tokens", "logprobs"))
 
 
 class OpenStreams:

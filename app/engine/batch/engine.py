@@ -10,8 +10,16 @@ What is this engine's own:
                      from the prefix cache (``prefix_cache``: memory, then disk; taken
                      before admission made room for it, if it had to), its sampler,
                      logits processors and constraint, and is inserted into the step,
-                     its prompt in two segments when its cacheable prefix ends
-                     mid-prompt (that prefix is cached when prefill reaches it)
+                     its prompt split where a prefix is to be cached (``_store_points``:
+                     the prefix ``cache_prefix_len`` names, and each cache breakpoint a
+                     client set), each cached when prefill reaches it, a breakpoint's
+                     pinned for its TTL; one cached already is pinned again
+    shared prefixes  a request whose cacheable prefix a running row is prefilling waits
+                     for it (``_held``) and then reads it from the cache: concurrent
+                     requests with one system prompt, a decision's questions about one
+                     input, compute it once
+    score rows       prefill-only rows (``GenerationRequest.score``: a decision's
+                     options) are the step's score rows; their answer is the final delta
     each token       logprobs from the step's responses; a finished conversation's KV
                      (with its checkpoints, where its layers cannot trim) goes to the
                      prefix cache (``prompt_cache: prefix``)
@@ -51,8 +59,10 @@ replayed on every other rank.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,19 +89,34 @@ from app.engine.params import EngineParams
 from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
-from app.engine.step import DecodeBatch, Drawn, RowInputs
-from app.engine.types import EngineStats, GenerationRequest
+from app.engine.step import DecodeBatch, Drawn, RowInputs, ScoreSpec
+from app.engine.types import EngineStats, GenerationRequest, ScoreRequest
 from app.engine.worker import MLXWorker
-from app.errors import AppError, ContextLengthError, EngineError, VisionNotSupportedError
+from app.errors import AppError, ContextLengthError, EngineError, InvalidRequestError, VisionNotSupportedError
 
 log = logging.getLogger("tandem.engine")
+
+
+def check_score(score: ScoreRequest, prompt_len: int, vocab_size: int | None) -> None:
+    """Refuse a score row that cannot be read: nothing asked, a tail that leaves no token
+    before it, a candidate token outside the vocabulary."""
+    if score.tail < 0 or (score.tail == 0 and not score.next_tokens):
+        raise InvalidRequestError("a score request reads a tail of the prompt or candidate next tokens")
+    if score.tail >= prompt_len:
+        raise InvalidRequestError(f"a score tail of {score.tail} tokens needs a longer prompt than {prompt_len}")
+    if vocab_size and any(not 0 <= t < vocab_size for t in score.next_tokens):
+        raise InvalidRequestError(f"a candidate next token is not a token id of this model (0..{vocab_size - 1})")
 
 
 
 @dataclass(eq=False)
 class _Seq(Seq):
-    # Prompt segments left whose end is a prefix worth caching (``_insert``).
-    cache_segments: int = 0
+    # Where its prompt splits for the prefix cache (``_store_points``): length -> pin seconds
+    # (0: an entry kept by LRU alone); and those its prefill has still to reach (``_insert``).
+    points: dict[int, float] = field(default_factory=dict)
+    stores: dict[int, float] = field(default_factory=dict)
+    # Its shared prefix (cache key, digest of the tokens): ``_filling`` names the row computing it.
+    shares: tuple[str, str] | None = None
     sampler: Any = None
     processors: list[Any] = field(default_factory=list)
     # While paused for interactive work: the KV it had (cache, the tokens in it, the token it
@@ -147,9 +172,11 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
                                               plain=loaded.kv_plain_attention)
             disk = open_disk_tier(disk_root(params.prompt_cache_disk_dir), loaded.name, identity,
                                   params.prompt_cache_disk_bytes, params.prompt_cache_disk_queue_mb * 2**20,
-                                  layout, key_share=params.prompt_cache_key_share)
+                                  layout, key_share=params.prompt_cache_key_share,
+                                  pin_share=params.prompt_cache_pin_share)
         self.prompt_cache = PrefixCache(ops.prompt_cache(), params.prompt_cache_entries,
-                                        params.prompt_cache_bytes, disk, key_share=params.prompt_cache_key_share)
+                                        params.prompt_cache_bytes, disk, key_share=params.prompt_cache_key_share,
+                                        pin_share=params.prompt_cache_pin_share)
         self._kv_bytes = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
@@ -157,6 +184,8 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
         # Rows paused because the KV budget could not take their growth.
         self.memory_pauses = 0
         self._paused: deque[_Seq] = deque()
+        # Shared prefixes being computed, and the row computing each (``_held``).
+        self._filling: dict[tuple[str, str], _Seq] = {}
         # Prefill chunks sized by time while rows decode (``pacing``), timed on ``clock``.
         self.pacer = PrefillPacer(params.prefill_chunk_size, params.prefill_step_ms / 1000)
         self._clock = clock
@@ -206,7 +235,7 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             self.vision.check(req)
         elif isinstance(req.prompt, MultimodalPrompt):
             raise VisionNotSupportedError(f"model {self.loaded.name} does not accept images")
-        p, n, prefix = self.params, len(req.prompt_tokens), req.cache_prefix_len
+        p, n = self.params, len(req.prompt_tokens)
         limit = min(self.loaded.max_model_len, self.admission.max_sequence_tokens)
         if n + req.max_tokens > limit:  # the pipeline's completion budget keeps within it
             expanded = " with its images expanded" if isinstance(req.prompt, MultimodalPrompt) else ""
@@ -214,12 +243,34 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
                 f"the prompt has {n} tokens{expanded} and asks for {req.max_tokens} more; this model takes {limit} "
                 f"in all (context {self.loaded.max_model_len}, KV budget {self.admission.max_sequence_tokens})",
                 param="messages")
-        # Its prompt is prefilled in two segments when its cacheable prefix may end mid-prompt (``_insert``).
-        cached = p.prompt_cache != "off" or req.share_prefix
-        segments = 1 + (cached and bool(prefix) and p.cache_min_tokens <= (prefix or 0) < n)
+        max_tokens = req.max_tokens
+        if req.score is not None:  # a prefill-only row: its prompt's KV, no more
+            check_score(req.score, n, self.vocab_size)
+            max_tokens = 0
+        # Its prompt is prefilled in a segment more for each prefix to cache on the way (``_insert``).
+        points = self._store_points(req, n)
+        segments = 1 + len(points)
         chunk = p.prefill_chunk_size
-        return _Seq(req, self._streams.open(), sequence_width(n, req.max_tokens, segments=segments, chunk=chunk), n,
-                    prefill=prefill_span(n, segments=segments, chunk=chunk))
+        return _Seq(req, self._streams.open(), sequence_width(n, max_tokens, segments=segments, chunk=chunk), n,
+                    prefill=prefill_span(n, segments=segments, chunk=chunk), points=points)
+
+    def _store_points(self, req: GenerationRequest, n: int) -> dict[int, float]:
+        """Where ``req``'s prompt of ``n`` tokens is cached on the way (length -> pin seconds):
+        the prefix it names (``cache_prefix_len``: a system prompt, a decision's input) unless
+        it asks for breakpoints only, and each cache breakpoint, pinned for its TTL. Prefixes
+        shorter than ``cache_min_tokens`` are not worth an entry, unless shared on purpose."""
+        p = self.params
+        if p.prompt_cache == "off" and not req.share_prefix:
+            return {}
+        least = 1 if req.share_prefix else p.cache_min_tokens
+        points: dict[int, float] = {}
+        prefix = req.cache_prefix_len
+        if req.cache_implicit and prefix and least <= prefix < n:
+            points[prefix] = 0.0
+        for mark in req.cache_breakpoints:
+            if least <= mark.tokens < n:
+                points[mark.tokens] = max(points.get(mark.tokens, 0.0), float(mark.ttl_s))
+        return points
 
     def close(self) -> None:
         """Leave the MLX loop and drop the model's arrays (an unload). MLX thread only,
@@ -360,7 +411,8 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
         background = [s for s in self._running.values() if s.background]
         decoding = sorted((s for s in background if s.first_token is not None), key=lambda s: s.enqueued)
         for seq in [s for s in background if s.first_token is None] + decoding[keep:]:
-            seq.paused, seq.cache_segments = self._take_out(seq), 0
+            seq.paused = self._take_out(seq)
+            self._stop_storing(seq)
             with self._lock:
                 self.admission.suspend()
             self._paused.append(seq)
@@ -439,7 +491,8 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
         chunk = self.params.prefill_chunk_size
         seq.prefill = prefill_span(max(len(tokens), seq.prompt_len), segments=1, chunk=chunk)
         seq.width = max(seq.width, seq.prefill)
-        seq.uid, seq.paused, seq.cache_segments, seq.requeued, seq.holds = None, None, 0, (tokens, drawn), False
+        self._stop_storing(seq)
+        seq.uid, seq.paused, seq.requeued, seq.holds = None, None, (tokens, drawn), False
         self.memory_pauses += 1
         # It comes back when a step more than it holds fits: not at the first free token.
         need = min(seq.width, max(seq.prefill, len(tokens) + 2 * KV_STEP))
@@ -485,6 +538,8 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             held, drawn = seq.requeued
             if drawn is not None:
                 tokens = [*held, drawn[0]]
+        elif seq.req.score is not None:  # its tail, and the token before it, are its score pass's to feed
+            tokens = tokens[:len(tokens) - seq.req.score.tail]
         return self._keyed(seq, tokens) if keyed else tokens
 
     def _keyed(self, seq: _Seq, tokens: list[int]) -> list[int]:
@@ -547,24 +602,27 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
     def _insert(self, seq: _Seq) -> None:
         req, p = seq.req, self.params
         prompt = list(req.prompt_tokens)
-        cache, rest = (None, prompt)
-        use_cache = p.prompt_cache != "off" or req.share_prefix
-        if use_cache:
+        cache, cached = None, 0
+        if p.prompt_cache != "off" or req.share_prefix:
             cache, rest = self._fetch(seq)
-            rest = prompt[len(prompt) - len(rest):]  # the real tokens (a VLM's key stands for its images)
+            cached = len(self._lookup_tokens(seq, keyed=False)) - len(rest)
         if cache is None:
-            cache = self._new_cache()
-        cached = len(prompt) - len(rest)
+            cache, cached = self._new_cache(), 0
         if cached:
             self.cache_hits += 1
             self.cache_tokens_saved += cached
-        segments = [rest]
-        prefix = req.cache_prefix_len
-        worth = prefix is not None and (prefix >= p.cache_min_tokens or req.share_prefix)
-        if use_cache and prefix and worth and cached < prefix < len(prompt):
-            segments = [prompt[cached:prefix], prompt[prefix:]]
-            seq.cache_segments = 1
+            self._pin_again(seq, cached)
+        # The prompt splits where a prefix is to be cached that the cache does not hold yet.
+        seq.stores = {n: pin_s for n, pin_s in seq.points.items() if n > cached}
+        cuts = [cached, *sorted(seq.stores), len(prompt)]
+        segments = [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
         seq.cached_tokens = cached
+        inputs = self._inputs_from(seq, cached)
+        if req.score is not None:
+            self._start(seq, segments, cache, prompt[:cached], 0, inputs=inputs,
+                        score=ScoreSpec(req.score.tail, req.score.next_tokens))
+            self._fill(seq)
+            return
         seq.sampler = build_sampler(req.sampling)
         seq.processors = build_logits_processors(req.sampling) + self._budget(seq, len(prompt))
         if req.constraint is not None:  # last, so it masks the penalised logits; kept across a pause
@@ -575,13 +633,15 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
         if self.speculator is not None:
             budget = next((p for p in seq.processors if isinstance(p, BudgetProcessor)), None)
             seq.drafts = self.speculator.open(req, budget, seq.constraint)
-        self._start(seq, segments, cache, prompt[:cached], req.max_tokens, inputs=self._inputs_from(seq, cached))
+        self._start(seq, segments, cache, prompt[:cached], req.max_tokens, inputs=inputs)
+        self._fill(seq)
 
     def _start(self, seq: _Seq, segments: list[list[int]], cache: Any, done: list[int], max_tokens: int,
-               drawn: tuple[int, Any] | None = None, inputs: RowInputs | None = None) -> None:
+               drawn: tuple[int, Any] | None = None, inputs: RowInputs | None = None,
+               score: ScoreSpec | None = None) -> None:
         """Insert ``seq`` into the batch: its prompt ``segments`` after the ``done`` tokens in ``cache``;
         ``drawn``: the last of them is a token it drew before a pause (fed and emitted); ``inputs``:
-        a VLM row's embeddings and extras from ``done`` on."""
+        a VLM row's embeddings and extras from ``done`` on; ``score``: a score row's reading."""
         (uid,) = self._bg.insert_segments(
             [segments],
             max_tokens=[max_tokens],
@@ -589,6 +649,7 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             all_tokens=[done],
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
+            scores=[score] if score is not None else None,
             drawn=[Drawn(drawn[1])] if drawn is not None else None,
             inputs=[inputs] if inputs is not None else None,
         )
@@ -614,10 +675,63 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
     def _cache_key(self, seq: _Seq) -> str:
         return self.cache_key(seq.req.cache_namespace)
 
-    def _cache_prefix(self, seq: _Seq) -> None:
+    def _cache_prefix(self, seq: _Seq, pin_s: float) -> None:
+        """``seq``'s KV now (its prompt up to a store point) into the prefix cache, pinned for
+        ``pin_s``; written at a breakpoint, or as a score row's shared input, it counts as
+        ``cache_write_tokens``."""
         assert seq.uid is not None
         for _, (cache, tokens) in self._bg.extract_cache([seq.uid]).items():
-            self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache, cache_type="system")
+            self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache, cache_type="system",
+                                           pin_s=pin_s)
+            if pin_s > 0 or seq.req.score is not None:
+                seq.cache_write_tokens = max(seq.cache_write_tokens, len(tokens) - seq.cached_tokens)
+
+    def _pin_again(self, seq: _Seq, cached: int) -> None:
+        """Breakpoints the cache held already (``cached`` tokens were read): each pinned for its
+        TTL from now, as a cache hit refreshes a breakpoint's TTL."""
+        marks = [(n, pin_s) for n, pin_s in seq.points.items() if pin_s > 0 and n <= cached]
+        if not marks:
+            return
+        key, tokens = self._cache_key(seq), self._lookup_tokens(seq)
+        for n, pin_s in marks:
+            if not self.prompt_cache.pin(key, tokens[:n], pin_s):
+                self.prompt_cache.pin_nearest(key, tokens, pin_s)
+
+    # ---- shared prefixes: computed once by one row while the others wait for it ------------
+
+    def _share_of(self, seq: _Seq) -> tuple[str, str] | None:
+        """``seq``'s shared prefix (the one ``cache_prefix_len`` names, when it is to be cached):
+        its cache key and the digest of its tokens as the cache keys them."""
+        prefix = seq.req.cache_prefix_len
+        if seq.shares is None and prefix and prefix in seq.points and seq.requeued is None:
+            tokens = self._keyed(seq, list(seq.req.prompt_tokens[:prefix]))
+            seq.shares = (self._cache_key(seq), hashlib.sha256(array("q", tokens).tobytes()).hexdigest())
+        return seq.shares
+
+    def _fill(self, seq: _Seq) -> None:
+        """``seq`` started: it computes its shared prefix for the requests that wait for it."""
+        prefix = seq.req.cache_prefix_len
+        share = self._share_of(seq)
+        if share is not None and prefix in seq.stores:
+            self._filling.setdefault(share, seq)
+
+    def _unfill(self, seq: _Seq) -> None:
+        """``seq`` computes its shared prefix no more (cached, paused or ended): those waiting go."""
+        if seq.shares is not None and self._filling.get(seq.shares) is seq:
+            del self._filling[seq.shares]
+
+    def _stop_storing(self, seq: _Seq) -> None:
+        """``seq`` left the batch before its prefill reached its store points."""
+        seq.stores = {}
+        self._unfill(seq)
+
+    def _held(self, seq: _Seq) -> bool:
+        """A waiting ``seq`` whose shared prefix a running row is computing: it waits for that
+        and reads it from the cache (it would only compute it again beside it)."""
+        if not self._filling or seq.requeued is not None:
+            return False
+        share = self._share_of(seq)
+        return share is not None and share in self._filling
 
     def _on_prompt_progress(self, responses: list[Any]) -> None:
         # Prompt tokens this step prefilled: each row's progress since its last step.
@@ -633,9 +747,12 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             seq = self._running.get(r.uid)
             if seq and r.end_of_prompt:
                 seq.prefilling = False
-            if seq and seq.cache_segments and r.end_of_segment and not r.end_of_prompt:
-                seq.cache_segments -= 1
-                self._cache_prefix(seq)
+            if seq and seq.stores and r.end_of_segment:
+                pin_s = seq.stores.pop(r.held, None)
+                if pin_s is not None:
+                    self._cache_prefix(seq, pin_s)
+                if r.held == seq.req.cache_prefix_len:
+                    self._unfill(seq)
 
     def _distribution(self, seq: _Seq, r: Any) -> mx.array:
         return r.logprobs
@@ -658,13 +775,21 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
             self._store_conversation(seq, cache, tokens)
 
     def _store_conversation(self, seq: _Seq, cache: Any, tokens: Any) -> None:
+        """A conversation's KV at its end into the prefix cache (``prompt_cache: prefix``), unless
+        its request caches at its breakpoints only; pinned when a breakpoint marks its whole prompt."""
         if self.params.prompt_cache != "prefix" or cache is None or tokens is None:
+            return
+        pin_s = float(max((m.ttl_s for m in seq.req.cache_breakpoints if m.tokens >= seq.prompt_len), default=0))
+        if not seq.req.cache_implicit and not pin_s:
             return
         if len(tokens) >= self.params.cache_min_tokens:
             self.prompt_cache.insert_cache(self._cache_key(seq), self._keyed(seq, tokens), cache,
-                                           cache_type="assistant")
+                                           cache_type="assistant", pin_s=pin_s)
+            if pin_s:
+                seq.cache_write_tokens = max(seq.cache_write_tokens, seq.prompt_len - seq.cached_tokens)
 
     def _release(self, seq: _Seq) -> None:
+        self._unfill(seq)
         super()._release(seq)
         seq.paused = seq.requeued = None  # a paused sequence's KV goes with it
         if seq.drafts is not None and self.speculator is not None:

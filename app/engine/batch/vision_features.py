@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -112,9 +112,26 @@ def prompt_row_inputs(model: Any, prompt: Prompt, cache: FeatureCache | None, sc
     forward call embeds and places itself as the model does a text prompt. MLX thread."""
     if not isinstance(prompt, MultimodalPrompt):
         return None
-    inputs = {"input_ids": mx.array([prompt.tokens]), **prompt.inputs}
+    inputs = {"input_ids": mx.array([prompt.tokens]), **_grown(prompt.inputs, len(prompt.tokens))}
     features = image_features(model, inputs, prompt.images, cache, scope, max_pixels, min_pixels, cached_tokens)
     return row_inputs(vlm_embedding_features(model, inputs, features), cached_tokens)
+
+
+def _grown(inputs: Mapping[str, mx.array], n: int) -> dict[str, mx.array]:
+    """The processor's inputs for a prompt with text tokens after what it processed (a
+    decision's option read whole): its per-token arrays (those as long as its attention mask)
+    grown to ``n`` tokens as it gives them for text: the mask with ones, token types with zeros."""
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.ndim != 2 or mask.shape[1] >= n:
+        return dict(inputs)
+    m = mask.shape[1]
+    out = {}
+    for name, value in inputs.items():
+        if value.ndim == 2 and value.shape == (1, m):
+            fill = mx.ones if name == "attention_mask" else mx.zeros
+            value = mx.concatenate([value, fill((1, n - m), dtype=value.dtype)], axis=1)
+        out[name] = value
+    return out
 
 
 def image_features(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,

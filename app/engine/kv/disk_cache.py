@@ -20,8 +20,11 @@ a lookup finds the longest one that is a prefix of the prompt, short of its last
 where a layer cannot trim (a row always feeds at least its last prompt token; where
 every layer trims, the caller cuts one back). Bytes on disk stay within the
 model's budget (``prompt_cache_disk_mb``): files of a key over its share
-(``prompt_cache_key_share``) first, then least recently used first; the model's
-directories for other identities count against it too, and go first.
+(``prompt_cache_key_share``) first, then least recently used first, files a client
+pinned (a cache breakpoint) last while within ``prompt_cache_pin_share``; the model's
+directories for other identities count against it too, and go first. Pins survive a
+restart in ``pins.json`` beside the files (file name -> until when, wall-clock time),
+which the writer thread rewrites when they change.
 
 Threads: ``lookup`` and ``load`` run on the MLX thread (a load replaces a much
 longer prefill). A load's file is read and checked on a reader thread that the MLX
@@ -40,6 +43,7 @@ there. ``close`` finishes the queued writes (graceful shutdown, an unload).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -67,6 +71,8 @@ log = logging.getLogger("tandem.engine")
 _NAME = re.compile(r"([0-9a-f]{16})-(\d+)-([0-9a-f]{32})\.safetensors")
 # Temporary files older than this are a crash's leftovers; younger ones may be another process's write.
 STALE_TMP_S = 3600.0
+# The pins of the directory's files, by file name (``DiskEntry.pinned_until``).
+PINS_FILE = "pins.json"
 # How long the MLX thread waits for a file to be read and checked: this, plus a second per 64 MiB.
 # Past it (a hung filesystem), the load is a miss, and the tier is skipped until that read ends.
 READ_TIMEOUT_S = 10.0
@@ -96,7 +102,7 @@ class DiskTier:
     """One model's directory of cached sequences, its index, and the writer thread."""
 
     def __init__(self, directory: Path, budget_bytes: int, identity: str, queue_bytes: int, layout: KVLayout, *,
-                 key_share: float = 1.0) -> None:
+                 key_share: float = 1.0, pin_share: float = 0.5) -> None:
         self.dir = directory
         self.budget_bytes = budget_bytes
         self.identity = identity
@@ -105,7 +111,10 @@ class DiskTier:
         self._reading: Future[tuple[dict[str, Tensor], list[int]]] | None = None
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._cv = threading.Condition()
-        self._index = DiskIndex(budget_bytes, key_share)
+        self._index = DiskIndex(budget_bytes, key_share, pin_share)
+        # Pins by file name, of files written or queued; rewritten to PINS_FILE when dirty.
+        self._pins: dict[tuple[str, int, str], float] = {}
+        self._pins_dirty = False
         self._queue: deque[_Job] = deque()
         self._queued_bytes = 0
         self._done: deque[_Job] = deque()
@@ -126,6 +135,7 @@ class DiskTier:
 
     def _scan(self) -> None:
         now = time.time()
+        self._pins = {name: until for name, until in _read_pins(self.dir / PINS_FILE).items() if until > now}
         with os.scandir(self.dir) as found:
             items = list(found)
         for item in items:
@@ -150,7 +160,8 @@ class DiskTier:
             except OSError:
                 continue
             n = int(match[2])
-            self._index.add(DiskEntry(match[1], n, match[3], path, st.st_size, st.st_mtime, self._points(path, n)))
+            self._index.add(DiskEntry(match[1], n, match[3], path, st.st_size, st.st_mtime, self._points(path, n),
+                                      self._pins.get((match[1], n, match[3]), 0.0)))
         with self._cv:
             self._evict_over_budget()
 
@@ -259,13 +270,34 @@ class DiskTier:
                 self.counts.damaged += 1
         _remove(entry.path)
 
-    def offer(self, key: str, tokens: list[int], cache: list[Any]) -> None:
+    def pin(self, key: str, tokens: list[int], until: float) -> None:
+        """Keep the file of exactly ``tokens`` (written, queued, or offered later) ahead of
+        unpinned ones until ``until`` (``time.time()``)."""
+        data = _tokens_bytes(tokens)
+        name = (_digest(key.encode())[:16], len(tokens), _digest(data)[:32])
+        with self._cv:
+            self._pin(name, until)
+
+    def _pin(self, name: tuple[str, int, str], until: float) -> None:
+        if until <= self._pins.get(name, 0.0):
+            return
+        self._pins[name] = until
+        entry = self._index.get(name)
+        if entry is not None:
+            entry.pinned_until = until
+        self._pins_dirty = True
+        self._cv.notify()
+
+    def offer(self, key: str, tokens: list[int], cache: list[Any], pinned_until: float = 0.0) -> None:
         """Queue ``cache`` (one sequence's at exactly ``tokens``; a ``SeqCache`` with its
         checkpoints) to be written, unless it is on disk already, or the queue is full
-        (dropped and counted: the MLX thread never waits)."""
+        (dropped and counted: the MLX thread never waits); ``pinned_until``: a pin (``pin``)."""
         n = len(tokens)
         data = _tokens_bytes(tokens)
         ns, digest = _digest(key.encode())[:16], _digest(data)[:32]
+        if pinned_until > 0:
+            with self._cv:
+                self._pin((ns, n, digest), pinned_until)
         with self._cv:
             if self._closing or (ns, n, digest) in self._index or any(
                     j.entry.name == (ns, n, digest) for j in self._queue):
@@ -282,7 +314,8 @@ class DiskTier:
             return
         points = {p: _digest(data[: p * 4])[:32] for p in exported.points}
         size = sum(t.data.nbytes for t in tensors)
-        entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time(), points)
+        entry = DiskEntry(ns, n, digest, self.dir / f"{ns}-{n}-{digest}.safetensors", size, time.time(), points,
+                          pinned_until)
         meta = {**exported.meta, "identity": self.identity, "key": ns, "tokens": str(n), "digest": digest,
                 "checkpoints": format_points(points)}
         with self._cv:
@@ -307,10 +340,16 @@ class DiskTier:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._closing and not self._pins_dirty:
                     self._cv.wait()
+                pins = self._take_pins()
+            if pins is not None:
+                self._write_pins(pins)
+            with self._cv:
                 if not self._queue:
-                    return
+                    if self._closing and not self._pins_dirty:
+                        return
+                    continue
             self._write_head()
             with self._cv:
                 job = self._queue.popleft()
@@ -318,6 +357,26 @@ class DiskTier:
                 self._done.append(job)
                 del job  # the MLX thread drops the last reference (collect)
                 self._cv.notify_all()
+
+    def _take_pins(self) -> dict[str, float] | None:
+        """The pins to write, when they changed (lock held): unexpired ones, by file name."""
+        if not self._pins_dirty:
+            return None
+        self._pins_dirty = False
+        now = time.time()
+        self._pins = {name: until for name, until in self._pins.items() if until > now}
+        return {f"{ns}-{n}-{digest}": until for (ns, n, digest), until in self._pins.items()}
+
+    def _write_pins(self, pins: dict[str, float]) -> None:
+        """``PINS_FILE`` replaced whole (a crash leaves the old one or the new one)."""
+        path = self.dir / PINS_FILE
+        tmp = self.dir / f"{TMP_PREFIX}{PINS_FILE}"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(pins))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("prompt cache: could not write %s: %s", path, exc)
 
     def _write_head(self) -> None:
         """Write the job at the head of the queue (it stays there, referenced, meanwhile)."""
@@ -348,6 +407,20 @@ class DiskTier:
         """A snapshot of the counters, the bytes and entries on disk, and the writes queued."""
         with self._cv:
             return replace(self.counts, bytes=self._index.bytes, entries=len(self._index), pending=len(self._queue))
+
+
+def _read_pins(path: Path) -> dict[tuple[str, int, str], float]:
+    """The pins ``PINS_FILE`` holds; none when it is missing or not what Tandem writes."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    pins = {}
+    for name, until in raw.items() if isinstance(raw, dict) else ():
+        match = re.fullmatch(r"([0-9a-f]{16})-(\d+)-([0-9a-f]{32})", str(name))
+        if match is not None and isinstance(until, (int, float)):
+            pins[(match[1], int(match[2]), match[3])] = float(until)
+    return pins
 
 
 def _remove(path: Path) -> None:
@@ -389,10 +462,12 @@ def disk_root(configured: str | None) -> Path:
 
 
 def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int, queue_bytes: int,
-                   layout: Callable[[], KVLayout], *, key_share: float = 1.0) -> DiskTier | None:
+                   layout: Callable[[], KVLayout], *, key_share: float = 1.0,
+                   pin_share: float = 0.5) -> DiskTier | None:
     """The model's disk tier, for the caches ``layout()`` describes (``kv_layout.model_layout``);
     None, with a warning, when its directory cannot be used or its caches cannot be stored.
-    ``key_share``: the share of the budget one partition may hold before its files go first.
+    ``key_share``: the share of the budget one partition may hold before its files go first;
+    ``pin_share``: the share pinned files may hold ahead of the rest.
 
     The model's directories for other identities (older weights, other settings, perhaps
     another server's) count against its budget: beyond it they are removed, oldest first.
@@ -405,7 +480,8 @@ def open_disk_tier(root: Path, model_name: str, identity: str, budget_bytes: int
         log.warning("prompt cache: disk tier off for %s: its caches cannot be stored (%s)", model_name, exc)
         return None
     try:
-        tier = DiskTier(directory, budget_bytes, identity, queue_bytes, shape, key_share=key_share)
+        tier = DiskTier(directory, budget_bytes, identity, queue_bytes, shape, key_share=key_share,
+                        pin_share=pin_share)
     except OSError as exc:
         log.warning("prompt cache: disk tier off, cannot use %s: %s", directory, exc)
         return None

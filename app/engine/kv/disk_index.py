@@ -9,7 +9,9 @@ hashes a prompt once and finds the longest prefix of it some file restores.
 Eviction keeps the bytes within the budget, one file at a time: first the files of a
 partition (an API key, a ``cache_salt``) that holds more than its share of the budget
 (``key_share``), least recently used first; then least recently used first. One key's
-abandoned prompts push out its own files, not everyone else's.
+abandoned prompts push out its own files, not everyone else's. Files a client asked to keep
+(a cache breakpoint's ``pinned_until``, wall-clock time) go last while they are within
+``pin_share`` of the budget (those that live longest kept first), as in memory.
 
 Not thread-safe: ``disk_cache.DiskTier`` holds its lock around every call.
 """
@@ -17,6 +19,7 @@ Not thread-safe: ``disk_cache.DiskTier`` holds its lock around every call.
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +45,8 @@ class DiskEntry:
     last_used: float
     # Its checkpoints: position -> digest of the tokens before it.
     points: dict[int, str] = field(default_factory=dict)
+    # Kept ahead of unpinned files until then (``time.time()``; a cache breakpoint's TTL).
+    pinned_until: float = 0.0
 
     @property
     def name(self) -> tuple[str, int, str]:
@@ -80,9 +85,10 @@ def parse_points(text: str, n: int) -> dict[int, str]:
 class DiskIndex:
     """Files by name and by restore point, with bytes per partition (see the module docstring)."""
 
-    def __init__(self, budget_bytes: int, key_share: float = 1.0) -> None:
+    def __init__(self, budget_bytes: int, key_share: float = 1.0, pin_share: float = 0.5) -> None:
         self.budget_bytes = budget_bytes
         self.key_share = key_share
+        self.pin_share = pin_share
         self.bytes = 0
         self._entries: dict[tuple[str, int, str], DiskEntry] = {}
         self._at: dict[tuple[str, int, str], list[DiskEntry]] = {}
@@ -133,6 +139,9 @@ class DiskIndex:
         """The restore points' lengths in ``key``'s partition in (``above``, ``most``], ascending."""
         return sorted(n for n in self._lengths.get(key, ()) if above < n <= most)
 
+    def get(self, name: tuple[str, int, str]) -> DiskEntry | None:
+        return self._entries.get(name)
+
     def at(self, key: str, n: int, digest: str) -> DiskEntry | None:
         """The smallest file that restores ``n`` tokens of this digest (the cheapest read)."""
         found = self._at.get((key, n, digest))
@@ -144,4 +153,9 @@ class DiskIndex:
             return None
         share = self.key_share * self.budget_bytes
         over = {key for key, size in self._key_bytes.items() if size > share}
-        return min(self._entries.values(), key=lambda e: (e.key not in over, e.last_used))
+        now, room, pinned = time.time(), self.pin_share * self.budget_bytes, set()
+        for e in sorted((e for e in self._entries.values() if e.pinned_until > now), key=lambda e: -e.pinned_until):
+            if e.size <= room:
+                pinned.add(e.name)
+                room -= e.size
+        return min(self._entries.values(), key=lambda e: (e.name in pinned, e.key not in over, e.last_used))

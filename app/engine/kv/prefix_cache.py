@@ -15,7 +15,8 @@ What goes first when memory is short (``trim_to``), one entry at a time:
 2. then least recently used first;
 3. entries a client asked to keep (a cache breakpoint: ``pin``, with a TTL) go last,
    while they are within ``pin_share`` of the tier; past it, or expired, they are
-   ordinary entries;
+   ordinary entries. The disk tier keeps the pins too (beyond a restart), and an entry
+   loaded from disk comes back into memory pinned for what its pin has left;
 4. an entry a request waiting for admission matches (``hold``) never goes while held: its
    own admission must not evict the prefix it is about to read.
 
@@ -90,9 +91,9 @@ class PrefixCache:
         cache, rest = self.memory.fetch_nearest_cache(key, prompt)
         cached = len(prompt) - len(rest)
         tier = "memory" if cache is not None and cached else None
-        n, loaded = self._from_disk(key, prompt, cached)
+        n, loaded, pin_s = self._from_disk(key, prompt, cached)
         if loaded is not None:
-            self._insert_memory(key, prompt[:n], loaded, "system")
+            self._insert_memory(key, prompt[:n], loaded, "system", pin_s)
             cache, rest = self.memory.fetch_nearest_cache(key, prompt)
             if len(prompt) - len(rest) < min(n, len(prompt) - 1):  # too big to stay in memory: use it as it is
                 cache, rest = _short_of_the_end(loaded, prompt, n)
@@ -116,17 +117,22 @@ class PrefixCache:
     def release(self) -> None:
         self._held.clear()
 
-    def _from_disk(self, key: str, prompt: list[int], cached: int) -> tuple[int, SeqCache | None]:
-        """The disk tier's longest restorable prefix beyond ``cached`` tokens: its length and
-        its cache; a failure of the tier itself is logged and is a miss, never the request's failure."""
+    def _from_disk(self, key: str, prompt: list[int], cached: int) -> tuple[int, SeqCache | None, float]:
+        """The disk tier's longest restorable prefix beyond ``cached`` tokens: its length, its
+        cache, and the seconds its pin has left (a file restored at its end); a failure of the
+        tier itself is logged and is a miss, never the request's failure."""
         if self.disk is None:
-            return 0, None
+            return 0, None, 0.0
         try:
             found = self.disk.lookup(key, prompt, longer_than=cached)
-            return (found[1], self.disk.load(found[0], found[1], prompt)) if found is not None else (0, None)
+            if found is None:
+                return 0, None, 0.0
+            entry, n = found
+            pin_s = max(0.0, entry.pinned_until - time.time()) if n == entry.n_tokens else 0.0
+            return n, self.disk.load(entry, n, prompt), pin_s
         except Exception:  # noqa: BLE001 - the memory tier and a prefill still serve the request
             log.exception("prompt cache: disk tier lookup failed")
-            return 0, None
+            return 0, None, 0.0
 
     def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant",
                      pin_s: float = 0.0) -> None:
@@ -135,7 +141,7 @@ class PrefixCache:
         self._insert_memory(key, tokens, cache, cache_type, pin_s)
         if self.disk is not None:
             try:
-                self.disk.offer(key, tokens, cache)
+                self.disk.offer(key, tokens, cache, time.time() + pin_s if pin_s > 0 else 0.0)
             except Exception:  # noqa: BLE001 - a prefix not written is a later miss, nothing worse
                 log.exception("prompt cache: could not queue a disk write")
 
@@ -173,8 +179,18 @@ class PrefixCache:
         return sorted(entries, key=lambda e: (id(e) in pinned, e.owner not in over, e.last_used))
 
     def pin(self, key: str, tokens: list[int], seconds: float) -> bool:
-        """Keep the entry of exactly ``tokens`` ahead of unmarked ones for ``seconds`` more."""
+        """Keep the entry of exactly ``tokens`` ahead of unmarked ones for ``seconds`` more, in
+        memory and on disk; whether memory holds it."""
+        if self.disk is not None:
+            self.disk.pin(key, tokens, time.time() + seconds)
         return bool(self.memory.pin(key, tokens, self._clock() + seconds))
+
+    def pin_nearest(self, key: str, prompt: list[int], seconds: float) -> None:
+        """``pin`` the memory entry a fetch of ``prompt`` reads (a breakpoint within a longer
+        cached prefix whose own entry is gone: the longer one keeps its KV)."""
+        found = self.memory.nearest(key, prompt)
+        if found is not None:
+            self.pin(key, list(found[0].tokens), seconds)
 
     def collect(self) -> None:
         """Free what the disk writer has finished with (MLX thread)."""

@@ -294,7 +294,7 @@ class DecodeBatch:
             if chunk or ready:
                 progress = (row.total if ready else row.done, row.total)
                 responses.append(PromptResponse(row.uid, progress, end_of_segment or ready,
-                                                 ready and row.score is None))
+                                                 ready and row.score is None, len(row.tokens)))
         ready_uids = [r.uid for r in phase.rows if _ready(r)]
         scoring = [r.uid for r in phase.rows if r.uid in ready_uids and r.score is not None]
         if scoring:

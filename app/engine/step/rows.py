@@ -110,6 +110,8 @@ class PromptResponse:
     progress: tuple[int, int]
     end_of_segment: bool
     end_of_prompt: bool
+    # Tokens in its KV now (where a segment ended, the length of the prefix it completed).
+    held: int = 0
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Response:
 @dataclass
 class ScoreResponse:
     """What a score row's forward pass gave: its tail's and its next tokens' log-probabilities.
-    It ends the row (``finish_reason`` "score"); no token is generated."""
+    It ends the row (``finish_reason`` "score": the engine's ``SCORED``); no token is generated."""
 
     uid: int
     tail: tuple[float, ...]
