@@ -521,6 +521,8 @@ class BatchingEngine(Generic[S, L]):
             self._finish_with_error(seq, err)
         self._running.clear()
         self._parked.clear()
+        # And any stream the thread held in no list when it died (admitted, being inserted).
+        self._streams.end_all(err)
 
     def _abort_all(self, exc: BaseException) -> None:
         self._take_inbox()

@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import threading
@@ -123,6 +124,10 @@ class DiskTier:
         self._stuck_logged = False
         self.counts = CacheTierStats(budget_bytes=budget_bytes)
         self._scan()
+        # The reader thread lives as long as the tier: a load never starts a thread (the MLX
+        # thread would wait for it to start, and a thread's start is a moment signals and
+        # asynchronous exceptions can go astray).
+        self._reader = _Reader("tandem-kv-reader")
         self._thread = threading.Thread(target=self._run, name="tandem-kv-writer", daemon=True)
         self._thread.start()
 
@@ -211,7 +216,7 @@ class DiskTier:
         if self._reading is not None and not self._reading.done():
             return None  # an earlier read hangs (a stuck filesystem): a miss, never a wait
         want = _tokens_bytes(tokens[:n])
-        self._reading = _off_thread(lambda: self._read(entry, want), name="tandem-kv-reader")
+        self._reading = self._reader.submit(lambda: self._read(entry, want))
         timeout = READ_TIMEOUT_S + entry.size / 2**26
         try:
             tensors, points = self._reading.result(timeout)
@@ -436,18 +441,26 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _off_thread(fn: Callable[[], Any], *, name: str) -> Future[Any]:
-    """Run ``fn`` on a daemon thread of its own (one that may hang must not hold up the exit)."""
-    future: Future[Any] = Future()
+class _Reader:
+    """A daemon thread that runs what it is given, one at a time (a read that may hang must not
+    hold up the exit; while it hangs, the tier asks nothing more of it)."""
 
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(exc)
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
 
 
 def disk_root(configured: str | None) -> Path:
