@@ -62,6 +62,10 @@ It measures, in this order (one server at a time, so they never compete):
  19. decisions: 20 predicate questions about one ~1,000-token input against one question
      about it, each request in its own cache scope: the input is read once per request
      (scripts/bench_decisions.py).
+ 20. breakpoints: an agent's ~3,000-token system prompt marked with cache_control on
+     /v1/messages, then unrelated traffic filling the prefix cache twice, then the agent's
+     next request: its TTFT over the first one's; unmarked as the control
+     (scripts/bench_breakpoints.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -818,7 +822,7 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
             "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
-            "vision_native", "engine", "decisions")
+            "vision_native", "engine", "decisions", "breakpoints")
 
 
 def main() -> None:
@@ -1068,6 +1072,17 @@ def main() -> None:
         ours, base = serve()
         try:
             ratios += bench_decisions(base, name, args.model_path)
+        finally:
+            stop(ours)
+
+    if "breakpoints" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_breakpoints import bench_breakpoints
+
+        # A prefix cache a little over twice one marked prompt's KV: the pin fits its share (half).
+        ours, base = serve(prompt_cache_mem=320, mem=max(prof["mem"], 1024))
+        try:
+            ratios += bench_breakpoints(base, name, args.model_path)
         finally:
             stop(ours)
 
