@@ -37,11 +37,7 @@ from app.api.ui.activity import Activity
 from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
 from app.config.schema import ChatEntry, ModelEntry, ServerSettings
-from app.engine.distributed.distributed import Distributed
-from app.engine.registry import Registry
-from app.engine.roles import ROLES
-from app.engine.types import ModelHandle
-from app.engine.worker import MLXWorker
+from app.engine import ROLES, Distributed, MLXWorker, ModelHandle, Registry
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
 from app.pipeline.runtime import family_report

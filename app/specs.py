@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionParams
-from app.engine.params import (
+from app.engine import (
     EncoderLimits,
     EncoderSpec,
     EngineParams,

@@ -271,7 +271,7 @@ def vlm_clean_output(processor: Any, text: str) -> str:
     return clean(text) if callable(clean) else text
 
 
-# ---- mlx-vlm: native VLM chat models (app/engine/models/vlm.py, vlm_engine.py) ----------------
+# ---- mlx-vlm: native VLM chat models (app/engine/models/vlm.py, vlm_forward.py) ---------------
 
 
 def vlm_prompt_inputs(model: Any, processor: Any, prompt_text: str, images: list[Any]) -> dict[str, Any]:

@@ -171,11 +171,11 @@ def local_dir(source: ModelSource) -> Path | None:
     if source.local_path:
         return Path(source.local_path).expanduser()
     if source.builtin:
-        from app.engine.models.demo_model import cache_root
+        from app.engine.paths import cache_root
 
         return cache_root() / "models" / source.builtin
     if source.weight_file:
-        from app.engine.models.demo_model import cache_root
+        from app.engine.paths import cache_root
 
         return cache_root() / "converted" / source.name
     return None  # a hub id: its size is known after the load

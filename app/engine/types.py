@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from app.engine.prompt import Prompt, PromptBuilder
-from app.engine.speculative import DraftCounts
+
+
+@dataclass
+class DraftCounts:
+    """Proposed and accepted tokens, for one drafter of one model (/metrics, /health)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    # Verify steps that carried this drafter's proposals.
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ class ConstraintProcessor(Protocol):
 
 @runtime_checkable
 class SpeculableConstraint(ConstraintProcessor, Protocol):
-    """A constraint a speculating row can carry (``app.engine.speculative.verify``): it cuts a
+    """A constraint a speculating row can carry (``app.engine.step.verify``): it cuts a
     proposal where it would refuse it, and gives back what a verify step rejected. A row
     whose constraint lacks these does not speculate."""
 
@@ -78,7 +87,7 @@ class LogitsConstraint(Protocol):
 @dataclass(frozen=True)
 class ReasoningBlock:
     """The reasoning block a generation may write, as the engine tracks it
-    (``app.engine.batch.reasoning``): counted token by token, and closed by force
+    (``app.engine.step.reasoning``): counted token by token, and closed by force
     when ``budget`` runs out."""
 
     opener: str

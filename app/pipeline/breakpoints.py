@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from app.engine.types import CacheBreakpoint
+from app.engine import CacheBreakpoint
 from app.pipeline.request import Message, TextPart, Tool
 
 # What the second rendering adds: an invisible separator and a sign no template writes.

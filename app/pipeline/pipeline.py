@@ -25,20 +25,24 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
-from app.engine.constrain.constraints import Reasoning
-from app.engine.constrain.grammar import Grammar
-from app.engine.models.encoder import Embeddings, Ranking
-from app.engine.models.encoder_inputs import EncoderInputs
-from app.engine.prompt import Prompt, TokenPrompt, completion_room
-from app.engine.registry import Lease, Registry
-from app.engine.types import (
+from app.engine import (
     CacheBreakpoint,
+    Embeddings,
+    EncoderInputs,
     Engine,
     GenerationRecord,
     GenerationRequest,
+    Grammar,
+    Lease,
+    Prompt,
+    Ranking,
+    Reasoning,
     ReasoningBlock,
+    Registry,
     SamplingParams,
     SpeculationRequest,
+    TokenPrompt,
+    completion_room,
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.families import BARE_JSON, CallSyntax

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.engine.models.encoder_inputs import EncoderInput, EncoderInputs, TokenIds
+from app.engine import EncoderInput, EncoderInputs, TokenIds
 from app.errors import InvalidRequestError
 from app.messages import CacheMark, ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
 

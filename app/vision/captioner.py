@@ -22,13 +22,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from app.engine.prompt import completion_room
-from app.engine.types import GenerationRequest
+from app.engine import GenerationRequest, completion_room
 from app.errors import ConfigError, EngineError, InvalidRequestError
 from app.vision.images import LoadedImage, downscale
 
 if TYPE_CHECKING:
-    from app.engine.registry import Registry
+    from app.engine import Registry
 
 logger = logging.getLogger("tandem.vision")
 
@@ -120,7 +119,7 @@ class VlmCaptioner:
         """Caption ``image``; an ``AppError`` when the model cannot load or fails on it. The
         generation runs in ``scope``'s partition of the VLM's prefix and vision-feature caches,
         so a caption never reads what another key's caption of that image left there."""
-        from app.engine.mlx_internals import vlm_clean_output
+        from app.engine import vlm_clean_output
 
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
         lease = await self._registry.acquire_captioner(self.name)

@@ -21,7 +21,7 @@ import pytest
 
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
-from app.engine.distributed.mirror import DesyncError, Follower, MirrorOps
+from app.engine.step.mirror import DesyncError, Follower, MirrorOps
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt

@@ -1,9 +1,9 @@
-"""What both batching engines share: a request's lifecycle around a batch generator.
+"""A request's lifecycle around a batch step, as the engine runs it.
 
-``TextEngine`` (``app.engine.batch.engine``, Tandem's decode step) and ``VlmEngine``
-(``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
-sequence is started and what happens around a batch step differ. A request's way
-through, in either:
+``TextEngine`` (``app.engine.batch.engine``) serves text and image rows alike over Tandem's
+decode step (``app.engine.step``); this base holds what is not about the step: the inbox,
+admission, the running rows, the token path and the end of a request. A request's way
+through:
 
     stream(req)      the engine opens a ``Seq`` (``_open``: its KV width, its channel);
                      ``_submit`` checks the queue and puts it in the inbox; the handler
@@ -20,12 +20,11 @@ through, in either:
 One bad request fails alone; a failed batch step fails the requests in it and starts
 a fresh batch (``_fail_batch``), and the thread goes on.
 
-A base class rather than a helper object the engines hold: the shared part owns most
-of each engine's state (inbox, admission queue, running rows), and its loop and token
-path call back into engine steps at some ten points (start, drop a row, logprobs,
-prompt caching). As a helper, each of those would be a callback crossing the seam both
-ways; as hooks on one object they read in order, and each engine's module is what is
-its own.
+A base class rather than a helper object the engine holds: this part owns most of the
+engine's state (inbox, admission queue, running rows), and its loop and token path call
+back into the engine at some ten points (start, drop a row, logprobs, prompt caching). As
+a helper, each of those would be a callback crossing the seam both ways; as hooks on one
+object they read in order, and the engine's module holds only what is about the step.
 """
 
 from __future__ import annotations
@@ -41,13 +40,13 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error
 from app.engine.batch.channel import OpenStreams, TokenChannel, deferred_wakes
-from app.engine.batch.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
-from app.engine.batch.sampling import reset_random_state, token_logprob
 from app.engine.batch.stops import StopMatcher
 from app.engine.kv.geometry import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.prompt import PromptBuilder
 from app.engine.step import ScoreResponse
+from app.engine.step.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
+from app.engine.step.sampling import reset_random_state, token_logprob
 from app.engine.types import (
     SCORED,
     ConstraintProcessor,
@@ -159,7 +158,7 @@ class BatchingEngine(Generic[S, L]):
         self._running: dict[int, S] = {}
         self._accepting = True
         self._bg: Any = None
-        # Token id -> text, for reasoning markers (``app.engine.batch.reasoning``).
+        # Token id -> text, for reasoning markers (``app.engine.step.reasoning``).
         self._piece = piece_reader(self.tokenizer)
 
     # ---- called from the event loop -------------------------------------------------

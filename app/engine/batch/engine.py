@@ -53,7 +53,7 @@ token it had drawn, keeps its reservation, and is inserted again with both once 
 interactive request waits (``Drawn``: the token is fed and emitted then).
 
 Every decode-step, prefix-cache and quantized-cache call goes through ``ops``
-(``app.engine.distributed.mirror.BatchOps``): made here, or, distributed, made here and
+(``app.engine.step.mirror.BatchOps``): made here, or, distributed, made here and
 replayed on every other rank.
 """
 
@@ -73,11 +73,8 @@ import mlx.core as mx
 from app.engine.batch.admission import KV_STEP, prefill_span, reservation, sequence_width
 from app.engine.batch.batching import BatchingEngine, Seq
 from app.engine.batch.pacing import PrefillPacer
-from app.engine.batch.reasoning import BudgetProcessor
-from app.engine.batch.sampling import build_logits_processors, build_sampler
 from app.engine.batch.stops import StopMatcher
 from app.engine.batch.vision_rows import VisionRows
-from app.engine.distributed.mirror import LOCAL_OPS, BatchOps
 from app.engine.kv.disk_cache import disk_root, open_disk_tier
 from app.engine.kv.kv_layout import model_layout
 from app.engine.kv.layers import nbytes
@@ -90,6 +87,9 @@ from app.engine.prompt import MultimodalPrompt, TextPrompts
 from app.engine.speculative import DraftSource
 from app.engine.speculative.rows import RowDrafts, Speculator
 from app.engine.step import DecodeBatch, Drawn, RowInputs, ScoreSpec
+from app.engine.step.mirror import LOCAL_OPS, BatchOps
+from app.engine.step.reasoning import BudgetProcessor
+from app.engine.step.sampling import build_logits_processors, build_sampler
 from app.engine.types import EngineStats, GenerationRequest, ScoreRequest
 from app.engine.worker import MLXWorker
 from app.errors import AppError, ContextLengthError, EngineError, InvalidRequestError, VisionNotSupportedError
@@ -152,7 +152,7 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
                  draft: DraftSource | None = None, vision: VisionRows | None = None) -> None:
         super().__init__(worker, loaded, params)
         # Every decode-step, prompt-cache and quantized-cache call goes through ops: made here, or
-        # (distributed, app.engine.distributed.mirror) made here and replayed by every other rank.
+        # (distributed, app.engine.step.mirror) made here and replayed by every other rank.
         self.ops = ops
         # A native VLM's part (``vision_rows``): its prompts, its step's forward call, its rows' inputs.
         self.vision = vision

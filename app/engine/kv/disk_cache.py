@@ -469,7 +469,7 @@ def disk_root(configured: str | None) -> Path:
         return Path(configured).expanduser()
     if env := os.environ.get("TANDEM_PROMPT_CACHE_DIR"):
         return Path(env).expanduser()
-    from app.engine.models.demo_model import cache_root
+    from app.engine.paths import cache_root
 
     return cache_root() / "prompt-cache"
 

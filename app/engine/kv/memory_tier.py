@@ -52,7 +52,7 @@ class Entry:
     # Whose it is (the namespace part of the key): shares are counted per owner.
     owner: str = ""
     # Its number, in insert order: the same on every rank of a distributed launch, which
-    # evicts by these numbers what rank 0 evicted (``app.engine.distributed.mirror``).
+    # evicts by these numbers what rank 0 evicted (``app.engine.step.mirror``).
     serial: int = 0
 
     @property

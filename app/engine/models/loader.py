@@ -52,8 +52,8 @@ def model_source(entry: ModelSource, role: str = "chat", progress: LoadProgress 
             raise ConfigError(f"model {entry.name!r}: local_path {path} is not a directory")
         return str(path)
     if entry.weight_file:
-        from app.engine.models.demo_model import cache_root
         from app.engine.models.gguf import convert_gguf
+        from app.engine.paths import cache_root
 
         gguf = Path(entry.weight_file).expanduser()
         if not gguf.is_file():

@@ -115,16 +115,6 @@ class DraftSource(Protocol):
         tokens a step. It may prefill the prompt now or on its first ``propose``."""
 
 
-@dataclass
-class DraftCounts:
-    """Proposed and accepted tokens, for one drafter of one model (/metrics, /health)."""
-
-    proposed: int = 0
-    accepted: int = 0
-    # Verify steps that carried this drafter's proposals.
-    steps: int = 0
-
-
 def resolve(proposal: Sequence[int]) -> tuple[int, ...]:
     """A proposal's tokens as the tuple ``Proposal`` holds."""
     return tuple(int(t) for t in proposal)

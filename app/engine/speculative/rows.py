@@ -17,7 +17,7 @@ A row does not speculate while its reasoning budget could still force the closer
 budget processor reads its context token by token and cannot be rolled back); a row
 with a grammar does, the grammar rolled back over what the step rejected. Distributed
 serving: this runs on rank 0 alone; the step's proposals go to the other ranks with the
-step (``app.engine.distributed.mirror``), which verify the same ones.
+step (``app.engine.step.mirror``), which verify the same ones.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.params import SpeculativeParams
-from app.engine.speculative import DraftCounts, Drafter, DraftSource, Proposal
+from app.engine.speculative import Drafter, DraftSource, Proposal
 from app.engine.speculative.adaptive import Adaptive, RowRate, StepCosts
 from app.engine.speculative.lookup import PredictionLookup, PromptLookup
 from app.engine.step import DecodeBatch, RowProposal
-from app.engine.types import GenerationRequest, SpeculableConstraint
+from app.engine.step.reasoning import BudgetProcessor
+from app.engine.types import DraftCounts, GenerationRequest, SpeculableConstraint
 
 log = logging.getLogger("tandem.engine")
 

@@ -3,7 +3,9 @@
 ``DecodeBatch`` (``batch``) is continuous batching over a model's public call, for every
 cache kind (``app.engine.kv.layers``); ``verify`` is its speculative verify step and
 rollback; ``phase`` holds rows with their batch caches; ``rows`` the row and what a step
-says of it. The engines (``app.engine.batch``) drive it from the MLX thread.
+says of it; ``sampling`` and ``reasoning`` a row's sampler and its reasoning budget;
+``mirror`` the step's operations run here or mirrored on every rank of a distributed
+model. The engines (``app.engine.batch``) drive it from the MLX thread.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ layer was snapshotted before the pass (``app.engine.kv.layers.snapshot``): the t
 layers are trimmed back by k+1, the others restored, and the kept tokens replayed in one
 right-padded forward pass. Either way, each row's KV holds exactly its kept tokens.
 
-Distributed serving (``app.engine.distributed.mirror``): every rank runs this step with
+Distributed serving (``app.engine.step.mirror``): every rank runs this step with
 rank 0's proposals (``planned``). Rank 0 alone draws with the rows' samplers; ``agree``
 then hands every rank rank 0's table of draws and acceptances (one ``all_sum``, after the
 forward pass's own collectives), and everything after it follows from that table.
@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from app.engine.batch.sampling import RowSampler
 from app.engine.kv.layers import SeqCache, restore, snapshot, trims
 from app.engine.mlx_internals import TokenBuffer
 from app.engine.step.rows import Response
+from app.engine.step.sampling import RowSampler
 
 if TYPE_CHECKING:
     from app.engine.step.batch import DecodeBatch

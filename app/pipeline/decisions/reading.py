@@ -55,9 +55,17 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.engine.batch.admission import KV_STEP
-from app.engine.prompt import MultimodalPrompt, Prompt, TokenPrompt
-from app.engine.types import CacheBreakpoint, Engine, GenerationRequest, ScoreRequest, TokenDelta
+from app.engine import (
+    KV_STEP,
+    CacheBreakpoint,
+    Engine,
+    GenerationRequest,
+    MultimodalPrompt,
+    Prompt,
+    ScoreRequest,
+    TokenDelta,
+    TokenPrompt,
+)
 from app.errors import EngineError
 from app.pipeline.breakpoints import breakpoints, common_length
 from app.pipeline.decisions.request import Answer, Question

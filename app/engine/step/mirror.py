@@ -23,7 +23,7 @@ different chip's rounding on another Mac cannot make them drift.
 Speculative decoding: rank 0's drafters propose (they run there alone, as does the
 adaptive rule that says how many tokens); the step's record carries the proposals
 (``propose``), which each follower hands its own verify batch
-(``app.engine.speculative.verify``) before replaying the step, so every rank runs the same
+(``app.engine.step.verify``) before replaying the step, so every rank runs the same
 verify forward pass. Rank 0 draws each row's token at each position with the row's own
 sampler (``TokenSync.draw``), decides what each row keeps, and one ``all_sum`` of that
 (rows, k + 2) table (``TokenSync.agree``; followers add zeros) gives every rank the same
@@ -123,7 +123,7 @@ def _handle(cache: Any) -> int:
     handle = getattr(cache, "handle", None)
     if handle is None:
         raise DesyncError("a cache that did not come through MirrorOps reached it (distributed mode "
-                          "mirrors every cache it hands out; see app/engine/distributed/mirror.py)")
+                          "mirrors every cache it hands out; see app/engine/step/mirror.py)")
     return int(handle)
 
 
