@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, field_validator
+from pydantic import Discriminator, Field, StrictStr, Tag, field_validator
 
 from app.api.openai.protocol import PromptCacheBreakpoint, PromptCacheOptions, cache_mark
-from app.api.wire import UNSUPPORTED, Lenient, UnsupportedPart, part_tag
+from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 from app.pipeline.decisions import request as decided
@@ -156,7 +156,7 @@ class PredicateQuestion(_Question):
 
 class ChoiceOption(Lenient):
     # Typed: the string "true" and the boolean true are different choices.
-    value: StrictStr | StrictBool
+    value: StrictStr | JsonBool  # (JsonBool: 1 is no boolean, in any validation mode)
     description: str | None = None
 
 

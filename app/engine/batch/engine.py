@@ -247,10 +247,15 @@ class TextEngine(BatchingEngine[_Seq, "LoadedModel | LoadedVlm"]):
         if req.score is not None:  # a prefill-only row: its prompt's KV, no more
             check_score(req.score, n, self.vocab_size)
             max_tokens = 0
-        # Its prompt is prefilled in a segment more for each prefix to cache on the way (``_insert``).
-        points = self._store_points(req, n)
-        segments = 1 + len(points)
+        # Its prompt is prefilled in a segment more for each prefix to cache on the way (``_insert``);
+        # each may pad a chunk. A request that fits without them is served without the points its
+        # padding has no room for (the least kept go first: unpinned, then the shortest pins).
         chunk = p.prefill_chunk_size
+        points = self._store_points(req, n)
+        while points and (sequence_width(n, max_tokens, segments=1 + len(points), chunk=chunk)
+                          > self.admission.max_sequence_tokens):
+            del points[min(points, key=lambda at: (points[at], at))]
+        segments = 1 + len(points)
         return _Seq(req, self._streams.open(), sequence_width(n, max_tokens, segments=segments, chunk=chunk), n,
                     prefill=prefill_span(n, segments=segments, chunk=chunk), points=points)
 
