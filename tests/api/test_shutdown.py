@@ -29,7 +29,8 @@ def start(tmp_path: Path, model_dir: Path, grace: float, procs: list,
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port),
+         "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     procs.append(proc)

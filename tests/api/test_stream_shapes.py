@@ -129,9 +129,8 @@ def test_held_back_logprobs_wait_for_the_opening_chunk():
     """Tokens the parser holds back (a call's marker) before a choice's role has gone out:
     their logprobs ride on the opening chunk, which still carries ``content: null``."""
     from app.api.openai.chat import ChunkWriter
-    from app.pipeline.results import ToolCallArgsDelta, ToolCallStart
     from app.pipeline.logprobs import LogprobInfo, TokenInfo
-    from app.pipeline.results import Step
+    from app.pipeline.results import Step, ToolCallArgsDelta, ToolCallStart
 
     def lp(token: str) -> LogprobInfo:
         return LogprobInfo(TokenInfo(token, tuple(token.encode()), -0.5))

@@ -21,11 +21,11 @@ import pytest
 
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
-from app.engine.step.mirror import DesyncError, Follower, MirrorOps
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.speculative.adaptive import FreeVerify
+from app.engine.step.mirror import DesyncError, Follower, MirrorOps
 from app.engine.types import GenerationRequest, SpeculationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError

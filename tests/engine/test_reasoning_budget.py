@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from app.engine.step.reasoning import BudgetProcessor, Phase, ReasoningTracker
 from app.engine.constrain import constraints as c
 from app.engine.constrain.grammar import compiler_for
 from app.engine.prompt import TokenPrompt
+from app.engine.step.reasoning import BudgetProcessor, Phase, ReasoningTracker
 from app.engine.types import GenerationRequest, ReasoningBlock
 from tests.engine.engines import make_engine, run
 from tests.fixtures.tiny_ministral import distinct_words

@@ -15,15 +15,14 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
-from app.engine.batch.vision_features import FeatureCache
 from app.engine.batch.engine import TextEngine
+from app.engine.batch.vision_features import FeatureCache
 from app.engine.models.vlm import LoadedVlm, load_vlm
-from tests.engine.engines import vlm_engine
 from app.engine.types import GenerationRequest
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy, decode_image
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import striped_bytes
 

@@ -18,17 +18,16 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
-from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
 from app.engine.batch.engine import TextEngine
+from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
 from app.engine.models.vlm import LoadedVlm, load_vlm
-from tests.engine.engines import vlm_engine
 from app.engine.prompt import MultimodalPrompt, TokenPrompt, completion_room, pixel_digest
 from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, EngineError, ImageError, InvalidRequestError
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import data_url, striped_bytes
 

@@ -21,12 +21,11 @@ from PIL import Image
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
 from app.engine.models.vlm import LoadedVlm, load_vlm
-from tests.engine.engines import vlm_engine
 from app.engine.prompt import cache_key_tokens
 from app.engine.types import GREEDY, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import striped_bytes
 

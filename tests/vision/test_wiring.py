@@ -10,7 +10,6 @@ import pytest
 
 from app.config.loader import ResolvedConfig, resolve
 from app.config.schema import ModelsFile
-from app.engine.batch.engine import TextEngine
 from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
 from app.pipeline.request import ImagePart, Message
