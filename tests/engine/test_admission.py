@@ -98,3 +98,14 @@ def test_a_request_that_cannot_fit_does_not_evict_the_cache():
     a.waiting.append(Waiting("paused", 1000, paused=True))  # 2 x (1000 + 255): more than the budget
     assert a.admit(400, lambda n, item: evicted.append(n) or 0) == []
     assert evicted == []
+
+
+def test_a_held_request_waits_for_memory_from_when_its_hold_ends():
+    """Rows held for a shared prefix a running row computes (a decision's questions behind its
+    input) never time out while held, and their queue timeout counts from the hold's end."""
+    a = admission()
+    a.waiting.append(Waiting("question", 100, since=0.0))
+    a.waiting.append(Waiting("other", 100, since=0.0))
+    assert a.expire(now=500.0, held=lambda item: item == "question") == ["other"]
+    assert a.expire(now=540.0) == []  # 40 s after the hold ended, within the 60 s timeout
+    assert a.expire(now=561.0) == ["question"]

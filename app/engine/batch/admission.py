@@ -220,10 +220,14 @@ class Admission(Generic[T]):
 
     def expire(self, now: float | None = None, held: Callable[[T], bool] = lambda _: False) -> list[T]:
         """Waiting requests past the queue timeout, removed from the queue; not those ``held``
-        (waiting, by the engine's choice, for a running row's work they will reuse)."""
+        (waiting, by the engine's choice, for a running row's work they will reuse): their
+        wait for memory starts when the hold ends (a decision's questions wait for its input's
+        prefill, which may take longer than the timeout, then run)."""
         now = time.monotonic() if now is None else now
-        expired = [w for w in self.waiting
-                   if not w.paused and now - w.since > self.queue_timeout_s and not held(w.item)]
+        for w in self.waiting:
+            if held(w.item):
+                w.since = now
+        expired = [w for w in self.waiting if not w.paused and now - w.since > self.queue_timeout_s]
         for w in expired:
             self.waiting.remove(w)
         return [w.item for w in expired]
