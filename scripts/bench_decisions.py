@@ -61,6 +61,7 @@ def obvious(base: str, model: str) -> list[str]:
         right += p_yes is not None and p_no is not None and p_yes > p_no
         show = lambda p: "refused" if p is None else f"{p:.3f}"  # noqa: E731
         lines.append(f"  {text!r}: {yes!r} {show(p_yes)}, {no!r} {show(p_no)}")
+        print(lines[-1], flush=True)
     return [f"obvious statements, P(true) of each and of its negation ({right} of 5 pairs ranked right):", *lines]
 
 
