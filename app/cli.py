@@ -94,7 +94,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     from app.config.loader import PARAM_FLAGS, SERVER_FLAGS, load_models_file, resolve
-    from app.engine.distributed.distributed import launched_backend
+    from app.engine import launched_backend
     from app.main import build_state, create_app
 
     source = _models_file(args.models_file)
@@ -149,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in service_cli.COMMANDS or args.action is None:
             return service_cli.run(args, _models_file(getattr(args, "models_file", None)))
         if args.action == "prepare-demo":
-            from app.engine.models.demo_model import ensure_demo_model
+            from app.engine import ensure_demo_model
 
             print(ensure_demo_model(progress=True))
             return 0
         if args.action == "prepare-embeddings":
-            from app.engine.models.builtin_models import ensure_minilm
+            from app.engine import ensure_minilm
 
             print(ensure_minilm(progress=True))
             return 0

@@ -27,6 +27,7 @@ from app.api.meta import get_model, health, health_head, list_models
 from app.api.metrics import metrics
 from app.api.openai.chat import chat_completions
 from app.api.openai.completions import completions
+from app.api.openai.decisions import create_decision
 from app.api.openai.embeddings import embeddings
 from app.api.openai.responses import create_response, delete_response, get_response, list_input_items
 from app.api.rerank import rerank
@@ -36,10 +37,7 @@ from app.api.ui.activity import Activity
 from app.api.ui.dashboard import ADMIN, PAGE, EventStreams, dashboard_events
 from app.config.loader import ResolvedConfig
 from app.config.schema import ChatEntry, ModelEntry, ServerSettings
-from app.engine.distributed.distributed import Distributed
-from app.engine.registry import Registry
-from app.engine.roles import ROLES
-from app.engine.worker import MLXWorker
+from app.engine import ROLES, Distributed, MLXWorker, ModelHandle, Registry
 from app.errors import EngineDeadError
 from app.pipeline.pipeline import ChatConfig, Pipeline, VisionState, log_generation
 from app.pipeline.runtime import family_report
@@ -133,7 +131,15 @@ async def drain(state: AppState) -> None:
     """Graceful shutdown of the engines: refuse new requests (503), give running ones
     ``shutdown_grace_s`` to finish, then end the rest with an error (an error event
     when streaming), and finish the prefix caches' queued disk writes. The HTTP server
-    drains its connections meanwhile."""
+    drains its connections meanwhile. Every model drains at once, within one deadline;
+    the server's signal handler and the app's shutdown both call this, and the second
+    call waits for the first."""
+    if state.draining is None:
+        state.draining = asyncio.ensure_future(_drain(state))
+    await asyncio.shield(state.draining)
+
+
+async def _drain(state: AppState) -> None:
     engines = state.registry.stop_accepting()
     grace = state.config.server.shutdown_grace_s
     deadline = time.monotonic() + grace
@@ -143,20 +149,24 @@ async def drain(state: AppState) -> None:
     if in_flight() and state.worker.alive:
         log.warning("shutdown: ending %d requests still running after %gs", in_flight(), grace)
         exc = EngineDeadError("the server is shutting down", retry_after=10)
-        for engine in engines:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                # The MLX thread is inside one long step (a long prefill chunk on a slow
-                # machine): the clients hear the end now, not when the step is done.
-                log.warning("shutdown: the MLX thread is busy in a long step; ending %s's streams without it",
-                            engine.name)
-                engine.end_streams(exc)
-    # Prefixes queued for the prompt caches' disk tiers are written before the process ends.
+        await asyncio.gather(*(_abort(engine, exc) for engine in engines))
+    # Prefixes queued for the prompt caches' disk tiers are written before the process ends,
+    # every model's at once.
     wait = max(grace, 10.0)
-    for engine in engines:
-        if not await asyncio.to_thread(engine.finish_writes, wait):
+    done = await asyncio.gather(*(asyncio.to_thread(engine.finish_writes, wait) for engine in engines))
+    for engine, finished in zip(engines, done):
+        if not finished:
             log.warning("shutdown: %s's prompt cache writes still queued after %gs were dropped", engine.name, wait)
+
+
+async def _abort(engine: ModelHandle, exc: BaseException) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine.abort_all(exc)), ABORT_WAIT_S)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        # The MLX thread is inside a step (one model's, while every model waits its turn on the
+        # thread): the clients hear the end now, not when the step is done.
+        log.warning("shutdown: the MLX thread is busy in a step; ending %s's streams without it", engine.name)
+        engine.end_streams(exc)
 
 
 def openapi_config(server: ServerSettings, guards: list[Any]) -> OpenAPIConfig | None:
@@ -193,7 +203,7 @@ def create_app(state: AppState) -> Litestar:
     app = Litestar(
         # /health stays open for probes; /v1 and /metrics need the key when one is set.
         route_handlers=[
-            Router("/", route_handlers=[chat_completions, completions, create_response, get_response,
+            Router("/", route_handlers=[chat_completions, completions, create_decision, create_response, get_response,
                                         list_input_items, delete_response, embeddings, rerank, agui, list_models,
                                         get_model, metrics, *ADMIN, *([dashboard_events] if server.dashboard else [])],
                    guards=guards),

@@ -5,7 +5,9 @@ vision (the proxy rewrites them, native vision reads their images), so neither
 of those imports the other for them. Plain frozen data; no imports from ``app``.
 
 Text parts of one message are joined with a newline (``Message.text``), the one
-rule everywhere, images or not. ``param`` fields name where a thing sits in the
+rule everywhere, images or not. A part may carry a ``CacheMark``: the client asked the
+prefix cache to keep the prompt up to the end of that part (Anthropic's
+``cache_control``, OpenAI's ``prompt_cache_breakpoint``). ``param`` fields name where a thing sits in the
 client's own request (``messages[1].content[0]``), so errors can point at it.
 """
 
@@ -20,10 +22,19 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 
 @dataclass(frozen=True)
+class CacheMark:
+    """A client's prompt-cache breakpoint after a part (or a tool): keep the prompt up to
+    there for ``ttl_s`` seconds."""
+
+    ttl_s: int
+
+
+@dataclass(frozen=True)
 class TextPart:
     """A piece of text in a message."""
 
     text: str
+    cache: CacheMark | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class ImagePart:
     # Where the part sits in the client's request, for errors: "messages[1].content[2]".
     param: str = ""
     detail: str | None = None
+    cache: CacheMark | None = None
 
 
 Part = TextPart | ImagePart
@@ -88,8 +100,11 @@ class Message:
         return [p for p in self.content if isinstance(p, ImagePart)]
 
     def with_text(self, text: str) -> Message:
-        """This message with its content replaced by ``text`` alone."""
-        return replace(self, content=(TextPart(text),))
+        """This message with its content replaced by ``text`` alone; a cache mark on a part it
+        replaces (an image the vision proxy captioned) moves to the message's end."""
+        marks = [p.cache for p in self.content if p.cache is not None]
+        mark = max(marks, key=lambda m: m.ttl_s) if marks else None
+        return replace(self, content=(TextPart(text, mark),))
 
 
 def merge_turns(messages: Sequence[Message]) -> list[Message]:

@@ -29,10 +29,17 @@ from concurrent.futures import Future
 from typing import Any, NoReturn, TypeVar
 
 from app.config.loader import ResolvedConfig
-from app.engine.distributed.distributed import Distributed, DistributedInfo, join
-from app.engine.distributed.sharding import check_params, check_splittable, load_shard, read_config
-from app.engine.models.loader import model_source as source_path
-from app.engine.worker import MLXWorker
+from app.engine import (
+    Distributed,
+    DistributedInfo,
+    MLXWorker,
+    check_params,
+    check_splittable,
+    join,
+    load_shard,
+    read_config,
+)
+from app.engine import model_source as source_path
 from app.errors import ConfigError
 from app.specs import load_params, model_source
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app.config.schema import ChatEntry, ChatParams, EncoderParams, ModelEntry, VisionParams
-from app.engine.params import (
+from app.engine import (
     EncoderLimits,
     EncoderSpec,
     EngineParams,
@@ -54,6 +54,8 @@ def engine_params(p: ChatParams) -> EngineParams:
         prompt_cache_disk_mb=p.prompt_cache_disk_mb,
         prompt_cache_disk_dir=p.prompt_cache_disk_dir,
         background_share=p.background_share,
+        prompt_cache_key_share=p.prompt_cache_key_share,
+        prompt_cache_pin_share=p.prompt_cache_pin_share,
         speculative=SpeculativeParams(prompt_lookup=p.speculative.prompt_lookup, draft=p.speculative.draft,
                                       tokens=p.speculative.tokens),
     )

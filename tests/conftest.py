@@ -7,8 +7,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -123,7 +123,7 @@ class LiveServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -149,7 +149,9 @@ DEMO_YAML = """
 models:
   - name: demo
     builtin: smollm2-135m-instruct
-    params: {mem: 64, max_num_seqs: 8, prefill_chunk_size: 256, max_model_len: 2048, temperature: 0.0, max_tokens: 32, cache_min_tokens: 16}
+    params:
+      {mem: 64, max_num_seqs: 8, prefill_chunk_size: 256, max_model_len: 2048, temperature: 0.0, max_tokens: 32,
+       cache_min_tokens: 16}
     capabilities:
       # Thinking on, so the reasoning path runs end to end (SmolLM2 ignores the switch).
       reasoning_parser: generic

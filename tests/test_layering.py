@@ -64,6 +64,46 @@ OUTSIDE: dict[str, tuple[str, ...]] = {
     "service": ("litestar", "uvicorn"),
 }
 
+# Inside the engine, the same rule one level down: each part of app/engine (a subpackage or a
+# module) -> the other parts it may import. The engine's face (``app/engine/__init__.py``) is
+# above them all: it lends their names to the rest of the app, which imports nothing else of
+# the engine. (A literal, like LAYERS: the docs draw it.)
+ENGINE_LAYERS: dict[str, tuple[str, ...]] = {
+    "registry": (
+        "roles", "batch", "models", "types", "prompt", "params", "paths", "worker", "chat_templates",
+        "mlx_internals"
+    ),
+    "distributed": (
+        "batch", "models", "step", "kv", "types", "prompt", "params", "paths", "worker", "chat_templates",
+        "mlx_internals"
+    ),
+    "roles": (
+        "batch", "speculative", "models", "types", "prompt", "params", "paths", "worker", "chat_templates",
+        "mlx_internals"
+    ),
+    "batch": (
+        "speculative", "constrain", "models", "step", "kv", "types", "prompt", "params", "paths", "worker",
+        "chat_templates", "mlx_internals"
+    ),
+    "speculative": (
+        "models", "step", "kv", "types", "prompt", "params", "paths", "worker", "chat_templates",
+        "mlx_internals"
+    ),
+    "constrain": (),
+    "models": ("step", "kv", "types", "prompt", "params", "paths", "worker", "chat_templates", "mlx_internals"),
+    "step": ("kv", "types", "prompt", "params", "paths", "worker", "chat_templates", "mlx_internals"),
+    "kv": ("types", "prompt", "params", "paths", "worker", "chat_templates", "mlx_internals"),
+    # The leaves: what passes between the pipeline and the engine, the prompt, the parameters,
+    # where files go, the one MLX thread, templates, and mlx-lm's private names.
+    "types": ("prompt",),
+    "prompt": ("chat_templates",),
+    "params": (),
+    "paths": (),
+    "worker": (),
+    "chat_templates": (),
+    "mlx_internals": (),
+}
+
 
 def imports(path: Path) -> set[str]:
     """Every module a file imports, wherever the import statement is."""
@@ -166,3 +206,70 @@ def test_the_command_line_starts_without_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=APP.parent).stdout.strip()
     assert out == "[]"
+
+
+ENGINE = APP / "engine"
+
+
+def _engine_part(path: Path) -> str:
+    rel = path.relative_to(ENGINE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_every_part_of_the_engine_has_a_layer():
+    parts = {_engine_part(p) for p in ENGINE.rglob("*.py")} - {"__init__"}
+    assert parts == set(ENGINE_LAYERS), (
+        f"add {sorted(parts - set(ENGINE_LAYERS))} to ENGINE_LAYERS, drop {sorted(set(ENGINE_LAYERS) - parts)}")
+
+
+@pytest.mark.parametrize("part", sorted(ENGINE_LAYERS))
+def test_engine_layer_imports(part):
+    files = sorted((ENGINE / part).rglob("*.py")) if (ENGINE / part).is_dir() else [ENGINE / f"{part}.py"]
+    assert files
+    allowed = {part, *ENGINE_LAYERS[part]}
+    for path in files:
+        for name in imports(path):
+            if _under(name, "app.engine"):
+                assert name != "app.engine", f"{path.relative_to(APP.parent)} imports the engine's face from inside"
+                assert name.split(".")[2] in allowed, f"{path.relative_to(APP.parent)} imports {name}"
+
+
+def test_the_engine_layers_have_no_cycle():
+    seen: dict[str, int] = {}
+
+    def depth(part: str, path: tuple[str, ...] = ()) -> int:
+        assert part not in path, f"a cycle: {' -> '.join((*path, part))}"
+        if part not in seen:
+            seen[part] = 1 + max((depth(p, (*path, part)) for p in ENGINE_LAYERS[part]), default=-1)
+        return seen[part]
+
+    for part in ENGINE_LAYERS:
+        depth(part)
+
+
+def test_the_app_imports_the_engine_through_its_face():
+    """Outside app/engine, ``from app.engine import Registry``; never ``app.engine.registry``."""
+    for path in sorted(APP.rglob("*.py")):
+        if _part(path) == "engine":
+            continue
+        inner = sorted(name for name in imports(path) if name.startswith("app.engine."))
+        assert not inner, f"{path.relative_to(APP.parent)} imports {inner}: lend the names from app/engine/__init__.py"
+
+
+def test_the_face_lends_what_it_says():
+    """``_FACE`` (what loads on first use) and the ``TYPE_CHECKING`` imports (what type checkers
+    see) name the same things from the same modules, and every name resolves."""
+    import app.engine as face
+
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    checked: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module
+                checked.setdefault(imp.module, set()).update(a.name for a in imp.names)
+    assert checked == {module: set(names) for module, names in face._FACE.items()}
+    for name in face.__all__:
+        assert getattr(face, name) is not None
+    with pytest.raises(AttributeError):
+        face.no_such_name  # noqa: B018

@@ -8,9 +8,10 @@ engine's own counters are read from the engine and the caption cache at
 scrape time by a collector. Each app has its own registry.
 
     tandem_http_responses_total{route,status}     every response, by route template
-    tandem_generations_total{outcome}             stop, length, cancelled, error
+    tandem_generations_total{outcome}             stop, length, scored (a decision's prompt read), cancelled, error
+    tandem_decision_questions_total{type,answer}  decision questions by type, answered or refused
     tandem_prompt_tokens_total, tandem_cached_prompt_tokens_total, tandem_completion_tokens_total
-    tandem_time_to_first_token_seconds            histogram, from submission to the first token
+    tandem_time_to_first_token_seconds            histogram, from submission to the first token (generations)
     tandem_inter_token_latency_seconds            histogram, per generated token after the first
     tandem_engine_up, tandem_requests_running, tandem_requests_waiting, tandem_requests_paused
     tandem_background_pauses_total                 background sequences paused for interactive work
@@ -42,7 +43,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from app.pipeline.runtime import EncoderStats, EngineStats, Figures, GenerationRecord
+from app.pipeline.decisions.request import Decision
+from app.pipeline.runtime import SCORED, EncoderStats, EngineStats, Figures, GenerationRecord
 
 # No "_created" timestamp series next to every counter: nothing here reads them.
 disable_created_metrics()
@@ -59,8 +61,11 @@ class Metrics:
         r = self.registry
         self.responses = Counter("tandem_http_responses", "HTTP responses by route template and status.",
                                  ["route", "status"], registry=r)
-        self.generations = Counter("tandem_generations", "Generations by outcome (stop, length, cancelled, error).",
-                                   ["outcome"], registry=r)
+        self.generations = Counter("tandem_generations",
+                                   "Generations by outcome (stop, length, scored, cancelled, error).", ["outcome"],
+                                   registry=r)
+        self.decision_questions = Counter("tandem_decision_questions", "Decision questions by type, answered or "
+                                          "refused.", ["type", "answer"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of generations that ended.", registry=r)
         self.cached_tokens = Counter("tandem_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
                                      registry=r)
@@ -88,10 +93,15 @@ class Metrics:
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.cached_tokens)
         self.completion_tokens.inc(record.completion_tokens)
-        if record.ttft_s is not None:
+        if record.ttft_s is not None and record.outcome != SCORED:  # a scored row has no first token
             self.ttft.observe(record.ttft_s)
         for gap in record.token_gaps_s:
             self.itl.observe(gap)
+
+    def on_decision(self, decision: Decision) -> None:
+        """A decision answered (its rows counted as generations already)."""
+        for a in decision.answers:
+            self.decision_questions.labels(a.question.kind, "refused" if a.refused else "answered").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,6 +4,7 @@ Responses API's stored responses."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from app.api.metrics import Metrics
@@ -16,6 +17,9 @@ class AppState(Runtime):
     metrics: Metrics = field(default_factory=Metrics)
     # The Responses API's stored responses (server.responses_store_*).
     responses: ResponseStore = field(init=False)
+    # The shutdown's drain, once begun (``app.main.drain``: the signal handler and the app's
+    # shutdown both ask for it; it runs once).
+    draining: asyncio.Future[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         server = self.settings

@@ -13,7 +13,8 @@
   timeout) is the format's error event.
 - ``kept_alive``: while nothing else is sent (queued, prefilling), the format's
   keep-alive every ``server.sse_keepalive_s``: Anthropic's ``ping`` event, an SSE
-  comment line for OpenAI's formats; proxies and clients drop silent streams.
+  comment line for OpenAI's formats; proxies and clients drop silent streams. The
+  events that came while the last ones were written go out together, in one write.
 - ``unless_disconnected``: awaits work, cancelling it when the client hangs up;
   ``ClientGone`` then becomes nginx's 499 ("client closed request") at the edge.
 - ``answer``: every generating route's skeleton after its format has validated and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -81,9 +83,10 @@ def to_json(data: Any) -> str:
 
 
 class EventStream(Stream):
-    """A ``text/event-stream`` response of ``Event``s and ``Comment``s (or bare data strings)."""
+    """A ``text/event-stream`` response of ``Event``s and ``Comment``s (or bare data strings),
+    one at a time or in lists that go out in one write."""
 
-    def __init__(self, events: AsyncIterator[Frame], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[Frame | list[Frame]], headers: dict[str, str] | None = None) -> None:
         super().__init__(
             _frames(events),
             media_type="text/event-stream",
@@ -95,54 +98,116 @@ class EventStream(Stream):
         return super().to_asgi_response(*args, **{**kwargs, "media_type": None})
 
 
-async def _frames(events: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
+async def _frames(events: AsyncIterator[Frame | list[Frame]]) -> AsyncIterator[bytes]:
     async for ev in events:
-        yield (Event(ev) if isinstance(ev, str) else ev).frame()
+        if isinstance(ev, list):  # what came together goes out in one write
+            yield b"".join(_frame(e) for e in ev)
+        else:
+            yield _frame(ev)
 
 
-async def kept_alive(events: AsyncIterator[T], every: float, keepalive: T | None) -> AsyncIterator[T]:
-    """``events``, and ``keepalive`` each time ``every`` seconds pass without one of them
-    (None, or ``every`` 0: none). ``events`` run in a task of their own, so waiting for
-    the next one can time out without cancelling it; closing the result cancels them."""
+def _frame(ev: Frame) -> bytes:
+    return (Event(ev) if isinstance(ev, str) else ev).frame()
+
+
+# Items a stream's pump may hold for its writer before it waits (``kept_alive``): a client
+# that reads slowly then holds the engine's channel, which merges what waits there.
+RELAY_ROOM = 64
+
+
+class _Relay:
+    """Items from a pump task to one reader, who takes all that came at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: deque[Any] = deque()
+        self.ended = False
+        self.failure: Exception | None = None
+        # When the last item (or keep-alive) went out, on the loop's clock.
+        self.last = loop.time()
+        self.keepalive_due = False
+        self._loop = loop
+        self._reader: asyncio.Future[None] | None = None
+        self._writer: asyncio.Future[None] | None = None
+
+    async def put(self, item: Any) -> None:
+        while len(self.items) >= RELAY_ROOM:
+            self._writer = self._loop.create_future()
+            await self._writer
+        self.items.append(item)
+        self.last = self._loop.time()
+        self.wake()
+
+    def end(self, failure: Exception | None = None) -> None:
+        self.ended, self.failure = True, failure
+        self.wake()
+
+    def wake(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
+
+    async def take(self) -> list[Any]:
+        """What came since the last take; empty when woken for a keep-alive."""
+        if not self.items and not self.ended and not self.keepalive_due:
+            self._reader = self._loop.create_future()
+            await self._reader
+        items = list(self.items)
+        self.items.clear()
+        if self._writer is not None and not self._writer.done():
+            self._writer.set_result(None)
+        return items
+
+
+async def kept_alive(events: AsyncIterator[T], every: float, keepalive: T | None) -> AsyncIterator[list[T]]:
+    """``events`` in batches (what came while the last batch was written: one item when
+    the client keeps up), and ``[keepalive]`` each time ``every`` seconds pass without one
+    of them (None, or ``every`` 0: none, and one item a batch). ``events`` run in a task of
+    their own, so waiting for the next one can end in a keep-alive without cancelling it;
+    closing the result cancels them. No timer or task per item: one timer per stream
+    checks, every ``every`` seconds, whether anything went out since."""
     if keepalive is None or every <= 0:
         async with aclosing(events) as inner:  # type: ignore[type-var]  # an async generator underneath
             async for ev in inner:
-                yield ev
+                yield [ev]
         return
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(maxsize=1)  # (ended, the event or the failure)
+    loop = asyncio.get_running_loop()
+    relay = _Relay(loop)
 
     async def pump() -> None:
         try:
             async with aclosing(events) as inner:  # type: ignore[type-var]
                 async for ev in inner:
-                    await queue.put((False, ev))
+                    await relay.put(ev)
         except Exception as exc:  # noqa: BLE001 - raised again by the reader
-            await queue.put((True, exc))
+            relay.end(exc)
         else:
-            await queue.put((True, None))
+            relay.end()
+
+    def tick() -> None:
+        idle = loop.time() - relay.last
+        if idle < every:  # something went out since: check again ``every`` after it
+            timers[0] = loop.call_later(every - idle, tick)
+            return
+        relay.keepalive_due, relay.last = True, loop.time()
+        relay.wake()
+        timers[0] = loop.call_later(every, tick)
 
     task = asyncio.ensure_future(pump())  # the context (request id) goes with it
-    get: asyncio.Future[tuple[bool, Any]] | None = None
+    timers = [loop.call_later(every, tick)]
     try:
         while True:
-            if get is None:
-                get = asyncio.ensure_future(queue.get())
-            # Not wait_for: it cancels the get on a timeout, and can hang when the client's
-            # disconnect cancels this task in the middle of that.
-            done, _ = await asyncio.wait({get}, timeout=every)
-            if not done:
-                yield keepalive
-                continue
-            ended, item = get.result()
-            get = None
-            if ended:
-                if item is not None:
-                    raise item
+            items = await relay.take()
+            if items:
+                relay.keepalive_due = False
+                yield items
+            elif relay.keepalive_due:
+                relay.keepalive_due = False
+                yield [keepalive]
+            if relay.ended and not relay.items:
+                if relay.failure is not None:
+                    raise relay.failure
                 return
-            yield item
     finally:
-        if get is not None:
-            get.cancel()
+        timers[0].cancel()
         task.cancel()  # runs the generation's own cleanup (the engine's cancel) in that task
 
 

@@ -53,8 +53,10 @@ class _BatchParams(_Params):
     quantization_group_size: Literal[32, 64, 128] = Field(
         default=64, description="Quantization group size used with `quantization`.")
     kv_cache_bits: KVBits | None = Field(
-        default=None, description="Quantized KV cache (4 or 8 bits) lowers the bytes per token; None keeps the "
-        "model dtype.")
+        default=None, description="Quantized KV cache (4 or 8 bits) lowers the bytes per token of the model's "
+        "full-attention layers (sliding windows and recurrent state stay as they are); a model whose attention "
+        "reads plain K/V only (attention sinks: gpt-oss; Gemma 4) keeps it quantized and dequantizes it each step. "
+        "None keeps the model dtype.")
     distributed: Distributed = Field(
         default="tensor", description="Under mlx.launch (several ranks): \"tensor\" splits every layer over the "
         "ranks (faster decoding), \"pipeline\" gives each rank a run of layers (a bigger model fits; mlx-lm "
@@ -74,10 +76,9 @@ class _BatchParams(_Params):
     prefill_batch_size: int = Field(
         default=8, ge=1, le=256, description="Prompts prefilled together in one step (capped at max_num_seqs).")
     prefill_step_ms: int = Field(
-        default=250, ge=0, description="While other streams decode, each prefill chunk is sized (at most "
-        "prefill_chunk_size) so that a batch step takes about this long, at the prefill rate measured on this "
-        "model: a long prompt no longer stalls every stream beside it for a whole chunk per token. With nothing "
-        "decoding, chunks are prefill_chunk_size. 0: always prefill_chunk_size.")
+        default=250, ge=0, description="Each prefill chunk is sized (at most prefill_chunk_size) so that a batch "
+        "step takes about this long, at the prefill rate measured on this model: a long prompt never stalls the "
+        "streams beside it, nor a request that arrives, for more than about this. 0: always prefill_chunk_size.")
 
     @property
     def kv_mem_mb(self) -> int:
@@ -111,6 +112,15 @@ class _PromptCacheParams(_Params):
     prompt_cache_disk_dir: str | None = Field(
         default=None, description="The disk tier's directory; None: $TANDEM_PROMPT_CACHE_DIR, else "
         "<cache dir>/prompt-cache.")
+    prompt_cache_key_share: float = Field(
+        default=0.5, gt=0.0, le=1.0, description="Share of the prefix cache (in memory, and on disk) one cache "
+        "partition (an API key, a cache_salt) may hold before its own prefixes are evicted first: one client's "
+        "abandoned prompts cannot push out everyone else's. 1.0: least recently used first, whoever's.")
+    prompt_cache_pin_share: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="Share of the prefix cache (in memory, and on disk) that prefixes "
+        "clients asked to keep (cache breakpoints: Anthropic's cache_control, OpenAI's prompt_cache_breakpoint) may "
+        "hold ahead of the rest for their TTL; pins past it, or expired, are evicted least recently used like "
+        "any other. 0: breakpoints store their prefixes but keep none ahead.")
     background_share: float = Field(
         default=0.25, ge=0.0, le=1.0, description="Share of max_num_seqs that background requests (priority "
         "\"background\", Open WebUI's \"### Task:\" prompts) may hold while interactive requests wait for their "

@@ -57,6 +57,8 @@ class EngineParams:
     prompt_cache_disk_mb: int
     prompt_cache_disk_dir: str | None
     background_share: float
+    prompt_cache_key_share: float
+    prompt_cache_pin_share: float
     # Speculative decoding (models.yaml ``speculative``).
     speculative: SpeculativeParams
     # The engine's own knobs:

@@ -57,13 +57,22 @@ class TokenPrompt:
 class PromptImage:
     """One image of a ``MultimodalPrompt``: where its tokens are, what it was, its hash."""
 
-    # Its run of placeholder tokens in ``MultimodalPrompt.tokens``: tokens[start:start + length].
+    # Its span in ``MultimodalPrompt.tokens``, tokens[start:start + length]: from its first
+    # placeholder token to its last. A processor may break an image's placeholders into
+    # several runs (Pixtral's rows end in [IMG_BREAK], Idefics3's and LFM2-VL's tiles are
+    # each wrapped in their own markers): the span holds those separators too.
     start: int
     length: int
     # sha256 of the decoded, resized pixels (``pixel_digest``): the image's identity in caches.
     digest: str
     # The decoded image (PIL, within the model's max_pixels) the processor took.
     image: Image = field(repr=False, compare=False)
+    # Its placeholder tokens, one per row of vision features (0: the whole span, one run).
+    placeholders: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.placeholders:
+            object.__setattr__(self, "placeholders", self.length)
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,22 @@ def cache_key_tokens(prompt: Prompt) -> list[int]:
             h = hashlib.blake2b(seed + i.to_bytes(4, "little"), digest_size=4).digest()
             tokens[image.start + i] = -1 - (int.from_bytes(h, "little") & 0x7FFFFFFF)
     return tokens
+
+
+def placeholder_spans(tokens: Sequence[int], token_id: int, counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Each image's span (start, length) in ``tokens``: the first ``counts[0]`` placeholders
+    (``token_id``) are the first image's, the next ``counts[1]`` the second's, and so on,
+    in order; a span runs from an image's first placeholder to its last, whatever separators
+    its runs have between them. ``ValueError`` when the counts do not add up to the tokens'."""
+    at = [i for i, t in enumerate(tokens) if t == token_id]
+    if sum(counts) != len(at) or any(c <= 0 for c in counts):
+        raise ValueError(f"{len(at)} placeholder token(s) for images of {', '.join(map(str, counts))}")
+    spans, first = [], 0
+    for count in counts:
+        start, last = at[first], at[first + count - 1]
+        spans.append((start, last - start + 1))
+        first += count
+    return spans
 
 
 def placeholder_runs(tokens: Sequence[int], token_id: int) -> list[tuple[int, int]]:

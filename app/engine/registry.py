@@ -6,7 +6,7 @@
 What a role loads, costs and serves is its row of ``app/engine/roles.py``; the
 registry asks nothing else of a role. ``acquire_chat(name)`` returns a
 ``Lease[ChatEngine]`` on a loaded chat model (``acquire_captioner``: a
-``Lease[VlmEngine]``, ``acquire_encoder``: a ``Lease[EncoderEngine]``); a model
+``Lease[TextEngine]`` serving a VLM, ``acquire_encoder``: a ``Lease[EncoderEngine]``); a model
 with leases (requests preparing, queued or running) is never unloaded. Loading runs on the
 MLX thread in slices (``MLXWorker.submit_steps``), so streams of models already
 loaded keep moving; requests for a model that is loading wait under its queue
@@ -60,7 +60,7 @@ import mlx.core as mx
 from app.engine.batch.batching import BatchingEngine
 from app.engine.batch.encoder_engine import EncoderEngine
 from app.engine.batch.engine import TextEngine
-from app.engine.batch.vlm_engine import VlmEngine
+from app.engine.models.loader import LoadedModel
 from app.engine.models.progress import LoadProgress, LoadStep
 from app.engine.params import ModelSource, ModelSpec
 from app.engine.roles import Api, ChatEngine, ChatLoader, LoadContext, Loaded, RoleSpec, role
@@ -171,11 +171,11 @@ def local_dir(source: ModelSource) -> Path | None:
     if source.local_path:
         return Path(source.local_path).expanduser()
     if source.builtin:
-        from app.engine.models.demo_model import cache_root
+        from app.engine.paths import cache_root
 
         return cache_root() / "models" / source.builtin
     if source.weight_file:
-        from app.engine.models.demo_model import cache_root
+        from app.engine.paths import cache_root
 
         return cache_root() / "converted" / source.name
     return None  # a hub id: its size is known after the load
@@ -312,10 +312,12 @@ class Registry:
         """A lease on the chat model ``name`` (text or native VLM)."""
         return await self.acquire(name, "chat", BatchingEngine, param)
 
-    async def acquire_captioner(self, name: str) -> Lease[VlmEngine]:
+    async def acquire_captioner(self, name: str) -> Lease[TextEngine]:
         """A lease on the VLM that captions for the vision proxy (a vision entry, or a native
-        VLM chat model)."""
-        return await self.acquire(name, "captions", VlmEngine)
+        VLM chat model): the one engine, serving a VLM (``vision`` set)."""
+        slot = await self._acquire(name, "captions", "model")
+        engine = slot.as_(TextEngine)
+        return self._lease(slot, engine if engine is not None and engine.vision is not None else None)
 
     async def acquire_encoder(self, name: str, *, rerank: bool = False, param: str = "model") -> Lease[EncoderEngine]:
         """A lease on the encoder ``name`` for embeddings (an embedding model) or for ranking
@@ -463,7 +465,7 @@ class Registry:
         ctx = replace(self._load_ctx, progress=slot.progress)
         if draft is not None:
             engine = draft.as_(TextEngine)
-            if engine is None:
+            if engine is None or not isinstance(engine.loaded, LoadedModel):
                 raise ModelLoadError(f"model {slot.spec.name!r}: draft model {draft.spec.name!r} is not a text "
                                      f"model served by mlx-lm ({type(draft.handle).__name__})")
             ctx = replace(ctx, draft=engine.loaded)
@@ -670,7 +672,7 @@ class Registry:
             kv_used, running, waiting = 0.0, 0, 0
             if (engine := slot.chat) is not None:
                 stats = engine.stats()
-                kv_used = stats.kv_reserved_tokens * engine.kv_bytes_per_token / MB
+                kv_used = stats.kv_reserved_bytes / MB
                 running, waiting = stats.active, stats.waiting + stats.paused
             elif (encoder := slot.as_(EncoderEngine)) is not None:
                 jobs = encoder.stats()

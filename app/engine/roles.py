@@ -91,7 +91,8 @@ class RoleSpec:
 
 
 def _load_vlm(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded]:
-    from app.engine.batch.vlm_engine import VlmEngine
+    from app.engine.batch.engine import TextEngine
+    from app.engine.batch.vision_rows import VisionRows
     from app.engine.models.vlm import load_vlm
 
     _require(spec, spec.load is not None and spec.engine is not None and spec.vision is not None)
@@ -105,7 +106,7 @@ def _load_vlm(ctx: LoadContext, spec: ModelSpec) -> Generator[None, None, Loaded
     ctx.progress.report("starting engine")
     # The worst-case images' peak through the vision tower, and the cap on cached
     # image features, count with the weights.
-    engine = VlmEngine(ctx.worker, vlm, spec.engine, feature_cache_bytes=v.feature_cache_bytes)
+    engine = TextEngine(ctx.worker, vlm, spec.engine, vision=VisionRows(vlm, ctx.worker, v.feature_cache_bytes))
     return engine, vlm.weights_bytes + vlm.profile_peak_bytes + v.feature_cache_bytes
 
 

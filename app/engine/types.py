@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from app.engine.prompt import Prompt, PromptBuilder
-from app.engine.speculative import DraftCounts
+
+
+@dataclass
+class DraftCounts:
+    """Proposed and accepted tokens, for one drafter of one model (/metrics, /health)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    # Verify steps that carried this drafter's proposals.
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ class ConstraintProcessor(Protocol):
 
 @runtime_checkable
 class SpeculableConstraint(ConstraintProcessor, Protocol):
-    """A constraint a speculating row can carry (``app.engine.speculative.verify``): it cuts a
+    """A constraint a speculating row can carry (``app.engine.step.verify``): it cuts a
     proposal where it would refuse it, and gives back what a verify step rejected. A row
     whose constraint lacks these does not speculate."""
 
@@ -78,7 +87,7 @@ class LogitsConstraint(Protocol):
 @dataclass(frozen=True)
 class ReasoningBlock:
     """The reasoning block a generation may write, as the engine tracks it
-    (``app.engine.batch.reasoning``): counted token by token, and closed by force
+    (``app.engine.step.reasoning``): counted token by token, and closed by force
     when ``budget`` runs out."""
 
     opener: str
@@ -125,6 +134,19 @@ class GenerationRequest:
     # Speculative decoding for this request (``app.engine.speculative``): None takes the
     # model's defaults (models.yaml ``speculative``).
     speculation: SpeculationRequest | None = None
+    # A prefill-only row (a score row of the engine's step): the prompt's log-probabilities are
+    # read and nothing is generated (``max_tokens`` is ignored); the final delta carries them,
+    # with finish reason ``SCORED``.
+    score: ScoreRequest | None = None
+    # Where the client asked the prefix cache to keep this prompt (Anthropic's ``cache_control``,
+    # OpenAI's ``prompt_cache_breakpoint``), in prompt order: the engine stores an entry ending
+    # exactly at each (or, cached already, pins that one) and keeps it for its TTL ahead of
+    # unmarked entries, within the tier's ``pin_share``.
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # Whether the engine may also cache this prompt where it chooses (OpenAI's
+    # ``prompt_cache_options.mode`` "implicit", the default: the conversation at its end, the
+    # prefix ``cache_prefix_len`` names); False ("explicit"): only at ``cache_breakpoints``.
+    cache_implicit: bool = True
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -142,6 +164,42 @@ class SpeculationRequest:
     # Per-request switches for the model's drafters; None keeps the models.yaml setting.
     prompt_lookup: bool | None = None
     draft: bool | None = None
+
+
+# The finish reason (and outcome) of a prefill-only row: read, nothing generated.
+SCORED = "scored"
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What a prefill-only row reads (``GenerationRequest.score``; the step's score rows,
+    ``app.engine.step``). Its answer is a ``ScoreResult`` on the final delta, whose ``tokens`` is 0."""
+
+    # Log-probabilities of the prompt's last ``tail`` tokens, each given every token before it
+    # (a whole option scored as a token sequence). At most the prompt's length less one.
+    tail: int = 0
+    # log p(token | the whole prompt) for each of these token ids (options told apart by their
+    # first token, read at the answer's first position).
+    next_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A prefill-only row's answer: natural-log probabilities, in the request's order."""
+
+    # One per token of ``ScoreRequest.tail``, the earliest first.
+    tail: tuple[float, ...] = ()
+    # One per id of ``ScoreRequest.next_tokens``.
+    next_tokens: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """A point a client asked the prefix cache to keep: the prompt's first ``tokens`` tokens
+    (where the marked block ends), for ``ttl_s`` seconds."""
+
+    tokens: int
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -174,6 +232,12 @@ class TokenDelta:
     # those the model kept and those it refused (OpenAI's Predicted Outputs usage).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Prompt tokens whose KV this generation wrote to the prefix cache where the request asked
+    # (``cache_breakpoints``) or, for a scored row, where its shared prefix ends: the last such
+    # point's length less what was read from the cache.
+    cache_write_tokens: int = 0
+    # A scored row's answer (``GenerationRequest.score``), on its final delta.
+    scores: ScoreResult | None = None
     error: BaseException | None = None
 
 
@@ -185,7 +249,8 @@ class GenerationRecord:
 
     request_id: str
     model: str
-    # "stop" | "length" (finished), "cancelled" (the client left or shutdown), "error"
+    # "stop" | "length" (finished), "scored" (a prefill-only row read), "cancelled" (the client
+    # left or shutdown), "error"
     outcome: str
     prompt_tokens: int
     cached_tokens: int
@@ -231,6 +296,13 @@ class EngineStats:
     kv_budget_tokens: int
     kv_reserved_tokens: int
     prompt_cache_bytes: int
+    # The KV budget and what the admitted rows may make MLX hold, in bytes (every layer as it
+    # grows: ``app.engine.kv.geometry``).
+    kv_budget_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    # Per layer kind ("kv", "quantized", "rotating", "state"): layers, bytes per token, bytes
+    # per row, window (``KVGeometry.summary``).
+    kv_layers: dict[str, Any] = field(default_factory=dict)
     prompt_cache_hits: int = 0
     prompt_cache_tokens_saved: int = 0
     # Background sequences paused for interactive work: now, and pauses so far.
@@ -239,7 +311,7 @@ class EngineStats:
     # Rows paused because the KV budget could not take their growth (their KV to the prefix cache).
     memory_pauses: int = 0
     # Bytes MLX's KV caches hold now (batch rows, paused sequences, the memory tier), measured
-    # after each step; kv_reserved_tokens bounds it from above.
+    # after each step; kv_reserved_bytes plus prompt_cache_bytes bounds it from above.
     kv_cache_bytes: int = 0
     # The longest prompt + max_tokens one request can have within the KV budget.
     kv_max_sequence_tokens: int = 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.engine.constrain import constraints as c
-from app.engine.constrain.grammar import Grammar, compiler_for
+from app.engine import Constraint, Grammar, JsonObject, JsonSchema, Reasoning, ToolCalls, compiler_for
+from app.engine import Tool as GrammarTool
 from app.errors import InvalidRequestError
 from app.families.syntax import HarmonyCalls, RecipientCalls
 from app.pipeline.prompting import ModelProfile
@@ -57,27 +57,27 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def _answer(output: OutputFormat) -> c.JsonSchema | c.JsonObject | None:
+def _answer(output: OutputFormat) -> JsonSchema | JsonObject | None:
     if output.kind == "json_schema" and output.schema is not None:
-        return c.JsonSchema(closed_objects(output.schema), strict=output.strict)
+        return JsonSchema(closed_objects(output.schema), strict=output.strict)
     if output.kind in ("json_schema", "json_object"):
-        return c.JsonObject()
+        return JsonObject()
     return None
 
 
-def _tool(t: Tool) -> c.Tool:
-    return c.Tool(t.name, closed_objects(t.parameters), strict=t.strict)
+def _tool(t: Tool) -> GrammarTool:
+    return GrammarTool(t.name, closed_objects(t.parameters), strict=t.strict)
 
 
-def constraint_spec(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool, ...]) -> c.Constraint | None:
+def constraint_spec(profile: ModelProfile, req: ChatRequest, offered: tuple[Tool, ...]) -> Constraint | None:
     """What the output must be, or None for free text. ``offered``: the tools the model
     is shown (``prompting.offered_tools``: just the named one for a named choice)."""
     answer = _answer(req.output)
     mode = req.tool_choice.mode
     if offered and mode in ("required", "named"):
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=forced_parallel(req))
+        return ToolCalls(tuple(map(_tool, offered)), profile.call_syntax, parallel=forced_parallel(req))
     if offered and answer is not None:
-        return c.ToolCalls(tuple(map(_tool, offered)), profile.call_syntax,
+        return ToolCalls(tuple(map(_tool, offered)), profile.call_syntax,
                            parallel=req.parallel_tool_calls is not False, answer=answer)
     return answer
 
@@ -92,7 +92,7 @@ def forced_parallel(req: ChatRequest) -> bool:
     return req.parallel_tool_calls is not False
 
 
-def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool) -> c.Reasoning | None:
+def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool) -> Reasoning | None:
     """The free reasoning block allowed before the constrained output: when the model's
     reasoning is read at all (thinking on, or a template with no switch), and the prompt
     opened the block or the model opens it with its one reasoning token."""
@@ -105,10 +105,10 @@ def reasoning_for(profile: ModelProfile, prompt_text: str, parse_reasoning: bool
         # A text opener ("<think>" in several tokens) would let a model that does not
         # reason wander into a block through "<" and spend its tokens there.
         return None
-    return c.Reasoning(opener, closer, started=started)
+    return Reasoning(opener, closer, started=started)
 
 
-def compile_constraint(profile: ModelProfile, spec: c.Constraint | None, reasoning: c.Reasoning | None,
+def compile_constraint(profile: ModelProfile, spec: Constraint | None, reasoning: Reasoning | None,
                        param: str = "response_format") -> Grammar | None:
     """The compiled grammar (cached per tokenizer); ``InvalidRequestError`` when the schema
     or a tool's parameters cannot be compiled. Runs off the event loop: the first one for a

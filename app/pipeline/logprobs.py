@@ -13,7 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine.types import TokenLogprob
+from app.engine import TokenLogprob
 
 
 def _bytes_to_unicode() -> dict[str, int]:

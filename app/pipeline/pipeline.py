@@ -25,24 +25,32 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from app.config.schema import ChatParams, ModelCapabilities, ServerSettings
-from app.engine.constrain.constraints import Reasoning
-from app.engine.constrain.grammar import Grammar
-from app.engine.models.encoder import Embeddings, Ranking
-from app.engine.models.encoder_inputs import EncoderInputs
-from app.engine.prompt import TokenPrompt, completion_room
-from app.engine.registry import Lease, Registry
-from app.engine.types import (
+from app.engine import (
+    CacheBreakpoint,
+    Embeddings,
+    EncoderInputs,
     Engine,
     GenerationRecord,
     GenerationRequest,
+    Grammar,
+    Lease,
+    Prompt,
+    Ranking,
+    Reasoning,
     ReasoningBlock,
+    Registry,
     SamplingParams,
     SpeculationRequest,
+    TokenPrompt,
+    completion_room,
 )
 from app.errors import ContextLengthError, InvalidRequestError, VisionNotSupportedError
 from app.families import BARE_JSON, CallSyntax
 from app.parsers import ReasoningDelta, make_parser
+from app.pipeline.breakpoints import breakpoints
 from app.pipeline.constraining import check_constraint, compile_constraint, constraint_spec, reasoning_for
+from app.pipeline.decisions import reading
+from app.pipeline.decisions.request import Decision, DecisionRequest
 from app.pipeline.logprobs import logprob_infos
 from app.pipeline.predicted import prediction_usage
 from app.pipeline.prompting import (
@@ -212,8 +220,8 @@ class Pipeline:
             lease.release()
             raise
         prepared.extras = {**extras, **prepared.extras}
-        prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get(),
-                               cache_namespace=self.cache_namespace(req.options.cache_salt))
+        namespace = self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key)
+        prepared.gen = replace(prepared.gen, request_id=REQUEST_ID.get(), cache_namespace=namespace)
         return self._hold(prepared, lease)
 
     async def prepare_text(self, req: TextRequest) -> Prepared:
@@ -225,8 +233,40 @@ class Pipeline:
         except BaseException:
             lease.release()
             raise
-        gen = replace(gen, request_id=REQUEST_ID.get(), cache_namespace=self.cache_namespace(req.options.cache_salt))
+        gen = replace(gen, request_id=REQUEST_ID.get(),
+                      cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key))
         return self._hold(Prepared(model.profile.name, gen, req.prompt, n=req.options.n), lease)
+
+    async def decide(self, req: DecisionRequest) -> Decision:
+        """Answer ``req``'s questions from the model's distribution (``app.pipeline.decisions.reading``):
+        images seen as for a chat (captions for a proxy-vision model), one prompt per question,
+        its options scored on the engine, the input's KV computed once for all of them."""
+        if len(req.input) > self.server.max_messages:
+            raise InvalidRequestError(f"at most {self.server.max_messages} input items", param="input")
+        model, lease = await self.served(req.options.model)
+        try:
+            profile = model.profile
+            check_prompt_chars(profile, sum(map(len, req.texts())), "input")
+            asked = tuple(Message("user", q.instructions, param=q.param) for q in req.questions)
+            images: list[list[Any]] = []
+            if model.vision.mode == "native" and model.vision.images is not None:  # it sees them itself
+                seen = req.input + asked
+                images = [await model.vision.images(part) for part in (req.input, *((q,) for q in asked))]
+            else:
+                seen, _ = await self._see(model, ChatRequest(req.options, req.input + asked, messages_param="input"))
+            n = len(req.input)
+            plan = await anyio.to_thread.run_sync(reading.plan, profile, seen[:n], req.questions,
+                                                  [m.content for m in seen[n:]], images)
+            base = GenerationRequest(
+                TokenPrompt([]), 0, request_id=REQUEST_ID.get(), priority=req.options.priority,
+                cache_namespace=self.cache_namespace(req.options.cache_salt, req.options.prompt_cache_key),
+                cache_prefix_len=plan.prefix_len, share_prefix=True, cache_breakpoints=plan.breakpoints,
+                cache_implicit=req.options.cache_implicit)
+            finals = await reading.score(model.engine, plan.rows, base, reading.window(profile, plan))
+        finally:
+            lease.release()
+        return Decision(profile.name, tuple(reading.answers(req.questions, plan.rows, finals)),
+                        reading.usage(finals))
 
     async def count_chat(self, req: ChatRequest) -> int:
         """The prompt tokens ``req`` would use, prepared exactly as ``prepare_chat`` prepares it
@@ -245,13 +285,15 @@ class Pipeline:
         weakref.finalize(prepared, lease.release)
         return prepared
 
-    def cache_namespace(self, salt: str | None) -> str:
-        """The prefix-cache partition of this request: its API key's (``per_key`` scope)
-        and its ``cache_salt``. Requests share cached KV only within one."""
+    def cache_namespace(self, salt: str | None, key: str | None = None) -> str:
+        """The prefix-cache partition of this request: its API key's (``per_key`` scope), its
+        ``cache_salt`` and its ``prompt_cache_key`` (OpenAI's). Requests share cached KV only
+        within one."""
         client = CLIENT.get() if self.server.prompt_cache_scope == "per_key" else ""
-        if not client and not salt:
+        if not client and not salt and not key:
             return ""
-        return hashlib.sha256(f"{client}\x00{salt or ''}".encode()).hexdigest()[:24]
+        scope = f"{client}\x00{salt or ''}" + (f"\x00{key}" if key else "")
+        return hashlib.sha256(scope.encode()).hexdigest()[:24]
 
     async def _see(self, model: ServedModel, req: ChatRequest) -> tuple[tuple[Message, ...], dict[str, Any]]:
         """Images into text (proxy vision); refused where the model takes none."""
@@ -313,7 +355,7 @@ class Pipeline:
                         prediction_usage, p.lease.handle.tokenizer, prediction, "".join(written))
                         if prediction else (0, 0))
                     usage = Usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens,
-                                  delta.reasoning_tokens, accepted, rejected)
+                                  delta.reasoning_tokens, accepted, rejected, delta.cache_write_tokens)
                 if not p.emit_reasoning:
                     events = [ev for ev in events if not isinstance(ev, ReasoningDelta)]
                 logprobs = logprob_infos(p.lease.handle.tokenizer, delta.logprobs) if delta.logprobs else []
@@ -458,11 +500,9 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
     ``messages`` replaces the request's (the vision proxy's rewrite, images turned into
     text); ``images`` are the request's images in order, for a builder that takes them
     (native vision: its template places them, its processor expands them)."""
-    msgs, tools, template_tools = with_tools(profile, req, req.messages if messages is None else messages)
+    source = req.messages if messages is None else messages
     wanted = profile.reasoning if req.thinking is None else (req.thinking and profile.reasoning)
-    dicts = template_messages(msgs, profile.family, images=profile.prompts.takes_images)
-    text = render(profile, dicts, template_tools, wanted, effort=req.reasoning_effort,
-                  budget=thinking_budget(profile, req))
+    text, tools, dicts = render_chat(profile, req, source, wanted)
     check_within(profile.tokenizer, text, profile.max_model_len, req.messages_param)
     prompt = profile.prompts.build(text, images)
     tokens = prompt.tokens
@@ -478,8 +518,35 @@ def build_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message,
         constraint=_constraint(profile, req, tools, text, wanted),
         reasoning=reasoning_block(profile, req, text, wanted),
         speculation=speculation_for(profile, req.options),
+        cache_breakpoints=_breakpoints(profile, req, source, prompt, wanted),
+        cache_implicit=req.options.cache_implicit,
     )
     return _parsed_as(profile, req, gen, text, wanted, tools)
+
+
+def render_chat(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...], wanted: bool
+                ) -> tuple[str, tuple[Tool, ...], list[dict[str, Any]]]:
+    """The request's prompt text with ``messages`` (its own, or rewritten): the tools offered
+    (``with_tools``), every message as the template takes it, the template applied. Returns
+    the text, the tools offered and the messages as rendered."""
+    msgs, tools, template_tools = with_tools(profile, req, messages)
+    dicts = template_messages(msgs, profile.family, images=profile.prompts.takes_images)
+    text = render(profile, dicts, template_tools, wanted, effort=req.reasoning_effort,
+                  budget=thinking_budget(profile, req))
+    return text, tools, dicts
+
+
+def _breakpoints(profile: ModelProfile, req: ChatRequest, messages: tuple[Message, ...], prompt: Prompt,
+                 wanted: bool) -> tuple[CacheBreakpoint, ...]:
+    """Where the client's cache marks end in the prompt (``breakpoints``); none yet for a
+    native VLM's prompt, whose image runs the text alone does not place."""
+    if not isinstance(prompt, TokenPrompt):
+        return ()
+
+    def variant(msgs: tuple[Message, ...], tools: tuple[Tool, ...]) -> list[int]:
+        return profile.prompts.build(render_chat(profile, replace(req, tools=tools), msgs, wanted)[0]).tokens
+
+    return breakpoints(prompt.tokens, messages, req.tools, variant)
 
 
 def _parsed_as(profile: ModelProfile, req: ChatRequest, gen: GenerationRequest, text: str, wanted: bool,

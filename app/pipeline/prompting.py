@@ -17,8 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config.schema import ChatParams, ModelCapabilities
-from app.engine.mlx_internals import has_thinking, think_markers
-from app.engine.prompt import PromptBuilder, TextPrompts
+from app.engine import PromptBuilder, TextPrompts, has_thinking, think_markers
 from app.errors import ConfigError, InvalidRequestError
 from app.families import BARE_JSON, THINK, CallSyntax, Family, Syntax
 from app.parsers import PARSERS, is_reasoning_model, template_opens_reasoning

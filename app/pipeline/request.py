@@ -20,13 +20,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.engine.models.encoder_inputs import EncoderInput, EncoderInputs, TokenIds
+from app.engine import EncoderInput, EncoderInputs, TokenIds
 from app.errors import InvalidRequestError
-from app.messages import ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
+from app.messages import CacheMark, ImagePart, Message, Part, Role, TextPart, ToolCall, merge_turns
 
-__all__ = ["ChatRequest", "EmbedRequest", "EncoderInputs", "ImagePart", "Message", "Options", "OutputFormat", "Part",
-           "Priority", "RerankRequest", "Role", "Sampling", "Speculation", "TextPart", "TextRequest", "Tool",
-           "ToolCall", "ToolChoice", "merge_turns"]
+__all__ = ["CacheMark", "ChatRequest", "EmbedRequest", "EncoderInputs", "ImagePart", "Message", "Options",
+           "OutputFormat", "Part", "Priority", "RerankRequest", "Role", "Sampling", "Speculation", "TextPart",
+           "TextRequest", "Tool", "ToolCall", "ToolChoice", "merge_turns"]
 
 Priority = Literal["interactive", "background"]
 # A salt is a tenant's name or a random token, not a document.
@@ -42,6 +42,8 @@ class Tool:
     # JSON schema of the arguments object.
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool = False
+    # A prompt-cache breakpoint after this tool's definition (Anthropic's ``cache_control``).
+    cache: CacheMark | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """OpenAI's ``tools[]`` item, as chat templates take it: with a description always
@@ -119,6 +121,12 @@ class Options:
     # prefixes with different salts never share KV. The pipeline's ``cache_namespace`` is the
     # one place that turns it (and the API key) into the prefix cache's scope.
     cache_salt: str | None = None
+    # OpenAI's prompt_cache_key: scopes the prefix cache as cache_salt does (both may be given).
+    prompt_cache_key: str | None = None
+    # OpenAI's prompt_cache_options.mode: "implicit" (True, the default) lets the prefix cache keep
+    # what it chooses besides the request's breakpoints; "explicit" (False) asks for the
+    # breakpoints alone (``GenerationRequest.cache_implicit``).
+    cache_implicit: bool = True
     # Choices to generate from the one prompt (its KV computed once and shared).
     n: int = 1
     # Per generated token: its logprob and this many most likely alternatives (None: none).
@@ -128,8 +136,10 @@ class Options:
     speculation: Speculation = Speculation()
 
     def __post_init__(self) -> None:
-        if self.cache_salt is not None and len(self.cache_salt) > CACHE_SALT_MAX_CHARS:
-            raise InvalidRequestError(f"cache_salt: at most {CACHE_SALT_MAX_CHARS} characters", param="cache_salt")
+        for name in ("cache_salt", "prompt_cache_key"):
+            value = getattr(self, name)
+            if value is not None and len(value) > CACHE_SALT_MAX_CHARS:
+                raise InvalidRequestError(f"{name}: at most {CACHE_SALT_MAX_CHARS} characters", param=name)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class Usage:
     # completion and those that do not (``app.pipeline.predicted``).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Prompt tokens written to the prefix cache where the request asked (its breakpoints), or a
+    # decision's shared input; 0 for generations until the engine stores at breakpoints.
+    cache_write_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -114,4 +117,4 @@ def total_usage(usages: list[Usage]) -> Usage:
     """One request's usage over its choices: the prompt counted once, completions summed."""
     return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens,
                  sum(u.reasoning_tokens for u in usages), sum(u.accepted_prediction_tokens for u in usages),
-                 sum(u.rejected_prediction_tokens for u in usages))
+                 sum(u.rejected_prediction_tokens for u in usages), usages[0].cache_write_tokens)

@@ -22,21 +22,27 @@ from typing import Any
 
 from app.config.loader import ResolvedConfig
 from app.config.schema import ServerSettings
-from app.engine.batch.encoder_engine import EncoderStats
-from app.engine.distributed.distributed import Distributed
-from app.engine.models.progress import LoadStep
-from app.engine.params import ModelSpec
-from app.engine.registry import Registry
-from app.engine.speculative import DraftCounts
-from app.engine.types import CacheTierStats, Engine, EngineStats, GenerationRecord
-from app.engine.worker import MLXWorker
+from app.engine import (
+    SCORED,
+    CacheTierStats,
+    Distributed,
+    DraftCounts,
+    EncoderStats,
+    Engine,
+    EngineStats,
+    GenerationRecord,
+    LoadStep,
+    MLXWorker,
+    ModelSpec,
+    Registry,
+)
 from app.pipeline.pipeline import Pipeline, VisionState
 from app.pipeline.prompting import ModelProfile
 from app.request_context import note_model
 
 # What the API layer names of the layers below, through this module.
-__all__ = ["CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health", "LoadStep",
-           "ModelReport", "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
+__all__ = ["SCORED", "CacheTierStats", "EncoderStats", "EngineStats", "Figures", "GenerationRecord", "Health",
+           "LoadStep", "ModelReport", "ModelState", "Overview", "Runtime", "ServerSettings", "VisionReport"]
 
 
 @dataclass(frozen=True)

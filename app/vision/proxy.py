@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.engine.prompt import pixel_digest
+from app.engine import pixel_digest
 from app.errors import AppError, ImageError, InvalidRequestError
 from app.messages import ImagePart, Message
 from app.vision.cache import CaptionCache, CaptionKey

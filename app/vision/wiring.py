@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.engine.registry import Registry
+from app.engine import Registry
 from app.errors import AppError
 from app.vision.cache import CaptionCache
 from app.vision.captioner import DEFAULT_PROMPT_TEMPLATE, VlmCaptioner

@@ -8,6 +8,7 @@ A page asks for a table with a marker on a line of its own:
     <!-- generated: metrics app/api/metrics.py -->            every metric the module defines
     <!-- generated: docstring app.engine.mlx_internals -->     a module's docstring, as Markdown
     <!-- generated: layers tests/test_layering.py -->          the import rules, as a picture and a table
+    <!-- generated: layers tests/test_layering.py:ENGINE_LAYERS -->  the same, inside app/engine
     <!-- generated: families app.families:FAMILIES -->        every model family: models, calls, reasoning, hints
 
 The marker is replaced by Markdown before the page is converted. An unknown kind, a target
@@ -26,7 +27,8 @@ Where the facts come from:
 - metrics: the module's source, read with ``ast``: each ``Counter`` / ``Histogram`` /
   ``*MetricFamily`` call, with the loops over literal tuples that name several of them.
 - layers: the test's ``LAYERS`` and ``OUTSIDE`` tables (literals, read with ``ast``): each
-  part of ``app/`` on a row above everything it imports, then the rules as a table.
+  part of ``app/`` on a row above everything it imports, then the rules as a table; with
+  ``:ENGINE_LAYERS``, the same for the parts of ``app/engine/``.
 """
 
 from __future__ import annotations
@@ -292,9 +294,11 @@ def _literal(path: Path, name: str) -> Any:
 
 
 def render_layers(target: str) -> str:
-    path = ROOT / target
-    layers: dict[str, tuple[str, ...]] = _literal(path, "LAYERS")
-    outside: dict[str, tuple[str, ...]] = _literal(path, "OUTSIDE")
+    file, _, table = target.partition(":")
+    path = ROOT / file
+    layers: dict[str, tuple[str, ...]] = _literal(path, table or "LAYERS")
+    outside: dict[str, tuple[str, ...]] = _literal(path, "OUTSIDE") if not table else {}
+    where = "`app/`" if not table else "`app/engine/`"
     depth: dict[str, int] = {}
 
     def level(part: str) -> int:  # the test checks there is no cycle
@@ -309,11 +313,11 @@ def render_layers(target: str) -> str:
     picture = ["```", "(each part imports only parts on rows below it, and only those its rule names)", ""]
     picture += ["   ".join(sorted(rows[d])) for d in sorted(rows, reverse=True)]
     picture.append("```")
-    table = ["| part of `app/` | may import | never imports |", "| --- | --- | --- |"]
+    rules = [f"| part of {where} | may import | never imports |", "| --- | --- | --- |"]
     for part in sorted((p for p in layers if not p.startswith("_")), key=lambda p: (-level(p), p)):
-        table.append(f"| `{part}` | {', '.join(code(p) for p in layers[part]) or 'nothing of the app'} | "
+        rules.append(f"| `{part}` | {', '.join(code(p) for p in layers[part]) or 'nothing of the app'} | "
                      f"{', '.join(code(lib) for lib in outside.get(part, ())) or '-'} |")
-    return "\n".join(picture) + "\n\n" + "\n".join(table) + "\n"
+    return "\n".join(picture) + "\n\n" + "\n".join(rules) + "\n"
 
 
 # ---- families: the model families Tandem reads ------------------------------------------------------
@@ -321,8 +325,15 @@ def render_layers(target: str) -> str:
 
 def _shape(syntax: Any) -> str:
     """A call syntax in a table cell: its shape and the markers a model writes."""
-    from app.families.syntax import (CallSyntax, GemmaCalls, HarmonyCalls, NestedXmlCalls, PythonicCalls,
-                                     RecipientCalls, XmlCalls)
+    from app.families.syntax import (
+        CallSyntax,
+        GemmaCalls,
+        HarmonyCalls,
+        NestedXmlCalls,
+        PythonicCalls,
+        RecipientCalls,
+        XmlCalls,
+    )
 
     def show(text: str) -> str:
         return _html_code(" ".join(text.split())) if text.strip() else ""

@@ -69,7 +69,7 @@ def _install(target: Path) -> None:
 @pytest.fixture(scope="session")
 def agui_client() -> Path:
     """The directory holding the pinned ``@ag-ui/client``'s node_modules."""
-    from app.engine.models.demo_model import cache_root
+    from app.engine import cache_root
 
     for tool in ("node", "npm"):
         if shutil.which(tool) is None:

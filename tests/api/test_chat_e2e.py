@@ -35,7 +35,9 @@ def test_stream_equals_non_stream(client, demo_state):
     assert usage_chunk.usage.completion_tokens == full.usage.completion_tokens
     # Exact usage: the prompt is what the chat template renders, tokenized.
     tok = demo_state.profile.tokenizer
-    expected = len(tok.encode(tok.apply_chat_template(Q, add_generation_prompt=True, tokenize=False), add_special_tokens=False))
+    expected = len(
+        tok.encode(tok.apply_chat_template(Q, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    )
     assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens == expected
 
 
@@ -46,7 +48,9 @@ def test_stop_string_ends_before_it(client):
     r = client.chat.completions.create(**kw, stop=[stop])
     assert r.choices[0].message.content == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stop=stop, stream=True)
+    )
     assert streamed == r.choices[0].message.content
 
 
@@ -63,7 +67,11 @@ def test_models_and_health(client, demo_server):
 def test_text_completions(client):
     r = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens <= 4
-    chunks = list(client.completions.create(model="demo", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="demo", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
@@ -94,7 +102,8 @@ BAD_BODIES = [
     ("negative max_tokens", {"model": "demo", "messages": Q, "max_tokens": -1}, 400),
     ("unknown model", {"model": "gpt-9", "messages": Q}, 404),
     ("tool message without id", {"model": "demo", "messages": [{"role": "tool", "content": "x"}]}, 400),
-    ("bad image part", {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}, 400),
+    ("bad image part", {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}, 400),
     ("bad part type", {"model": "demo", "messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, 400),
     ("wrong method", None, 405),
 ]
@@ -183,4 +192,6 @@ def test_non_streaming_client_that_gives_up_stops_generation(demo_server, demo_s
     while demo_state.engine.admission.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert demo_state.engine.admission.running == 0 and demo_state.engine.admission.reserved == 0
-    assert client.chat.completions.create(model="demo", messages=Q, max_tokens=2, temperature=0).choices[0].message.content
+    assert client.chat.completions.create(
+        model="demo", messages=Q, max_tokens=2, temperature=0
+    ).choices[0].message.content

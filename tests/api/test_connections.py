@@ -59,7 +59,9 @@ def read_response(sock: socket.socket) -> int:
         assert chunk, "closed before a response"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return int(head.split(b" ")[1])
@@ -153,10 +155,16 @@ def test_silent_and_trickling_connections_are_closed_within_seconds(srv):
     keep_alive.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
     assert read_response(keep_alive) == 200
     head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-slow: "
-    socks = {"silent": (connect(srv), None), "slowloris": (connect(srv), head), "keep-alive slowloris": (keep_alive, head)}
+    socks = {
+        "silent": (connect(srv), None),
+        "slowloris": (connect(srv), head),
+        "keep-alive slowloris": (keep_alive, head),
+    }
     try:
         with ThreadPoolExecutor(len(socks)) as pool:
-            closed = dict(zip(socks, pool.map(lambda sock_trickle: seconds_until_closed(*sock_trickle), socks.values())))
+            closed = dict(
+                zip(socks, pool.map(lambda sock_trickle: seconds_until_closed(*sock_trickle), socks.values()))
+            )
     finally:
         for s, _ in socks.values():
             s.close()
@@ -208,6 +216,7 @@ def test_connections_stuck_in_a_head_free_their_place_at_the_deadline(quick):
     finally:
         for s in stuck:
             s.close()
-    print(f"\n4 stuck heads on a 4-connection server: chat {refused}, then 200 after {served_after:.2f} s; closed {closed}")
+    print(f"\n4 stuck heads on a 4-connection server: chat {refused}, "
+          f"then 200 after {served_after:.2f} s; closed {closed}")
     assert refused == 503 and closed == 4
     assert served_after < 0.5 + 1.5  # the deadline, plus slack for a loaded machine

@@ -58,7 +58,8 @@ BOUNDED = {
 }
 
 
-# Streamed at temperature 1.5 is slow-only: test_streamed_json_schema_joins_into_valid_json streams in the default suite.
+# Streamed at temperature 1.5 is slow-only:
+# test_streamed_json_schema_joins_into_valid_json streams in the default suite.
 @pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bounded_schema_holds_at_temperature_1_5(client: OpenAI, stream: bool) -> None:
     """Sampling far from the model's preference: the schema still holds, because what is

@@ -338,7 +338,7 @@ def test_unload_never_cuts_off_a_running_request(served: Served) -> None:
 def test_samples_carry_each_models_speculative_acceptance_since_the_last() -> None:
     """The live chart's "speculative acceptance": accepted / proposed tokens between two samples."""
     from app.api.ui.activity import Activity
-    from app.engine.speculative import DraftCounts
+    from app.engine import DraftCounts
     from app.pipeline.runtime import ModelState, Overview
 
     counts = {"prompt_lookup": DraftCounts(0, 0, 0)}

@@ -39,6 +39,21 @@ def fuzzed_server(tmp_path_factory, tiny_model_dir):
         yield served
 
 
+def operation_fuzzer(operation, mode: str, statuses: Counter[tuple[str, int]]):
+    """The hypothesis test for one operation, counting each response's status into ``statuses``."""
+
+    @given(case=operation.as_strategy(GenerationMode(mode)), rewrite=st.sampled_from(REWRITES))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def fuzz(case, rewrite):
+        if isinstance(case.body, dict):
+            case.body.update({k: v for k, v in rewrite.items() if k in case.body})
+        response = case.call(timeout=60)
+        statuses[(operation.label, response.status_code)] += 1
+        case.validate_response(response, checks=[not_a_server_error])
+
+    return fuzz
+
+
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_no_input_gives_a_server_error(fuzzed_server, mode):
     """Each operation gets ``EXAMPLES`` cases: schema-valid ones, or ones that break the schema."""
@@ -51,16 +66,7 @@ def test_no_input_gives_a_server_error(fuzzed_server, mode):
             "POST /v1/messages", "POST /v1/messages/count_tokens", "GET /health", "GET /metrics"} <= labels, labels
     statuses: Counter[tuple[str, int]] = Counter()
     for operation in operations:
-
-        @given(case=operation.as_strategy(GenerationMode(mode)), rewrite=st.sampled_from(REWRITES))
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def fuzz(case, rewrite):
-            if isinstance(case.body, dict):
-                case.body.update({k: v for k, v in rewrite.items() if k in case.body})
-            response = case.call(timeout=60)
-            statuses[(operation.label, response.status_code)] += 1
-            case.validate_response(response, checks=[not_a_server_error])
-
+        fuzz = operation_fuzzer(operation, mode, statuses)
         try:
             fuzz()
         except Unsatisfiable:  # nothing in this operation can break the schema (GET /health)

@@ -51,7 +51,9 @@ def test_body_over_the_limit_is_413(srv):
     err = assert_openai_error(r, 413, "request_too_large")
     assert str(BODY_LIMIT) in err["message"]
     # Without a content-length the body is counted as it arrives.
-    r = srv.post("/v1/chat/completions", content=iter([body[:1 << 20]] * 5), headers={"content-type": "application/json"})
+    r = srv.post(
+        "/v1/chat/completions", content=iter([body[:1 << 20]] * 5), headers={"content-type": "application/json"}
+    )
     assert_openai_error(r, 413, "request_too_large")
     assert_serving(srv)
 
@@ -142,7 +144,10 @@ def test_max_tokens_beyond_the_context_is_clamped_and_a_prompt_beyond_it_refused
     r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5000})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert (
+        usage["prompt_tokens"] + usage["completion_tokens"] == 2048
+        and r.json()["choices"][0]["finish_reason"] == "length"
+    )
     r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt * 2, "max_tokens": 5})
     assert assert_openai_error(r, 400, "context_length_exceeded")["param"] == "prompt"
 

@@ -175,7 +175,7 @@ def test_speculative_counters_per_model_and_drafter():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from app.api.metrics import _StateCollector
-    from app.engine.speculative import DraftCounts
+    from app.engine import DraftCounts
     from app.engine.types import EngineStats
     from app.pipeline.runtime import Figures
 

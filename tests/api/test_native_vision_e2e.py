@@ -65,8 +65,9 @@ def test_text_only_requests_work(native):
 
 
 def test_too_many_images_is_a_400_naming_the_limit(native):
-    r = native.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(image_bytes((i * 40, 0, 0)))}} for i in range(3)]}]})
+    r = native.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image_bytes((i * 40, 0, 0)))}} for i in range(3)]}]})
     err = assert_openai_error(r, 400, "too_many_images")
     assert "at most 2" in err["message"] and err["param"] == "messages[0].content[2].image_url"
 

@@ -43,7 +43,8 @@ GUARDED = [
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": 1}),
     ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1}),
     ("POST", "/v1/agui", {"threadId": "t", "runId": "r", "state": {}, "tools": [], "context": [],
-                          "messages": [{"id": "1", "role": "user", "content": "Hi"}], "forwardedProps": {"max_tokens": 1}}),
+                          "messages": [{"id": "1", "role": "user", "content": "Hi"}],
+                          "forwardedProps": {"max_tokens": 1}}),
     ("POST", "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 1}),
     ("GET", "/metrics", None),
 ]

@@ -29,7 +29,8 @@ def start(tmp_path: Path, model_dir: Path, grace: float, procs: list,
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "app", "serve", "--models-file", str(models), "--port", str(port),
+         "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     procs.append(proc)
@@ -159,3 +160,46 @@ def test_sigterm_ends_an_embedding_job_with_a_503(server_process, tiny_model_dir
     assert error["type"] == "service_unavailable" and "shutting down" in error["message"], error
     assert proc.wait(timeout=30) == 0
     assert time.monotonic() - started < 15
+
+
+def test_every_model_drains_at_once_and_the_drain_runs_once(tmp_path, tiny_model_dir, caplog):
+    """Five models, each with a stream running, while the MLX thread is stuck in a long step:
+    past the grace period every model's streams end together (not each model's wait in turn),
+    and the drain, which both the signal handler and the app's shutdown ask for, runs once."""
+    import threading
+
+    import yaml
+
+    from tests.api.serving import serving
+    from tests.api.sse_frames import stream_chunks
+
+    names = [f"m{i}" for i in range(5)]
+    params = {"mem": 16, "max_tokens": 1900, "temperature": 0.0}
+    text = yaml.safe_dump({"server": {"shutdown_grace_s": 0.5},
+                           "models": [{"name": n, "local_path": str(tiny_model_dir), "params": params}
+                                      for n in names]})
+    release = threading.Event()
+    with serving(tmp_path, text) as srv:
+        streams = [stream_chunks(srv.base_url, "/v1/completions", {"model": n, "prompt": "Once upon a time",
+                                                                     "max_tokens": 1900, "stream": True}, timeout=60)
+                   for n in names]
+        for chunks in streams:
+            next(chunks)  # each one runs
+
+        def long_step() -> bool:  # the MLX thread is stuck in one step until released
+            release.wait(60)
+            return False
+
+        srv.state.worker.add_stepper(long_step, lambda exc: None)
+        time.sleep(0.5)  # the thread is inside it
+        with caplog.at_level("WARNING", logger="tandem"):
+            srv.server.should_exit = True
+            started = time.monotonic()
+            tails = [b"".join(chunks) for chunks in streams]
+            ended = time.monotonic() - started
+            release.set()
+    for tail in tails:
+        assert b"shutting down" in tail
+    # Grace (0.5 s) plus one wait for the MLX thread (2 s), not five of them.
+    assert ended < 5, f"the streams ended after {ended:.1f}s"
+    assert sum("requests still running" in r.message for r in caplog.records) == 1

@@ -116,7 +116,9 @@ def test_soak(server):
         took.append(time.monotonic() - started)
         rss.append(rss_mb(proc.pid))
     metrics = httpx.get(base + "/metrics").text.splitlines()
-    responses = [line for line in metrics if line.startswith(("tandem_http_responses_total", "tandem_generations_total"))]
+    responses = [
+        line for line in metrics if line.startswith(("tandem_http_responses_total", "tandem_generations_total"))
+    ]
     print(f"\nsoak: {ROUNDS} rounds x {len(ROUND)} requests; seconds per round {[round(t) for t in took]}; "
           f"RSS MB after each {[round(r) for r in rss]}\n" + "\n".join(responses))
     assert not [line for line in responses if 'status="5' in line]

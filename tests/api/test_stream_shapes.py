@@ -129,9 +129,8 @@ def test_held_back_logprobs_wait_for_the_opening_chunk():
     """Tokens the parser holds back (a call's marker) before a choice's role has gone out:
     their logprobs ride on the opening chunk, which still carries ``content: null``."""
     from app.api.openai.chat import ChunkWriter
-    from app.pipeline.results import ToolCallArgsDelta, ToolCallStart
     from app.pipeline.logprobs import LogprobInfo, TokenInfo
-    from app.pipeline.results import Step
+    from app.pipeline.results import Step, ToolCallArgsDelta, ToolCallStart
 
     def lp(token: str) -> LogprobInfo:
         return LogprobInfo(TokenInfo(token, tuple(token.encode()), -0.5))
@@ -149,3 +148,21 @@ def test_held_back_logprobs_wait_for_the_opening_chunk():
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [t["token"] for t in opening["choices"][0]["logprobs"]["content"]] == ["<"]
     assert last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_plain_content_chunk_is_written_as_the_dict_path_writes_it():
+    """The per-token path (``content_json``) gives the bytes ``to_json(chunk(...))`` gives."""
+    from app.api.openai.chat import ChunkWriter
+    from app.api.streaming import to_json
+    from app.pipeline.results import ContentDelta, ReasoningDelta, Step
+
+    writer = ChunkWriter('m "quoted" \u00e9')
+    texts = ["plain", 'a "quote" \\ back', "line\nbreak\ttab\r", "\u00e9\u4e2d\U0001f600", "\x00\x1f ctl", " "]
+    for i, text in enumerate(texts):
+        assert writer.content_json(text, i) == to_json(writer.chunk({"content": text}, index=i))
+    writer.first(0)
+    assert writer.plain_content(Step([ContentDelta("hi")])) == "hi"
+    assert writer.plain_content(Step([ContentDelta("hi")], index=1)) is None  # choice 1 not open: its role goes first
+    assert writer.plain_content(Step([ContentDelta("hi")], finish_reason="stop")) is None
+    assert writer.plain_content(Step([ReasoningDelta("hm")])) is None
+    assert writer.plain_content(Step([ContentDelta("a"), ContentDelta("b")])) is None

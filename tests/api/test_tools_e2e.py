@@ -89,7 +89,9 @@ def test_reasoning_streams_as_its_own_delta(client):
     assert msg.model_extra["reasoning_content"] == msg.model_extra["reasoning"] == "The user wants the capital."
     assert msg.content == "The capital is Paris."
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content", "") for c in chunks if c.choices)
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content", "") for c in chunks if c.choices
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert reasoning == msg.model_extra["reasoning_content"] and content == msg.content
     asked = client.chat.completions.create(**kw, extra_body={"extensions": True})
@@ -102,8 +104,10 @@ def test_agui_run_events_validate_in_legal_order(demo_server):
     from ag_ui.core import Event
 
     adapter = TypeAdapter(Event)
-    body = {"threadId": "t1", "runId": "r1", "state": None, "context": [], "forwardedProps": {"max_tokens": 40, "temperature": 0},
-            "tools": [{"name": "get_weather", "description": "Weather for a city", "parameters": TOOLS[0]["function"]["parameters"]}],
+    body = {"threadId": "t1", "runId": "r1", "state": None, "context": [],
+            "forwardedProps": {"max_tokens": 40, "temperature": 0},
+            "tools": [{"name": "get_weather", "description": "Weather for a city",
+                       "parameters": TOOLS[0]["function"]["parameters"]}],
             "messages": [{"id": f"m{i}", **m} for i, m in enumerate(FEW_SHOT)]}
     events = []
     with httpx.stream("POST", demo_server.base_url + "/v1/agui", json=body, timeout=120) as r:
@@ -137,7 +141,9 @@ def test_unparseable_tool_call_ends_stream_with_error_chunk_and_keeps_text(demo_
 
     body = {"model": "demo", "messages": BROKEN_SHOT, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
     chunks = []
-    with httpx.stream("POST", demo_server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST", demo_server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and not line.endswith("[DONE]"):
                 chunks.append(json.loads(line[5:]))

@@ -37,7 +37,8 @@ def test_a_key_of_another_role_stops_startup(tmp_path):
     """The acceptance test, end to end: an embedding entry with `temperature` fails at start-up."""
     bad = tmp_path / "models.yaml"
     bad.write_text("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n"
-                   "  - name: minilm\n    role: embedding\n    builtin: all-minilm-l6-v2\n    params: {temperature: 0.5}\n")
+                   "  - name: minilm\n    role: embedding\n    builtin: all-minilm-l6-v2\n"
+                   "    params: {temperature: 0.5}\n")
     r = run("serve", "--models-file", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert str(bad) in r.stderr and "models[1].params.temperature" in r.stderr

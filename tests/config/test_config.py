@@ -69,10 +69,14 @@ def test_every_engine_knob_has_a_default_in_one_place():
 @pytest.mark.parametrize(
     "yaml_text, key, allowed",
     [
-        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtyp: float16}\n", "models[0].params.dtyp", "unknown key"),
-        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtype: fp8}\n", "models[0].params.dtype", "'float16', 'bfloat16' or 'float32'"),
-        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    capabilities: {vision_mode: maybe}\n", "models[0].capabilities.vision_mode", "'disabled', 'proxy' or 'native'"),
-        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {max_num_seqs: 0}\n", "models[0].params.max_num_seqs", "greater than or equal to 1"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtyp: float16}\n",
+         "models[0].params.dtyp", "unknown key"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {dtype: fp8}\n",
+         "models[0].params.dtype", "'float16', 'bfloat16' or 'float32'"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    capabilities: {vision_mode: maybe}\n",
+         "models[0].capabilities.vision_mode", "'disabled', 'proxy' or 'native'"),
+        ("models:\n  - name: a\n    builtin: smollm2-135m-instruct\n    params: {max_num_seqs: 0}\n",
+         "models[0].params.max_num_seqs", "greater than or equal to 1"),
     ],
 )
 def test_bad_values_name_file_key_and_allowed(tmp_path, yaml_text, key, allowed):

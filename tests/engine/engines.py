@@ -30,3 +30,10 @@ async def run(engine: TextEngine, req: GenerationRequest) -> tuple[str, TokenDel
         last = d
     assert last is not None
     return "".join(text), last
+
+
+def vlm_engine(worker: MLXWorker, loaded, params, feature_cache_bytes: int = 0) -> TextEngine:
+    """The chat engine serving a loaded VLM (``app.engine.batch.vision_rows``)."""
+    from app.engine.batch.vision_rows import VisionRows
+
+    return TextEngine(worker, loaded, params, vision=VisionRows(loaded, worker, feature_cache_bytes))

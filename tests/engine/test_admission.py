@@ -45,7 +45,7 @@ def test_cache_is_evicted_for_a_request_and_admissions_can_come_one_at_a_time():
     a = admission(budget=3000)
     evicted: list[int] = []
 
-    def evict(n: int) -> int:
+    def evict(n: int, item: str) -> int:
         evicted.append(n)
         return 2500 - n
 
@@ -96,5 +96,16 @@ def test_a_request_that_cannot_fit_does_not_evict_the_cache():
     assert a.admit(0, lambda n: 0) == ["wide"]
     evicted: list[int] = []
     a.waiting.append(Waiting("paused", 1000, paused=True))  # 2 x (1000 + 255): more than the budget
-    assert a.admit(400, lambda n: evicted.append(n) or 0) == []
+    assert a.admit(400, lambda n, item: evicted.append(n) or 0) == []
     assert evicted == []
+
+
+def test_a_held_request_waits_for_memory_from_when_its_hold_ends():
+    """Rows held for a shared prefix a running row computes (a decision's questions behind its
+    input) never time out while held, and their queue timeout counts from the hold's end."""
+    a = admission()
+    a.waiting.append(Waiting("question", 100, since=0.0))
+    a.waiting.append(Waiting("other", 100, since=0.0))
+    assert a.expire(now=500.0, held=lambda item: item == "question") == ["other"]
+    assert a.expire(now=540.0) == []  # 40 s after the hold ended, within the 60 s timeout
+    assert a.expire(now=561.0) == ["question"]

@@ -39,45 +39,12 @@ QUESTION = [{"role": "user", "content": "Tell me about the sea and the sky in a 
 
 # ---- what fails today, and why (issue 29) ------------------------------------------------
 
-_NOT_LOADED = ("does not load: 503 'cannot size the KV cache' (the KV geometry is read from config keys, and "
-               "transformers' Nemotron-H config has a layers_block_type list and no num_hidden_layers)")
 # Gaps of every test on one model.
-MODEL_GAPS: dict[str, str] = {"nemotron_h_hf": _NOT_LOADED}
+MODEL_GAPS: dict[str, str] = {}
 
 
-def _by_kind(recurrent: str, sliding: str) -> dict[str, str]:
-    """One reason for the models with recurrent layers (ArraysCache), another for those
-    with sliding windows (RotatingKVCache)."""
-    return {name: recurrent if "ArraysCache" in m.kinds else sliding for name, m in ZOO.items() if not m.plain_kv}
-
-
-_CANNOT_CUT_BACK = ("the prefix cache cannot cut a stored conversation back to the tokens a new prompt shares: "
-                    "{} and no snapshot is kept where the prompt ended, so it reuses 0 tokens")
 # Gaps of one test, by model.
-GAPS: dict[str, dict[str, str]] = {
-    "same_prompt": _by_kind(_CANNOT_CUT_BACK.format("recurrent state (ArraysCache) cannot be trimmed"),
-                            _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
-    "turn_2_edited": _by_kind(_CANNOT_CUT_BACK.format("recurrent state (ArraysCache) cannot be trimmed"),
-                              _CANNOT_CUT_BACK.format("a rotated window (RotatingKVCache) cannot be trimmed")),
-    "restart": _by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
-    "restart_edited": {
-        **{name: "the disk tier serves only a stored prefix that the new prompt extends whole, never cut back "
-                 "to the tokens shared: turn 2 gets the template's system prompt (24 of 42 tokens) from disk"
-           for name in ZOO if ZOO[name].plain_kv},
-        **_by_kind(*["no prefix cache on disk: 'its KV caches are not plain KV layers'"] * 2),
-    },
-    "prediction": _by_kind(*["speculation is off ('its KV caches cannot be rolled back'): the engine verifies "
-                             "none of a prediction (usage still counts its tokens found in the answer)"] * 2),
-    "kv_bits": _by_kind(*["refused at load: 'kv_cache_bits needs a model whose every layer uses a plain KV "
-                          "cache'"] * 2),
-    # Admission counts every layer of the config as a full attention layer, and for Gemma 4 with the
-    # KV heads and head_dim of its sliding layers on all six (the last two share KV, the global ones
-    # are wider); the figures are admission over the bytes held at 512 tokens.
-    "kv_accounting": {name: f"admission counts every layer as full KV: {ratio} the bytes the caches hold"
-                      for name, ratio in {"qwen3_5": "3.8x", "granitemoehybrid": "3.6x", "nemotron_h": "5.8x",
-                                          "lfm2": "4.0x", "gemma3_text": "2.8x", "gemma4_text": "2.9x",
-                                          "gpt_oss": "1.9x"}.items()},
-}
+GAPS: dict[str, dict[str, str]] = {}
 
 
 def cases(test: str) -> list[Any]:
@@ -126,6 +93,8 @@ class ZooServer:
     def client(self) -> Iterator[OpenAI]:
         with OpenAI(base_url=self.served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             yield c
+
+    model = "zoo"
 
     def chat(self, messages: list[dict[str, Any]] = QUESTION, **kw: Any) -> Any:
         with self.client() as c:
@@ -425,14 +394,18 @@ ROW_TOKENS = 512
 def test_kv_accounting_by_layer_kind(served):
     """What admission counts for a row of ``ROW_TOKENS`` tokens is what the model's caches hold
     for it: attention layers by tokens, sliding layers capped at their window, recurrent layers
-    a constant. Admission's figure is read from /health (``mem`` over ``kv_budget_tokens``),
-    the caches' bytes from mlx-lm's own caches for the model after such a row."""
+    a constant. Admission's figure is read from /health (``kv_layers``: per layer kind, bytes
+    per token, per row, the window), the caches' bytes from mlx-lm's own caches for the model
+    after such a row."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     engine = served.health()["engine"]
-    admitted = ROW_TOKENS * 16 * 2**20 / engine["kv_budget_tokens"]
+    admitted = 0  # one row of ROW_TOKENS tokens, as /health's per-kind figures count it
+    for kind, layers in engine["kv_layers"].items():
+        tokens = min(ROW_TOKENS, layers["window"]) if kind == "rotating" else ROW_TOKENS
+        admitted += layers["bytes_per_token"] * tokens + layers["bytes_per_row"]
     model, _ = load_model(served.path)
     caches = make_prompt_cache(model)
     tokens = mx.arange(1000, 1000 + ROW_TOKENS)[None]
@@ -442,3 +415,47 @@ def test_kv_accounting_by_layer_kind(served):
     mx.eval([c.state for c in caches])
     held = sum(c.nbytes for c in caches)
     assert held <= admitted <= held * 1.1, f"admission counts {admitted / held:.2f}x the bytes the caches hold"
+
+
+def background_pauses(server: Any) -> int:
+    return server.health()["engine"]["background_pauses"]
+
+
+def paused_answers(server: Any, *, extra: dict[str, Any] | None = None, **kw: Any) -> tuple[list[str], list[str]]:
+    """Three background requests, decoding, then an interactive one: all but background_share
+    of them leave the batch with their KV (and the token each had drawn) and come back once it
+    has its first token. Their answers, and each one's answer alone."""
+    questions = [[{"role": "user", "content": f"Tell me a long story about the harbour, part {i}."}]
+                 for i in range(3)]
+    body = {"max_tokens": 400, **kw}
+    alone = [answer(server.chat(q, **body, extra_body={"priority": "background", "cache_salt": "alone",
+                                                       **(extra or {})})) for q in questions]
+
+    def background(q: list[dict[str, Any]], started: threading.Event) -> str:
+        with server.client() as c:
+            stream = c.chat.completions.create(model=server.model, messages=q, stream=True, temperature=0,
+                                               **body, extra_body={"priority": "background", **(extra or {})})
+            text = []
+            for chunk in stream:
+                started.set()
+                text.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            return "".join(text)
+
+    with ThreadPoolExecutor(3) as pool:
+        events = [threading.Event() for _ in questions]
+        running = [pool.submit(background, q, e) for q, e in zip(questions, events)]
+        for e in events:
+            e.wait(60)  # decoding: an interactive request now pauses them
+        server.chat([{"role": "user", "content": "Quick: is the tide high?"}], max_tokens=2,
+                    extra_body=extra or {})
+        got = [f.result() for f in running]
+    return got, alone
+
+
+@pytest.mark.slow  # ~40 s a model here; tests/engine/test_step.py resumes paused rows of every cache kind
+@matrix("pauses")
+def test_background_rows_paused_for_interactive_work_keep_their_answers(served):
+    before = background_pauses(served)
+    got, alone = paused_answers(served)
+    assert got == alone
+    assert background_pauses(served) > before, "no background row was paused"

@@ -47,24 +47,10 @@ def image(seed: int) -> str:
 
 # ---- what fails today, and why (issue 29) ------------------------------------------------
 
-_RUNS = ("refused at load: the worst-case input fails with 'the processor of vlm made {} image token run(s) for "
-         "2 image(s)': the engine takes an image's placeholders for one run, and {}")
-MODEL_GAPS: dict[str, str] = {
-    "mistral3": _RUNS.format(8, "Pixtral ends each row of an image with [IMG_BREAK] and the image with [IMG_END]"),
-    "idefics3": _RUNS.format(10, "Idefics3 splits an image into tiles (<row_i_col_j>) and a <global-img>"),
-    "smolvlm": _RUNS.format(10, "SmolVLM splits an image into tiles (<row_i_col_j>) and a <global-img>"),
-    "lfm2_vl": _RUNS.format(20, "LFM2-VL splits an image past its patch budget into tiles and a thumbnail"),
-    "gemma3": ("refused at load: 'the chat template of vlm wrote 0 image placeholder(s) for 2 image(s)': Gemma 3's "
-               "template writes <start_of_image> and its processor expands it into <image_soft_token>s, while the "
-               "engine counts the expanded token in the rendered text"),
-}
-GAPS: dict[str, dict[str, str]] = {
-    "batch": {"qwen3_vl": "image rows prefilled in one step change each other's answers (one row of three, in 5 "
-                          "of 6 runs of a round; rows that join the batch at different steps keep theirs; "
-                          "the cause is not diagnosed here, Qwen2.5-VL's rows keep theirs)"},
-    "turn_2": {name: "turn 2 reuses 0 tokens: the native VLM engine's prefix cache serves Qwen2-VL and Qwen2.5-VL only"
-               for name in ("qwen3_vl", "lfm2_vl_small")},
-}
+# Gaps of every test on one model, and of one test by model: none since one engine serves
+# every VLM's rows in Tandem's decode step (issue 29).
+MODEL_GAPS: dict[str, str] = {}
+GAPS: dict[str, dict[str, str]] = {}
 
 
 def cases(test: str) -> list[Any]:
@@ -76,8 +62,8 @@ def cases(test: str) -> list[Any]:
     return marked
 
 
-def matrix(test: str):
-    return pytest.mark.parametrize("vlm", cases(test), indirect=True, scope="module")
+def matrix(test: str, fixture: str = "vlm"):
+    return pytest.mark.parametrize(fixture, cases(test), indirect=True, scope="module")
 
 
 # ---- one server per model ------------------------------------------------------------------
@@ -106,14 +92,27 @@ def user(text: str, *images: str) -> dict[str, Any]:
                                         *({"type": "image_url", "image_url": {"url": u}} for u in images)]}
 
 
+def vlm_yaml(path: str, max_pixels: int, cache_dir: Any, **params: Any) -> str:
+    entry = {"name": "vlm", "local_path": path, "capabilities": {"vision_mode": "native"},
+             "params": {"mem": 16, "max_tokens": MAX_TOKENS, "temperature": 0.0, "max_num_seqs": 4,
+                        "cache_min_tokens": 8, "max_images_per_request": 2, "max_pixels": max_pixels,
+                        "prompt_cache_disk_mb": 64, "prompt_cache_disk_dir": str(cache_dir), **params}}
+    return yaml.safe_dump({"server": {"shutdown_grace_s": 1}, "models": [entry]})
+
+
 @pytest.fixture(scope="module")
 def vlm(request, tmp_path_factory, zoo_vlm) -> Iterator[VlmServer]:
     model, max_pixels = SERVED[request.param]
-    entry = {"name": "vlm", "local_path": str(zoo_vlm(model)), "capabilities": {"vision_mode": "native"},
-             "params": {"mem": 16, "max_tokens": MAX_TOKENS, "temperature": 0.0, "max_num_seqs": 4,
-                        "cache_min_tokens": 8, "max_images_per_request": 2, "max_pixels": max_pixels}}
-    text = yaml.safe_dump({"server": {"shutdown_grace_s": 1}, "models": [entry]})
-    with serving(tmp_path_factory.mktemp(f"vlm-{request.param}"), text) as served:
+    tmp = tmp_path_factory.mktemp(f"vlm-{request.param}")
+    with serving(tmp, vlm_yaml(str(zoo_vlm(model)), max_pixels, tmp / "prompt-cache")) as served:
+        yield VlmServer(served)
+
+
+@pytest.fixture(scope="module")
+def vlm_kv8(request, tmp_path_factory, zoo_vlm) -> Iterator[VlmServer]:
+    model, max_pixels = SERVED[request.param]
+    tmp = tmp_path_factory.mktemp(f"vlm8-{request.param}")
+    with serving(tmp, vlm_yaml(str(zoo_vlm(model)), max_pixels, tmp / "prompt-cache", kv_cache_bits=8)) as served:
         yield VlmServer(served)
 
 
@@ -181,6 +180,10 @@ def test_image_rows_in_one_batch_keep_their_lone_answers(vlm):
 @matrix("turn_2")
 def test_turn_2_reuses_turn_1_with_the_image(vlm):
     """Turn 2 of a conversation about an image starts from turn 1: its prompt, image included."""
+    _turn_2(vlm)
+
+
+def _turn_2(vlm: VlmServer) -> None:
     url = image(6)
     one = vlm.ask(url)
     history = [user("What is in the picture?", url), {"role": "assistant", "content": answer(one)}]
@@ -188,4 +191,96 @@ def test_turn_2_reuses_turn_1_with_the_image(vlm):
     cached = two.usage.prompt_tokens_details.cached_tokens
     assert cached >= one.usage.prompt_tokens - SLACK, f"turn 2 reused {cached} of turn 1's {one.usage.prompt_tokens}"
     cold = vlm.ask(text="And the colours?", history=history, extra_body={"cache_salt": "cold"})
+    assert answer(two) == answer(cold)
+
+
+@matrix("stream")
+def test_streamed_equals_non_streamed(vlm):
+    url = image(7)
+    whole = answer(vlm.ask(url))
+    with vlm.client() as c:
+        stream = c.chat.completions.create(model="vlm", messages=[user("What is in the picture?", url)],
+                                           max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert streamed == whole
+
+
+def speculated(vlm: VlmServer) -> dict[str, int]:
+    """The prediction drafter's counts so far (/health): tokens proposed and accepted."""
+    health = vlm.served.get("/health").json()
+    return health["engine"]["speculation"].get("prediction", {"proposed": 0, "accepted": 0})
+
+
+@matrix("prediction")
+def test_an_exact_prediction_of_an_image_answer_keeps_it_and_is_verified(vlm):
+    """The answer as the model wrote it, as the prediction: the same answer, and the verify
+    steps check it (and accept some of it where its text tokenizes back to the tokens: a
+    random model's answer often holds pieces of characters, which do not)."""
+    for seed in range(8, 16):
+        url = image(seed)
+        plain = vlm.ask(url, logprobs=True, max_tokens=16, extra_body={"cache_salt": "plain"})
+        text = "".join(bytes(e.bytes).decode("utf-8", errors="replace") for e in plain.choices[0].logprobs.content)
+        if "\ufffd" not in text:
+            break
+    before = speculated(vlm)
+    predicted = vlm.ask(url, max_tokens=16, prediction={"type": "content", "content": text},
+                        extra_body={"cache_salt": "predicted"})
+    after = speculated(vlm)
+    assert answer(predicted) == answer(plain)
+    assert after["proposed"] > before["proposed"], "the engine verified none of the prediction"
+    if "\ufffd" not in text:
+        assert after["accepted"] > before["accepted"]
+
+
+@matrix("kv_bits", "vlm_kv8")
+def test_kv_cache_bits_8(vlm_kv8):
+    """Quantized KV serves images, tells two apart, and turn 2 reuses turn 1."""
+    assert answer(vlm_kv8.ask(image(1))) != answer(vlm_kv8.ask(image(2)))
+    _turn_2(vlm_kv8)
+
+
+@matrix("n")
+def test_n_choices_with_an_image(vlm):
+    url = image(9)
+    one = vlm.ask(url, extra_body={"cache_salt": "one"})
+    three = vlm.ask(url, n=3, extra_body={"cache_salt": "three"})
+    assert {c.message.content for c in three.choices} == {answer(one)}  # greedy: one answer thrice
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+@matrix("json_schema")
+def test_json_schema_about_an_image(vlm):
+    r = vlm.ask(image(10), response_format={"type": "json_schema", "json_schema": {
+        "name": "colour", "schema": {"enum": ["red", "blue"]}, "strict": True}})
+    assert answer(r).strip('"') in ("red", "blue")
+
+
+@matrix("logprobs")
+def test_logprobs_about_an_image(vlm):
+    r = vlm.ask(image(11), logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens > 0
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+
+
+@pytest.mark.parametrize("name", cases("restart"))
+def test_turn_2_with_the_image_reuses_turn_1_after_a_restart(name, tmp_path, zoo_vlm):
+    """The disk tier keeps turn 1, image included, across a restart."""
+    model, max_pixels = SERVED[name]
+    text = vlm_yaml(str(zoo_vlm(model)), max_pixels, tmp_path / "prompt-cache")
+    url = image(12)
+    for run in ("one", "two"):
+        (tmp_path / run).mkdir()
+    with serving(tmp_path / "one", text) as served:
+        one = VlmServer(served).ask(url)
+        assert served.state.registry.loaded_chat("vlm").finish_writes(30)
+    history = [user("What is in the picture?", url), {"role": "assistant", "content": answer(one)}]
+    with serving(tmp_path / "two", text) as served:
+        server = VlmServer(served)
+        two = server.ask(text="And the colours?", history=history)
+        cold = server.ask(text="And the colours?", history=history, extra_body={"cache_salt": "cold"})
+        hits = served.get("/health").json()["engine"]["prompt_cache_tiers"]["disk"]["hits"]
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached >= one.usage.prompt_tokens - SLACK and hits >= 1, f"turn 2 reused {cached}"
     assert answer(two) == answer(cold)

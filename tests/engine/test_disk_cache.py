@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from app.engine.kv.disk_cache import DiskTier, open_disk_tier
-from app.engine.kv.kv_files import TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
-from app.engine.kv.kv_snapshot import KVLayout
+from app.engine.kv.kv_files import FORMAT, TMP_PREFIX, DamagedFileError, Tensor, read_file, write_file
+from app.engine.kv.kv_layout import KVLayout, LayerSpec
 from app.engine.mlx_internals import KVCache
 from app.engine.prompt import TokenPrompt
 from app.engine.types import GenerationRequest
@@ -41,6 +41,20 @@ def request(engine, question: str, system: str = SYSTEM, **kw) -> GenerationRequ
     head = engine.tokenizer.encode(system)
     return GenerationRequest(TokenPrompt(head + engine.tokenizer.encode(question)), max_tokens=8,
                              cache_prefix_len=len(head), **kw)
+
+
+# Another question after the same system prompt: only the system prompt's file can serve it
+# (a conversation's file restores where its own prompt ended, which this one does not share).
+ANOTHER = " And how many goats?"
+
+
+def cold_answer(model: Path, question: str, **params) -> str:
+    """``question``'s answer from an engine with no prefix cache at all."""
+    eng = make_engine(model, prompt_cache="off", **params)
+    try:
+        return asyncio.run(run(eng, request(eng, question)))[0]
+    finally:
+        eng.worker.stop()
 
 
 def stop(engine) -> None:
@@ -77,7 +91,7 @@ def test_file_round_trip_is_valid_safetensors(tmp_path):
     assert size == (tmp_path / "x.safetensors").stat().st_size
     assert not list(tmp_path.glob(TMP_PREFIX + "*"))
     meta, read = read_file(tmp_path / "x.safetensors")
-    assert meta["k"] == "v" and meta["format"] == "tandem-kv/1"
+    assert meta["k"] == "v" and meta["format"] == FORMAT
     assert {n: (t.dtype, t.shape, bytes(t.data)) for n, t in read.items()} == {
         t.name: (t.dtype, t.shape, bytes(t.data)) for t in tensors()}
     arrays = mx.load(str(tmp_path / "x.safetensors"))  # MLX's own reader takes it as it is
@@ -146,7 +160,8 @@ def kv(tokens: int, seed: int) -> list[KVCache]:
     return cache
 
 
-LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, dtype="BF16")  # what kv() makes
+LAYOUT = KVLayout((LayerSpec("kv", "KVCache", seq=(("keys", 2, 16, "BF16"), ("values", 2, 16, "BF16"))),) * 2,
+                  lambda: [KVCache(), KVCache()])  # what kv() makes
 # 100 tokens of bfloat16 K and V, 2 layers of 2 heads x 16, the tokens, and room for the header.
 PER_FILE = 2 * 2 * (2 * 100 * 16 * 2) + 400 + 2000
 
@@ -176,8 +191,8 @@ def test_a_hit_keeps_an_entry_over_newer_ones(tmp_path):
         tier.offer("k", [i] * 100, kv(100, i))
     tier.close(30)
     tier = DiskTier(tmp_path / "m", budget_bytes=3 * PER_FILE, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
-    entry = tier.lookup("k", [0] * 100)
-    assert entry is not None and tier.load(entry, [0] * 100) is not None  # the oldest, used again
+    found = tier.lookup("k", [0] * 100)
+    assert found is not None and tier.load(*found, [0] * 100) is not None  # the oldest, used again
     tier.offer("k", [9] * 100, kv(100, 9))
     tier.close(30)
     assert tier.lookup("k", [0] * 100) is not None  # survived: the LRU victim was [1] * 100
@@ -202,8 +217,8 @@ def test_a_cache_cleared_while_serving_is_written_again(tmp_path):
     shutil.rmtree(tmp_path / "m")
     tier = DiskTier(tmp_path / "m", budget_bytes=1 << 30, identity="i" * 20, queue_bytes=1 << 30, layout=LAYOUT)
     shutil.rmtree(tmp_path / "m")
-    entry = tier.lookup("k", [1] * 100)
-    assert entry is None or tier.load(entry, [1] * 100) is None  # gone: a miss
+    found = tier.lookup("k", [1] * 100)
+    assert found is None or tier.load(*found, [1] * 100) is None  # gone: a miss
     tier.offer("k", [2] * 100, kv(100, 2))
     tier.close(30)
     assert tier.stats().writes == 1 and tier.stats().write_errors == 0
@@ -220,14 +235,16 @@ def test_a_restart_gives_disk_hits_with_the_same_tokens(tiny_model_dir, tmp_path
     try:
         again = request(eng, " How many sheep?")
         text, last = asyncio.run(run(eng, again))
-        assert last.cached_tokens == system_len and text == cold_text
-        other = request(eng, " And how many goats?")
+        # The conversation's file restores where its prompt ended: all of it but the last token.
+        whole = len(again.prompt_tokens) - 1
+        assert last.cached_tokens == whole and text == cold_text
+        other = request(eng, ANOTHER)
         text, last = asyncio.run(run(eng, other))
         assert last.cached_tokens == system_len  # from memory now: the disk hit was promoted
         assert text == asyncio.run(run(cold, other))[0]
         tiers = eng.stats().prompt_cache_tiers
-        assert tiers["disk"].hits == 1 and tiers["disk"].tokens == system_len
-        assert tiers["memory"].hits == 1 and eng.stats().prompt_cache_tokens_saved == 2 * system_len
+        assert tiers["disk"].hits == 1 and tiers["disk"].tokens == whole
+        assert tiers["memory"].hits == 1 and eng.stats().prompt_cache_tokens_saved == whole + system_len
     finally:
         stop(eng)
         cold.worker.stop()
@@ -259,7 +276,7 @@ def test_an_unload_finishes_its_writes_and_the_next_load_hits_disk(tiny_model_di
     eng = disk_engine(tiny_model_dir, tmp_path)
     try:
         text, last = asyncio.run(run(eng, first))
-        assert last.cached_tokens == first.cache_prefix_len and text == cold_text
+        assert last.cached_tokens == len(first.prompt_tokens) - 1 and text == cold_text
         assert eng.stats().prompt_cache_tiers["disk"].hits == 1
     finally:
         stop(eng)
@@ -269,8 +286,9 @@ def test_quantized_kv_round_trips_through_disk(model_dir, tmp_path):  # noqa: F8
     cold_text, system_len = fill(tmp_path, model_dir, kv_cache_bits=8)
     eng = disk_engine(model_dir, tmp_path, kv_cache_bits=8)
     try:
-        text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
-        assert last.cached_tokens == system_len and text == cold_text
+        again = request(eng, " How many sheep?")
+        text, last = asyncio.run(run(eng, again))
+        assert last.cached_tokens == len(again.prompt_tokens) - 1 and text == cold_text
     finally:
         stop(eng)
 
@@ -308,12 +326,13 @@ def damage_first_prefix(cache_dir: Path, damage) -> Path:
 @pytest.mark.parametrize("damage", [damage_truncate, damage_data_bit, damage_header_digit],
                          ids=lambda f: f.__name__)
 def test_a_damaged_file_is_ignored_with_a_warning(tiny_model_dir, tmp_path, caplog, damage):
-    cold_text, _ = fill(tmp_path, tiny_model_dir)
+    fill(tmp_path, tiny_model_dir)
+    cold_text = cold_answer(tiny_model_dir, ANOTHER)
     path = damage_first_prefix(tmp_path, damage)
     eng = disk_engine(tiny_model_dir, tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-            text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+            text, last = asyncio.run(run(eng, request(eng, ANOTHER)))
         assert last.cached_tokens == 0 and text == cold_text
         assert any("damaged" in r.getMessage() and path.name in r.getMessage() for r in caplog.records)
         assert eng.stats().prompt_cache_tiers["disk"].damaged == 1
@@ -360,10 +379,10 @@ def test_directories_of_other_identities_count_against_the_budget(tmp_path):
     old = root / f"m-{'a' * 20}"
     old.mkdir(parents=True)
     (old / "x.safetensors").write_bytes(b"0" * 4096)
-    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20, LAYOUT)
+    keep = open_disk_tier(root, "m", "b" * 20, 1 << 20, 1 << 20, lambda: LAYOUT)
     assert keep is not None and old.exists()  # within the budget: left alone
     keep.close()
-    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20, LAYOUT)
+    small = open_disk_tier(root, "m", "c" * 20, 1024, 1 << 20, lambda: LAYOUT)
     assert small is not None and not old.exists()
     small.close()
 
@@ -401,14 +420,15 @@ def not_finite(t: Tensor):
 
 @pytest.mark.parametrize("change", [head_dim_halved, dtype_changed, not_finite], ids=lambda f: f.__name__)
 def test_a_forged_file_with_a_valid_checksum_is_refused_and_removed(tiny_model_dir, tmp_path, caplog, change):
-    cold_text, _ = fill(tmp_path, tiny_model_dir)
+    fill(tmp_path, tiny_model_dir)
+    cold_text = cold_answer(tiny_model_dir, ANOTHER)
     path = min(files(tmp_path), key=lambda p: int(p.name.split("-")[1]))  # the system prefix
     forge(path, change)
     forged = path.read_bytes()
     eng = disk_engine(tiny_model_dir, tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-            text, last = asyncio.run(run(eng, request(eng, " How many sheep?")))
+            text, last = asyncio.run(run(eng, request(eng, ANOTHER)))
         assert last.cached_tokens == 0 and text == cold_text  # served, from a prefill
         assert eng.stats().prompt_cache_tiers["disk"].damaged == 1
         assert eng.finish_writes(30)
@@ -439,14 +459,15 @@ def swap_directory(path: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("swap", [swap_fifo, swap_symlink, swap_directory], ids=lambda f: f.__name__)
 def test_what_is_not_a_regular_file_is_never_read_nor_waited_on(tiny_model_dir, tmp_path, caplog, swap):
     """Swapped in while the server runs (after the scan that would have dropped it)."""
-    cold_text, _ = fill(tmp_path / "cache", tiny_model_dir)
+    fill(tmp_path / "cache", tiny_model_dir)
+    cold_text = cold_answer(tiny_model_dir, ANOTHER)
     path = min(files(tmp_path / "cache"), key=lambda p: int(p.name.split("-")[1]))
     eng = disk_engine(tiny_model_dir, tmp_path / "cache")
     swap(path, tmp_path)
     tracemalloc.start()
     try:
         with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-            req = request(eng, " How many sheep?")
+            req = request(eng, ANOTHER)
             text, last = asyncio.run(asyncio.wait_for(run(eng, req), 60))  # the MLX thread never blocks
         peak = tracemalloc.get_traced_memory()[1]
         assert last.cached_tokens == 0 and text == cold_text
@@ -518,6 +539,8 @@ def test_the_layout_is_read_off_the_model(demo_model_dir, tmp_path):
             _, last = asyncio.run(run(eng, req))
             assert eng.finish_writes(30)
             disk = eng.stats().prompt_cache_tiers["disk"]
-            assert (disk.writes, disk.hits, last.cached_tokens) == ((2, 0, 0) if restart == 0 else (0, 1, len(head)))
+            # After the restart the conversation's file restores where the prompt ended.
+            whole = len(req.prompt_tokens) - 1
+            assert (disk.writes, disk.hits, last.cached_tokens) == ((2, 0, 0) if restart == 0 else (0, 1, whole))
         finally:
             stop(eng)

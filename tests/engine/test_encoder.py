@@ -299,7 +299,9 @@ def test_the_engine_runs_rerank_jobs_in_turns(reranker):
     worker = MLXWorker()
     worker.start()
     try:
-        engine = worker.submit(lambda: EncoderEngine(worker, reranker, max_queue=64, queue_timeout_s=120.0)).result(timeout=30)
+        engine = worker.submit(
+            lambda: EncoderEngine(worker, reranker, max_queue=64, queue_timeout_s=120.0)
+        ).result(timeout=30)
 
         async def both() -> list:
             jobs = [engine.encode(lambda q=q: reranker.prepare_rerank(q, docs)) for q in ("cats?", "weather?")]

@@ -51,7 +51,7 @@ class Sampler:
         eng = self.engine
         paused = sum(c.nbytes for s in eng._paused for c in (s.paused[0] if s.paused else ()))
         held = eng._bg.prompt_cache_nbytes + eng.prompt_cache.nbytes + paused
-        figure = eng.admission.reserved * eng.bytes_per_token + eng.prompt_cache.nbytes
+        figure = eng.admission.reserved + eng.prompt_cache.nbytes
         return held, figure, len(eng._running) + len(eng._paused)
 
     def _run(self) -> None:

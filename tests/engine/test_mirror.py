@@ -21,11 +21,11 @@ import pytest
 
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
-from app.engine.distributed.mirror import DesyncError, Follower, MirrorOps
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
 from app.engine.speculative.adaptive import FreeVerify
+from app.engine.step.mirror import DesyncError, Follower, MirrorOps
 from app.engine.types import GenerationRequest, SpeculationRequest
 from app.engine.worker import MLXWorker
 from app.errors import EngineError
@@ -122,7 +122,7 @@ def test_the_follower_keeps_in_step_and_holds_what_rank_0_holds(mirrored):
     assert (f_entries, f_bytes) == (entries, nbytes) and entries == 2
     assert held == 0, "the follower still holds caches rank 0 let go"
     ops = {op[0] for m in messages for op in m["ops"]}
-    assert {"batch", "insert", "remove", "extract", "fetch", "store", "trim_kv", "finished", "drop", "chunk"} <= ops
+    assert {"batch", "insert", "remove", "extract", "fetch", "store", "finished", "drop", "chunk"} <= ops
 
 
 SPEC_OFF = SpeculationRequest(prompt_lookup=False)

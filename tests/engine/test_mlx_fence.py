@@ -28,31 +28,20 @@ def _c(params: str = "", attrs: str = "") -> Contract:
 
 
 CONTRACTS: dict[str, Contract] = {
-    "mlx_lm.generate.BatchGenerator": _c(
-        "model max_tokens stop_tokens completion_batch_size prefill_batch_size prefill_step_size"),
-    "mlx_lm.generate.BatchGenerator.insert_segments": _c(
-        "segments max_tokens caches all_tokens samplers logits_processors"),
-    "mlx_lm.generate.BatchGenerator.next": _c(),
-    "mlx_lm.generate.BatchGenerator.extract_cache": _c("uids"),
-    "mlx_lm.generate.BatchGenerator.remove": _c("uids return_prompt_caches"),
-    "mlx_lm.generate.BatchGenerator.prompt_cache_nbytes": _c(),
-    "mlx_lm.generate.GenerationBatch._step": _c(),
-    "mlx_lm.generate.GenerationBatch": _c(
-        "model uids inputs prompt_cache tokens samplers fallback_sampler logits_processors stop_sequences max_tokens",
-        "empty next extract_cache filter extend Response"),
     "mlx_lm.models.cache.TokenBuffer": _c("tokens", "update_and_fetch"),
-    "mlx_lm.models.cache.LRUPromptCache": _c("max_size max_bytes"),
-    "mlx_lm.models.cache.LRUPromptCache.fetch_nearest_cache": _c("model tokens"),
-    "mlx_lm.models.cache.LRUPromptCache.insert_cache": _c("model tokens prompt_cache cache_type"),
-    "mlx_lm.models.cache.LRUPromptCache.trim_to": _c("n_sequences n_bytes"),
-    "mlx_lm.models.cache.LRUPromptCache.nbytes": _c(),
-    "mlx_lm.models.cache.LRUPromptCache.__len__": _c(),
     "mlx_lm.models.cache.trim_prompt_cache": _c("cache num_tokens"),
     "mlx_lm.models.cache.make_prompt_cache": _c("model"),
-    "mlx_lm.models.cache.KVCache": _c(attrs="keys values offset step"),
-    "mlx_lm.models.cache.QuantizedKVCache": _c("group_size bits", "keys values offset step"),
+    "mlx_lm.models.cache.KVCache": _c(attrs="keys values offset step merge trim nbytes"),
+    "mlx_lm.models.cache.QuantizedKVCache": _c("group_size bits", "keys values offset step trim nbytes"),
+    "mlx_lm.models.cache.RotatingKVCache": _c("max_size keep", "keys values offset max_size keep _idx merge"),
+    "mlx_lm.models.cache.ArraysCache": _c(
+        "size left_padding", "cache left_padding lengths merge extend filter extract prepare finalize make_mask"),
+    "mlx_lm.models.cache.CacheList": _c("caches", "caches merge extend filter extract prepare finalize"),
     "mlx_lm.models.cache._BaseCache": _c(),
-    "mlx_lm.models.cache.BatchKVCache": _c(attrs="merge extract filter extend prepare finalize make_mask"),
+    "mlx_lm.models.cache.BatchKVCache": _c(
+        "left_padding", "merge extract filter extend prepare finalize make_mask trim state nbytes"),
+    "mlx_lm.models.cache.BatchRotatingKVCache": _c(
+        "max_size left_padding", "merge extract filter extend prepare finalize make_mask trim state nbytes"),
     "mlx_lm.models.cache.dynamic_roll": _c("x shifts axis"),
     "mlx_lm.models.base.create_causal_mask": _c("N offset left_padding"),
     "mlx_lm.utils.sharded_load": _c("repo pipeline_group tensor_group return_config"),
@@ -61,22 +50,6 @@ CONTRACTS: dict[str, Contract] = {
     "mlx_lm.tokenizer_utils.SPMStreamingDetokenizer": _c("tokenizer trim_space"),
     "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer": _c("tokenizer"),
     "mlx_vlm.prepare_inputs": _c("processor images prompts image_token_index add_special_tokens"),
-    "mlx_vlm.generate.ar.BatchGenerator": _c(
-        "model processor completion_batch_size prefill_batch_size prefill_step_size compute_logprobs sampler"),
-    "mlx_vlm.generate.ar.BatchGenerator.insert": _c("prompts max_tokens prompt_kwargs logits_processors"),
-    "mlx_vlm.generate.ar.BatchGenerator.next": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator.remove": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator.close": _c(),
-    "mlx_vlm.generate.ar.BatchGenerator._build_mixed_prompt_batch": _c("sequences"),
-    "mlx_vlm.generate.ar.BatchGenerator._extend_generation_batch": _c("gen_batch"),
-    "mlx_vlm.generate.ar.GenerationBatch.empty": _c(
-        "model sampler stop_criteria compute_logprobs top_logprobs_k greedy_sampling"),
-    "mlx_vlm.generate.ar.GenerationBatch.extend": _c("other"),
-    "mlx_vlm.generate.ar.GenerationBatch.filter": _c("keep"),
-    "mlx_vlm.generate.ar.PromptProcessingBatch": _c(
-        "model uids input_ids max_tokens inputs_embeds prompt_kwargs logits_processors thinking_budget_criteria "
-        "prefill_step_size warm_cache right_pad_per_row suffix_lens greedy_sampling"),
-    "mlx_vlm.models.cache.BatchKVCache": _c(attrs="merge extract"),
     "mlx_vlm.models.cache.KVCache": _c(attrs="keys values offset extract"),
     "mlx_vlm.utils.should_add_special_tokens": _c("model_type processor"),
     "mlx_vlm.prompt_utils.SINGLE_IMAGE_ONLY_MODELS": _c(attrs="__contains__"),
@@ -87,32 +60,36 @@ CONTRACTS: dict[str, Contract] = {
 # Members of a loaded VLM: their contracts are behaviour tests on the tiny Qwen2-VL.
 M = test_mlx_internals
 BEHAVIOUR = {
-    "mlx_lm.generate.BatchGenerator.prefill_step_size": (test_mlx_lm_internals,
-                                                         "test_contract_prefill_step_size_sets_each_steps_chunk"),
-    "mlx_lm.generate.BatchGenerator._generation_batch": (test_mlx_lm_internals,
-                                                         "test_contract_generation_batch_is_the_generators_own"),
     "mlx_lm.models.cache.BatchKVCache._idx": (
-        test_mlx_lm_internals, "test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept"),
+        test_mlx_lm_internals, "test_contract_batch_kv_rolls_back_to_what_each_row_kept"),
     "<vlm processor>.tokenizer.stopping_criteria.reset": (M, "test_reset_vlm_stopping_restores_the_eos"),
     "<vlm processor>.clean_output": (M, "test_vlm_clean_output_uses_the_processors_own"),
+    "<vlm processor>.tokenizer.stopping_criteria.eos_token_ids": (M, "test_vlm_stop_tokens_are_where_generate_stops"),
     "<vlm model>.get_input_embeddings": (M, "test_vlm_input_embeddings_gives_embeds_and_positions"),
     "<vlm model>.get_input_embeddings.cached_image_features": (
         M, "test_vlm_cached_image_features_merge_in_place_of_the_tower"),
     "<vlm model>.vision_tower": (M, "test_vlm_vision_tower_gives_each_image_its_own_rows"),
-    "<vlm model>.language_model": (M, "test_vlm_batch_generator_insert_next_remove"),
+    "<vlm model>.language_model": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
     "<vlm model>.config.text_config": (M, "test_vlm_text_config_has_the_kv_geometry"),
-    "mlx_vlm.generate.ar.PromptProcessingBatch._token_context": (
-        M, "test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv"),
+    "<vlm model>.language_model.__call__": (M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "<vlm model>.language_model.make_cache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.base.InputEmbeddingsFeatures": (M, "test_vlm_embedding_features_are_the_fields_the_step_feeds"),
+    "mlx_vlm.models.base.LanguageModelOutput.logits": (
+        M, "test_vlm_language_model_takes_embeddings_and_explicit_positions"),
+    "mlx_vlm.models.cache.RotatingKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ArraysCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.ChunkedKVCache": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
+    "mlx_vlm.models.cache.CacheList": (M, "test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind"),
 }
 # Behaviours of the names above that a signature cannot show, checked on real models.
 BEHAVIOUR_TOO = [
     (test_mlx_lm_internals, "test_contract_every_kv_cache_grows_in_steps_of_kv_step"),
     (test_mlx_lm_internals, "test_contract_batch_caches_are_rectangles_as_wide_as_the_widest_row"),
-    (test_mlx_lm_internals, "test_contract_batch_generator_reports_the_bytes_of_its_caches"),
-    (test_mlx_lm_internals, "test_contract_lru_prompt_cache_len_trim_and_nearest"),
+    (test_mlx_lm_internals, "test_contract_every_batch_kind_snapshots_and_restores_by_its_fields"),
+    (test_mlx_lm_internals, "test_contract_arrays_cache_batches_rows_and_masks_padding"),
+    (test_mlx_lm_internals, "test_contract_rotating_rows_merge_extract_and_restore_exactly"),
     (test_mlx_internals, "test_a_continuation_keeps_its_leading_space"),
     (test_mlx_internals, "test_new_vlm_detokenizer_is_private_per_sequence"),
-    (test_mlx_internals, "test_vlm_prefix_batch_generator_gives_a_finished_rows_kv"),
 ]
 
 
@@ -160,7 +137,8 @@ def test_contract(name):
         assert not absent or takes_kwargs, f"{name} no longer takes {sorted(absent)}"
     if attrs:
         instance = None
-        if inspect.isclass(obj) and name.endswith("KVCache") and not name.endswith("BatchKVCache"):
-            instance = obj()  # fields set in __init__
+        if inspect.isclass(obj) and name.endswith(("KVCache", "ArraysCache", "CacheList")) and "Batch" not in name:
+            instance = {"RotatingKVCache": lambda: obj(8), "ArraysCache": lambda: obj(2)}.get(
+                name.rsplit(".", 1)[1], obj)()  # fields set in __init__
         lacking = [a for a in attrs if not hasattr(obj, a) and not hasattr(instance, a)]
         assert not lacking, f"{name} has no {lacking}"

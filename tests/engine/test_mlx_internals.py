@@ -50,10 +50,10 @@ def test_vlm_prompt_inputs_expands_each_placeholder(vlm):
 def test_vlm_input_embeddings_gives_embeds_and_positions(vlm):
     model, processor, prompt = vlm
     inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
-    kw = mi.vlm_input_embeddings(model, inputs)
+    kw = mi.vlm_embedding_features(model, inputs)
     assert kw["inputs_embeds"].shape == (1, inputs["input_ids"].shape[1], model.config.text_config.hidden_size)
     assert "position_ids" in kw and "rope_deltas" in kw  # Qwen2-VL's M-RoPE extras
-    text_only = mi.vlm_input_embeddings(model, {"input_ids": mx.array([[1, 2, 3]])})
+    text_only = mi.vlm_embedding_features(model, {"input_ids": mx.array([[1, 2, 3]])})
     assert text_only["inputs_embeds"].shape[:2] == (1, 3)
 
 
@@ -78,45 +78,84 @@ def test_vlm_vision_tower_gives_each_image_its_own_rows(vlm):
 def test_vlm_cached_image_features_merge_in_place_of_the_tower(vlm):
     model, processor, prompt = vlm
     inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
-    ran = mi.vlm_input_embeddings(model, inputs)
+    ran = mi.vlm_embedding_features(model, inputs)
     features = mi.vlm_encode_images(model, inputs["pixel_values"], inputs["image_grid_thw"])
-    given = mi.vlm_input_embeddings(model, inputs, features)
+    given = mi.vlm_embedding_features(model, inputs, features)
     assert mx.array_equal(given["inputs_embeds"], ran["inputs_embeds"]).item()
     assert mx.array_equal(given["position_ids"], ran["position_ids"]).item()
     # Other features in: they are what is merged (the tower did not run).
-    other = mi.vlm_input_embeddings(model, inputs, features * 0)
+    other = mi.vlm_embedding_features(model, inputs, features * 0)
     assert not mx.array_equal(other["inputs_embeds"], ran["inputs_embeds"]).item()
 
 
-def test_vlm_batch_generator_insert_next_remove(vlm):
+def test_vlm_embedding_features_are_the_fields_the_step_feeds(vlm):
+    """``get_input_embeddings`` gives an image prompt its embeddings and M-RoPE positions,
+    and a text-only prompt (no pixels) its token indices as positions, deltas 0."""
     model, processor, prompt = vlm
-    bg = mi.new_vlm_batch_generator(model, processor, max_num_seqs=2, prefill_batch_size=1, prefill_step_size=16)
-    uids = []
-    for seed in (1, 2):
-        inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(seed)])
-        uids += bg.insert([inputs["input_ids"][0].tolist()], max_tokens=[6],
-                          prompt_kwargs=[mi.vlm_input_embeddings(model, inputs)], logits_processors=[[]])
-    tokens: dict[int, list[int]] = {}
-    finish: dict[int, str] = {}
-    for _ in range(100):
-        if not bg.has_work:
-            break
-        _, responses = bg.next()
-        for r in responses:
-            tokens.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason is not None:
-                finish[r.uid] = r.finish_reason
-        if uids[1] in tokens and uids[1] not in finish:
-            assert bg.remove(uids[1]) is True
-    bg.close()
-    assert finish[uids[0]] in ("stop", "length") and 1 <= len(tokens[uids[0]]) <= 6
-    assert len(tokens[uids[1]]) == 1 and uids[1] not in finish, "a removed sequence yields nothing more"
+    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
+    features = mi.vlm_embedding_features(model, inputs)
+    length = inputs["input_ids"].shape[1]
+    assert set(features) == {"inputs_embeds", "position_ids", "rope_deltas"}
+    assert features["position_ids"].shape == (3, 1, length) and features["rope_deltas"].shape == (1, 1)
+    text = mi.vlm_embedding_features(model, {"input_ids": mx.array([[5, 6, 7]])})
+    assert text["position_ids"].tolist() == [[0, 1, 2]] and text["rope_deltas"].tolist() == [[0]]
+    embeds = mi.vlm_text_embeddings(model, mx.array([[5, 6, 7]]))
+    assert mx.array_equal(embeds, text["inputs_embeds"]).item()
 
 
-def test_vlm_batch_generator_stops_at_the_models_eos(vlm):
+def test_vlm_language_model_takes_embeddings_and_explicit_positions(vlm):
+    """The language model given its own text embeddings computes what it computes from the
+    ids; it places tokens where explicit ``position_ids`` say (and nowhere else), in a batch
+    cache of mlx-lm's classes (``vlm_make_cache``); it returns ``LanguageModelOutput.logits``."""
+    model, _, _ = vlm
+    ids = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+    def logits(**features):
+        from app.engine.step.phase import merge
+
+        cache = merge([mi.vlm_make_cache(model) for _ in range(2)])
+        return mi.vlm_forward(model, ids, cache, **features)
+
+    plain = logits()
+    assert plain.shape[:2] == (2, 4)
+    assert mx.allclose(logits(inputs_embeds=mi.vlm_text_embeddings(model, ids)), plain, atol=1e-5).item()
+    at = mx.broadcast_to(mx.arange(4)[None, None], (3, 2, 4))
+    assert mx.allclose(logits(position_ids=at), plain, atol=1e-5).item()
+    gap = at + mx.array([0, 0, 0, 7])  # RoPE is relative: only a change of distances shows
+    assert not mx.allclose(logits(position_ids=gap)[:, 3], plain[:, 3], atol=1e-3).item()
+
+
+def test_vlm_make_cache_gives_mlx_lm_caches_of_each_kind():
+    """mlx-vlm's cache classes (a language model's ``make_cache()``) as mlx-lm's, kind by kind."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import cache as lc
+    from mlx_vlm.models import cache as vc
+
+    from app.errors import ConfigError
+
+    def made(*layers):
+        return mi.vlm_make_cache(SimpleNamespace(language_model=SimpleNamespace(make_cache=lambda: list(layers))))
+
+    kv, window, state, chunked, both = made(vc.KVCache(), vc.RotatingKVCache(max_size=8, keep=2), vc.ArraysCache(3),
+                                            vc.ChunkedKVCache(16), vc.CacheList(vc.KVCache(), vc.ArraysCache(1)))
+    assert type(kv) is lc.KVCache and type(window) is lc.RotatingKVCache and type(chunked) is lc.ChunkedKVCache
+    assert (window.max_size, window.keep, chunked.chunk_size, len(state.cache)) == (8, 2, 16, 3)
+    assert type(state) is lc.ArraysCache and isinstance(both, lc.CacheList)
+    assert [type(c) for c in both.caches] == [lc.KVCache, lc.ArraysCache]
+    with pytest.raises(ConfigError, match="SimpleKVCache"):
+        made(vc.SimpleKVCache())
+    no_own = SimpleNamespace(language_model=SimpleNamespace(layers=[1, 2]))
+    assert [type(c) for c in mi.vlm_make_cache(no_own)] == [lc.KVCache, lc.KVCache]
+
+
+def test_vlm_stop_tokens_are_where_generate_stops(vlm):
+    """The config's EOS ids, and the processor's stopping criteria's, once reset as generate does."""
     model, processor, _ = vlm
     eos = model.config.eos_token_id
-    assert set(processor.tokenizer.stopping_criteria.eos_token_ids) >= set(eos if isinstance(eos, list) else [eos])
+    stops = mi.vlm_stop_tokens(processor, model)
+    assert set(stops) >= set(eos if isinstance(eos, list) else [eos])
+    assert stops == list(processor.tokenizer.stopping_criteria.eos_token_ids)
 
 
 def test_vlm_text_config_has_the_kv_geometry(vlm):
@@ -180,90 +219,3 @@ def test_vlm_clean_output_uses_the_processors_own(vlm):
     assert mi.vlm_clean_output(vlm[1], "a <b> c") == "a <b> c"
     glm = object.__new__(Glm46VProcessor)  # only its clean_output is used
     assert mi.vlm_clean_output(glm, f"x{_BOX_TOKENS[0]}y") == "xy"
-
-
-def _drain(bg) -> dict[int, list[int]]:
-    tokens: dict[int, list[int]] = {}
-    for _ in range(200):
-        if not bg.has_work:
-            break
-        for r in bg.next()[1]:
-            tokens.setdefault(r.uid, []).append(r.token)
-    return tokens
-
-
-def _prefix_generator(vlm, prefill_batch_size: int = 1):
-    model, processor, _ = vlm
-    return mi.vlm_prefix_batch_generator(model, processor, max_num_seqs=4, prefill_batch_size=prefill_batch_size,
-                                         prefill_step_size=16)
-
-
-def test_vlm_prefix_batch_generator_gives_a_finished_rows_kv(vlm):
-    model, processor, prompt = vlm
-    inputs = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
-    ids, kw = inputs["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, inputs)
-    bg = _prefix_generator(vlm)
-    kept, plain = (bg.insert_row(ids, max_tokens=5, prompt_kwargs=kw, logits_processors=[]) for _ in range(2))
-    bg.keep_cache(kept)
-    out = _drain(bg)
-    rows = bg.take_cache(kept)
-    assert rows is not None and bg.take_cache(kept) is None and bg.take_cache(plain) is None
-    # The KV of the prompt and of every token it generated (each was fed back in), as mlx-lm caches.
-    cache = mi.vlm_lm_cache(rows)
-    assert len(cache) == len(model.language_model.layers)
-    assert {c.offset for c in cache} == {len(ids) + len(out[kept])} and type(cache[0]) is mi.KVCache
-    # A row removed while it decodes gives its KV too.
-    uid = bg.insert_row(ids, max_tokens=50, prompt_kwargs=kw, logits_processors=[])
-    bg.keep_cache(uid)
-    while uid not in _step_tokens(bg):
-        pass
-    assert bg.remove(uid) and bg.take_cache(uid)[0].offset == len(ids) + 1
-    bg.close()
-
-
-def _step_tokens(bg) -> set[int]:
-    return {r.uid for r in bg.next()[1]}
-
-
-@pytest.mark.parametrize("prefill_batch_size", [1, 2])
-def test_vlm_prefix_batch_generator_starts_a_row_from_its_cached_kv(vlm, prefill_batch_size):
-    """Turn two from turn one's KV gives a full prefill's tokens (temperature 0), a new
-    image after the cached prefix included, alone or prefilled beside a cold row; its
-    logits processors see the whole prompt."""
-    model, processor, prompt = vlm
-    first = mi.vlm_prompt_inputs(model, processor, prompt(1), [image(1)])
-    ids1, kw1 = first["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, first)
-    bg = _prefix_generator(vlm)
-    uid = bg.insert_row(ids1, max_tokens=6, prompt_kwargs=kw1, logits_processors=[])
-    bg.keep_cache(uid)
-    answer = _drain(bg)[uid]
-    cache = mi.vlm_lm_cache(bg.take_cache(uid))
-    text = prompt(1) + processor.tokenizer.decode(answer) + (
-        "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>And this?<|im_end|>\n"
-        "<|im_start|>assistant\n")
-    second = mi.vlm_prompt_inputs(model, processor, text, [image(1), image(2)])
-    ids2, kw2 = second["input_ids"][0].tolist(), mi.vlm_input_embeddings(model, second)
-    held = ids1 + answer
-    done = next((i for i, (a, b) in enumerate(zip(ids2, held)) if a != b), len(held))
-    assert done > len(ids1)  # into the answer
-    mi.trim_prompt_cache(cache, cache[0].offset - done)
-
-    def run_turn(warm: bool) -> tuple[list[int], list[int]]:
-        seen: list[int] = []
-
-        def context(tokens, logits):
-            seen.append(len(tokens))
-            return logits
-
-        bg = _prefix_generator(vlm, prefill_batch_size)
-        if warm:
-            uid = bg.insert_row(ids2[done:], max_tokens=8, prompt_kwargs=mi.vlm_rest_kwargs(kw2, done),
-                                logits_processors=[context], cache=cache, prompt=ids2)
-        else:
-            uid = bg.insert_row(ids2, max_tokens=8, prompt_kwargs=kw2, logits_processors=[context])
-        bg.insert_row(ids1, max_tokens=8, prompt_kwargs=kw1, logits_processors=[])  # a cold neighbour
-        out = _drain(bg)[uid]
-        bg.close()
-        return out, seen
-
-    assert run_turn(warm=True) == run_turn(warm=False)

@@ -11,12 +11,13 @@ from mlx_lm.models.cache import BatchKVCache
 
 from app.engine.batch.admission import KV_STEP
 from app.engine.kv.kv_quant import BatchQuantizedKVCache, SeqQuantizedKVCache
+from app.engine.kv.layers import restore, snapshot
 from app.engine.mlx_internals import (
+    ArraysCache,
+    BatchRotatingKVCache,
     KVCache,
-    LRUPromptCache,
     QuantizedKVCache,
-    batch_kv_nbytes,
-    new_batch_generator,
+    RotatingKVCache,
     trim_prompt_cache,
 )
 
@@ -47,38 +48,6 @@ def test_contract_batch_caches_are_rectangles_as_wide_as_the_widest_row():
     assert batch.keys.shape[2] - batch._idx == KV_STEP - 1 and batch._idx == 11
 
 
-def test_contract_batch_generator_reports_the_bytes_of_its_caches(tiny_model_dir):
-    from mlx_lm import load
-
-    model, tokenizer = load(str(tiny_model_dir))
-    bg = new_batch_generator(model, tokenizer, max_tokens=4, completion_batch_size=2, prefill_batch_size=2,
-                             prefill_step_size=64)
-    assert batch_kv_nbytes(bg) == 0
-    bg.insert_segments([[[5] * 40], [[6] * 90]], max_tokens=[3, 3])
-    bg.next()
-    held = batch_kv_nbytes(bg)
-    caches = list(bg._generation_batch.prompt_cache) + list(bg._prompt_batch.prompt_cache)
-    assert held == sum(c.nbytes for c in caches) > 0
-
-
-def test_contract_lru_prompt_cache_len_trim_and_nearest():
-    lru = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
-    lru.insert_cache("m", [1, 2, 3, 4], [kv(4)], cache_type="system")
-    lru.insert_cache("m", [7, 8, 9], [kv(3)], cache_type="assistant")
-    lru.insert_cache("n", [1, 2], [kv(2)], cache_type="assistant")
-    assert len(lru) == 3 and lru.nbytes == sum(kv(n).nbytes for n in (4, 3, 2))
-    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 3, 4, 5])  # shorter entry: the rest to prefill
-    assert rest == [5] and cache[0].offset == 4
-    cache, rest = lru.fetch_nearest_cache("m", [1, 2, 9])  # a longer entry, trimmed to the common prefix
-    assert rest == [9] and cache[0].offset == 2
-    cache[0].offset = 0  # a copy: the entry is untouched
-    assert lru.fetch_nearest_cache("m", [1, 2, 3, 4])[0][0].offset == 4
-    lru.trim_to(n_sequences=2, n_bytes=1 << 62)
-    assert len(lru) == 2
-    lru.trim_to(n_bytes=0)
-    assert len(lru) == 0 and lru.nbytes == 0
-
-
 def test_contract_a_plain_cache_rebuilt_from_its_fields_batches_like_the_original():
     """kv_snapshot saves keys / values / offset and sets them on a fresh cache."""
     c = kv(70, 0.5)
@@ -102,102 +71,99 @@ def test_contract_a_quantized_cache_rebuilt_from_its_fields_batches_like_the_ori
         assert mx.array_equal(u, v)
 
 
-def test_contract_prefill_step_size_sets_each_steps_chunk(tiny_model_dir):
-    """``BatchGenerator.prefill_step_size``, set between steps, is the next step's chunk of
-    every prompt being prefilled (``pacing`` sizes it by time); prompt responses carry
-    each row's progress (tokens prefilled so far, of its total)."""
-    from mlx_lm import load
+def test_contract_batch_kv_rolls_back_to_what_each_row_kept():
+    """The verify step's rollback (``app.engine.step.verify``) on a BatchKVCache: trim the
+    common tail, roll shorter rows right by their surplus (``prepare(right_padding=)``,
+    ``finalize``), then drop the left padding every row shares (``keys``, ``values``,
+    ``_idx``, ``left_padding``): each row ends as wide as what it kept."""
+    from app.engine.step.verify import _shift_left
 
-    model, tokenizer = load(str(tiny_model_dir))
-    bg = new_batch_generator(model, tokenizer, max_tokens=2, completion_batch_size=2, prefill_batch_size=2,
-                             prefill_step_size=64)
-    bg.insert_segments([[[5] * 150]], max_tokens=[2])
-    progress = []
-    for chunk in (64, 20, 33):
-        bg.prefill_step_size = chunk
-        prompts, _ = bg.next()
-        progress.append(prompts[0].progress)
-    assert progress == [(64, 150), (84, 150), (117, 150)]
-
-
-def _generators(tiny_model_dir):
-    from mlx_lm import load
-
-    from app.engine.speculative.verify import install
-
-    model, tokenizer = load(str(tiny_model_dir))
-    make = lambda: new_batch_generator(model, tokenizer, max_tokens=64, completion_batch_size=4,  # noqa: E731
-                                       prefill_batch_size=4, prefill_step_size=64)
-    plain, spec = make(), make()
-    return plain, spec, install(spec)
+    a, b = kv(5, 1.0), kv(7, 2.0)
+    batch = BatchKVCache.merge([a, b])  # a left-padded by 2
+    fed = mx.stack([mx.full((2, 3, 8), 9.0), mx.full((2, 3, 8), 8.0)])  # 3 positions each
+    batch.update_and_fetch(fed, fed)
+    kept = [1, 3]  # row 0 keeps 1 of its 3, row 1 all 3
+    batch.trim(3 - max(kept))
+    batch.prepare(right_padding=[max(kept) - n for n in kept])
+    batch.finalize()
+    shared = int(batch.left_padding.min().item())
+    if shared:
+        _shift_left(batch, shared)
+    row0, row1 = batch.extract(0), batch.extract(1)
+    assert row0.offset == 6 and row1.offset == 10
+    assert mx.array_equal(row0.keys[0, :, 5, :], mx.full((2, 8), 9.0)).item()
+    assert mx.array_equal(row1.keys[0, :, 7:, :], mx.full((2, 3, 8), 8.0)).item()
+    assert batch._idx == 10 and int(batch.left_padding.min().item()) == 0
 
 
-def _run(bg, prompts, max_tokens, before_step=lambda: None):
-    """Each row's finishing response, by uid, stepping until every row finished."""
-    uids = bg.insert_segments([[p] for p in prompts], max_tokens=[max_tokens] * len(prompts))
-    done = {}
-    while len(done) < len(uids):
-        before_step()
-        for r in bg.next()[1]:
-            if r.finish_reason is not None:
-                done[r.uid] = r
-    return [done[u] for u in uids]
+def test_contract_every_batch_kind_snapshots_and_restores_by_its_fields():
+    """``layers.snapshot`` / ``restore`` read and set each batch kind's fields
+    (``_BATCH_FIELDS``): a write after a snapshot, in place or not, is undone by restore."""
+    rot = BatchRotatingKVCache.merge([_rotating(6, 1.0), _rotating(3, 2.0)])
+    arrays = ArraysCache.merge([_arrays(1.0), _arrays(2.0)])
+    plain = BatchKVCache.merge([kv(4), kv(6)])
+    for cache, step in ((rot, 1), (rot, 3), (arrays, 1), (plain, 2)):
+        before = [mx.array(x) for x in _tensors(cache)]
+        snap = snapshot(cache)
+        if cache is arrays:
+            cache[0] = cache[0] + 1  # a recurrent layer replaces its state
+            cache[1][..., 0] = 7.0  # or writes into it
+        else:
+            cache.update_and_fetch(mx.ones((2, 2, step, 8)), mx.ones((2, 2, step, 8)))
+        restore(cache, snap)
+        after = _tensors(cache)
+        assert len(after) == len(before) and all(mx.array_equal(x, y).item() for x, y in zip(before, after))
 
 
-def test_contract_generation_batch_is_the_generators_own(tiny_model_dir):
-    """BatchGenerator extends new generation batches into its ``_generation_batch``: an
-    installed VerifyBatch holds every decoding row, and without proposals its step is
-    mlx-lm's own (same tokens, same KV)."""
-    plain, spec, vb = _generators(tiny_model_dir)
-    prompts = [[5, 6, 7] * 9, [8, 9] * 20]
-    a, b = _run(plain, prompts, 6), _run(spec, prompts, 6)
-    assert spec._generation_batch is vb
-    assert [r.all_tokens for r in a] == [r.all_tokens for r in b]
-    for ra, rb in zip(a, b):
-        assert all(mx.array_equal(x.state[0], y.state[0]).item() for x, y in zip(ra.prompt_cache, rb.prompt_cache))
-    # The fields the verify step reads and sets (a row decoding: one sampled token ahead of its KV).
-    spec.insert_segments([[[5, 6, 7] * 9]], max_tokens=[8])
-    while not vb.uids:
-        spec.next()
-    assert vb._next_tokens.shape == (1,) and len(vb._next_logprobs) == 1 and len(vb._token_context) == 1
-    assert vb._num_tokens == [0] and vb.max_tokens == [8] and len(vb._matchers) == 1
-    assert vb.tokens[0] == [5, 6, 7] * 9 and isinstance(vb.prompt_cache[0], BatchKVCache)
+def test_contract_arrays_cache_batches_rows_and_masks_padding():
+    """``ArraysCache``: ``merge`` stacks rows' arrays, ``filter`` / ``extract`` take rows back,
+    ``prepare(lengths=)`` masks a right-padded chunk's padding (``make_mask``) and
+    ``finalize`` clears it; ``extend`` appends rows."""
+    batch = ArraysCache.merge([_arrays(1.0), _arrays(2.0)])
+    assert batch[0].shape[0] == 2 and float(batch.extract(1)[0][0, 0, 0].item()) == 2.0
+    batch.prepare(lengths=[2, 4])
+    assert batch.make_mask(4).tolist() == [[True, True, False, False], [True, True, True, True]]
+    batch.finalize()
+    assert batch.lengths is None and batch.left_padding is None
+    batch.extend(ArraysCache.merge([_arrays(3.0)]))
+    batch.filter([2, 0])
+    assert [float(batch[0][i, 0, 0].item()) for i in range(2)] == [3.0, 1.0]
 
 
-def test_contract_a_verify_step_rolls_batch_kv_back_to_what_each_row_kept(tiny_model_dir):
-    """Rows of different lengths keeping different runs of their proposals: each row's KV and
-    tokens at the end are plain decoding's (trim, right-padding roll, the shared left
-    padding and ``_idx`` shifted off)."""
-    from app.engine.speculative.verify import RowProposal
+def test_contract_rotating_rows_merge_extract_and_restore_exactly():
+    """A ``RotatingKVCache`` row merged into ``BatchRotatingKVCache``, decoded past its window,
+    and extracted holds the last ``max_size`` tokens in order (``keys``, ``offset``); merged
+    again it continues as the row would alone."""
+    alone = _rotating(5, 1.0)
+    batch = BatchRotatingKVCache.merge([_rotating(5, 1.0), _rotating(2, 2.0)])
+    for t in range(6):
+        x = mx.full((1, 2, 1, 8), float(10 + t))
+        alone.update_and_fetch(x, x)
+        batch.update_and_fetch(mx.concatenate([x, x]), mx.concatenate([x, x]))
+    row = batch.extract(0)
+    assert row.offset == alone.offset == 11
+    k_alone, _ = alone.state[0], alone.state[1]
+    ordered = alone._temporal_order(k_alone)[..., -alone.max_size:, :]
+    assert mx.array_equal(row.keys[..., -row.max_size:, :], ordered).item()
 
-    plain, spec, vb = _generators(tiny_model_dir)
-    prompts = [[5, 6, 7] * 9, [8, 9] * 20, [11] * 7]
-    n = 14
-    expected = _run(plain, prompts, n)
-    outputs = [r.all_tokens[len(p):] for r, p in zip(expected, prompts)]
-    for r, p in zip(expected, prompts):
-        assert r.all_tokens[:len(p)] == p
 
-    seen: set[int] = set()
+def _rotating(tokens: int, value: float, window: int = 4) -> RotatingKVCache:
+    c = RotatingKVCache(max_size=window)
+    x = mx.full((1, 2, tokens, 8), value)
+    c.update_and_fetch(x, x)
+    return c
 
-    def propose():
-        seen.update(vb.outcomes)
-        pending = vb.pending()
-        props = {}
-        for uid in pending:  # uid: the row's index (a fresh generator)
-            done = len(vb.context(uid)) - len(prompts[uid]) + 1  # output tokens so far, x included
-            truth = outputs[uid][done:done + 4]
-            if uid == 1:  # wrong from its third token on
-                truth = [*truth[:2], *(t + 1 for t in truth[2:])]
-            if uid != 2 and truth:  # row 2 never proposes
-                props[uid] = RowProposal(tuple(truth))
-        vb.propose(props)
 
-    got = _run(spec, prompts, n, propose)
-    assert sorted(seen) == [0, 1]  # both proposing rows were verified: kept runs of 2 (row 1), up to 4 (row 0)
-    assert [r.all_tokens for r in got] == [r.all_tokens for r in expected]
-    for rg, re in zip(got, expected):
-        for cg, ce in zip(rg.prompt_cache, re.prompt_cache):
-            assert cg.offset == ce.offset
-            assert mx.allclose(cg.state[0], ce.state[0], atol=1e-4).item()
-            assert mx.allclose(cg.state[1], ce.state[1], atol=1e-4).item()
+def _arrays(value: float) -> ArraysCache:
+    c = ArraysCache(size=2)
+    c[0] = mx.full((1, 3, 8), value)
+    c[1] = mx.full((1, 2, 4, 4), value)
+    return c
+
+
+def _tensors(cache) -> list:
+    if isinstance(cache, ArraysCache):
+        padding = [cache.left_padding] if cache.left_padding is not None else []
+        return [x for x in cache.cache if x is not None] + padding
+    keys, values = cache.keys, cache.values
+    return [keys, values, cache.offset, cache.left_padding, mx.array(cache._idx)]

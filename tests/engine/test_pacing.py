@@ -14,7 +14,7 @@ import pytest
 
 from app.config.schema import ChatParams
 from app.engine.batch.engine import TextEngine
-from app.engine.batch.pacing import MIN_CHUNK, PrefillPacer
+from app.engine.batch.pacing import FIRST_CHUNK, MIN_CHUNK, PrefillPacer
 from app.engine.models.loader import load_text_model
 from app.engine.params import ModelSource
 from app.engine.prompt import TokenPrompt
@@ -24,12 +24,12 @@ from app.specs import engine_params, load_params
 from tests.engine.engines import run
 
 
-def test_full_chunks_until_a_rate_is_measured_and_whenever_nothing_decodes():
+def test_a_small_first_chunk_then_every_step_within_its_budget_decoding_or_not():
     pacer = PrefillPacer(cap=512, budget_s=0.5)
-    assert pacer.chunk(decoding=True) == 512  # nothing measured yet: the configured cap
+    assert pacer.chunk(decoding=False) == FIRST_CHUNK  # nothing measured yet: a small chunk measures it
     pacer.observe(prefilled=512, decoding=False, seconds=5.12)  # 10 ms a token, alone
     pacer.observe(prefilled=0, decoding=True, seconds=0.05)  # a decode step: 50 ms
-    assert pacer.chunk(decoding=False) == 512
+    assert pacer.chunk(decoding=False) == 50  # nothing decodes, yet a request may arrive: 500 ms at 10 ms a token
     assert pacer.chunk(decoding=True) == 45  # (500 - 50) ms at 10 ms a token
     assert pacer.chunk(decoding=True, prompts=2) == 22  # two prompts share the step
 
@@ -75,7 +75,7 @@ class Metered:
         return getattr(self.model, name)
 
 
-def test_beside_a_decoding_stream_chunks_are_sized_to_the_step_budget(tiny_model_dir):
+def test_alone_and_beside_a_decoding_stream_chunks_are_sized_to_the_step_budget(tiny_model_dir):
     p = ChatParams(mem=64, max_num_seqs=4, prefill_chunk_size=128, prefill_step_ms=250, temperature=0.0,
                    prompt_cache="off", prompt_cache_disk_mb=0)
     worker = MLXWorker()
@@ -101,8 +101,10 @@ def test_beside_a_decoding_stream_chunks_are_sized_to_the_step_budget(tiny_model
 
         beside: list[int] = []
         asyncio.run(main())
-        # Alone, the stream's prompt went in full chunks (299 tokens: the last one is decoded).
-        assert metered.chunks[:3] == [128, 128, 43]
+        # Alone, the stream's prompt went in chunks of the budget too (a request may arrive at any
+        # step): a first one that measures the rate, then 250 ms at 5 ms a token (299 tokens: the
+        # last one is decoded).
+        assert metered.chunks[:3] == [FIRST_CHUNK, 50, 50]
         # Beside it, (250 - 40) ms at 5 ms a token: 42 tokens a step, the last piece what is left.
         assert beside[:-1] and all(c in (41, 42) for c in beside[:-1]), beside
         assert sum(beside) == 399 and beside[-1] <= 42

@@ -1,4 +1,4 @@
-"""Thinking budgets in the batch (app/engine/batch/reasoning.py), on a scripted tiny Ministral
+"""Thinking budgets in the batch (app/engine/step/reasoning.py), on a scripted tiny Ministral
 that would think for 500 tokens: each row's reasoning is closed with ``[/THINK]`` at its own
 budget, the answer follows, and the tokens spent are reported."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from app.engine.batch.reasoning import BudgetProcessor, Phase, ReasoningTracker
 from app.engine.constrain import constraints as c
 from app.engine.constrain.grammar import compiler_for
 from app.engine.prompt import TokenPrompt
+from app.engine.step.reasoning import BudgetProcessor, Phase, ReasoningTracker
 from app.engine.types import GenerationRequest, ReasoningBlock
 from tests.engine.engines import make_engine, run
 from tests.fixtures.tiny_ministral import distinct_words

@@ -438,7 +438,7 @@ def test_no_row_waits_for_its_first_token_behind_a_verify_step(engine):
     def watched() -> None:
         propose()
         waiting = any(not s.prefilling and s.first_token is None for s in engine._running.values())
-        steps.append((waiting, bool(engine._verify._proposals)))
+        steps.append((waiting, bool(engine._verify.planned())))
 
     engine._propose = watched
     try:

@@ -15,13 +15,14 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
+from app.engine.batch.engine import TextEngine
 from app.engine.batch.vision_features import FeatureCache
-from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
+from app.engine.models.vlm import LoadedVlm, load_vlm
 from app.engine.types import GenerationRequest
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy, decode_image
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import striped_bytes
 
@@ -60,11 +61,11 @@ def tower_calls(loaded, monkeypatch) -> list[int]:
     return calls
 
 
-def make_engine(worker, loaded, cache_mb: float) -> VlmEngine:
+def make_engine(worker, loaded, cache_mb: float) -> TextEngine:
     # The feature cache alone: with the prefix cache on, an image that repeats a cached
     # prefix comes with its KV and never asks for features (test_vlm_prefix_cache has both).
     params = engine_params(ChatParams(mem=16, max_num_seqs=2, prefill_chunk_size=32, prompt_cache="off"))
-    return VlmEngine(worker, loaded, params, feature_cache_bytes=int(cache_mb * 2**20))
+    return vlm_engine(worker, loaded, params, int(cache_mb * 2**20))
 
 
 def decoded(raw: bytes) -> Image.Image:
@@ -78,13 +79,13 @@ def webp_lossless(raw: bytes) -> bytes:
     return buf.getvalue()
 
 
-def request(engine: VlmEngine, text: str, images, **kw) -> GenerationRequest:
+def request(engine: TextEngine, text: str, images, **kw) -> GenerationRequest:
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
     prompt = engine.prompts.build(engine.prompts.render([{"role": "user", "content": content}]), list(images))
     return GenerationRequest(prompt, max_tokens=6, **kw)
 
 
-def generate(engine: VlmEngine, req: GenerationRequest) -> str:
+def generate(engine: TextEngine, req: GenerationRequest) -> str:
     return asyncio.run(run(engine, req))[0]
 
 
@@ -158,7 +159,7 @@ def test_features_never_cross_scopes(worker, loaded, tower_calls):
 def test_a_flood_of_distinct_images_stays_within_the_cap(worker, loaded):
     # The processor caps the fixture's images at 16 tokens of 64 float32: 4 KB each.
     engine = make_engine(worker, loaded, 5 * 4096 / 2**20)
-    cap = engine.features.max_bytes  # type: ignore[union-attr]
+    cap = engine.vision.features.max_bytes  # type: ignore[union-attr]
     for seed in range(12):
         generate(engine, GenerationRequest(request(engine, "Hi", [decoded(striped_bytes(20 + seed, (448, 448)))])
                                            .prompt, max_tokens=1))

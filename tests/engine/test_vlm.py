@@ -18,15 +18,16 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
+from app.engine.batch.engine import TextEngine
 from app.engine.mlx_internals import reset_vlm_stopping, vlm_prompt_inputs
-from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
+from app.engine.models.vlm import LoadedVlm, load_vlm
 from app.engine.prompt import MultimodalPrompt, TokenPrompt, completion_room, pixel_digest
 from app.engine.types import GREEDY, GenerationRecord, GenerationRequest, SamplingParams, TokenDelta
 from app.engine.worker import MLXWorker
 from app.errors import ContextLengthError, EngineError, ImageError, InvalidRequestError
 from app.specs import engine_params, load_params
 from app.vision.images import ImagePolicy
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import data_url, striped_bytes
 
@@ -56,7 +57,7 @@ def load(worker: MLXWorker, model_dir, **params) -> LoadedVlm:
 @pytest.fixture(scope="module")
 def engine(worker, model_dir):
     params = engine_params(ChatParams(mem=16, max_num_seqs=4, prefill_chunk_size=32))
-    eng = VlmEngine(worker, load(worker, model_dir), params)
+    eng = vlm_engine(worker, load(worker, model_dir), params)
     records: list[GenerationRecord] = []
     eng.add_listener(records.append)
     eng.records = records  # type: ignore[attr-defined]
@@ -67,18 +68,18 @@ def image(seed: int, size: tuple[int, int] = (96, 72)) -> Image.Image:
     return Image.open(BytesIO(striped_bytes(seed, size))).convert("RGB")
 
 
-def render(engine: VlmEngine, text: str, n_images: int = 0) -> str:
+def render(engine: TextEngine, text: str, n_images: int = 0) -> str:
     content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": text}]
     return engine.prompts.render([{"role": "user", "content": content}])
 
 
-def request(engine: VlmEngine, text: str, images=(), max_tokens: int = 8, **kw) -> GenerationRequest:
+def request(engine: TextEngine, text: str, images=(), max_tokens: int = 8, **kw) -> GenerationRequest:
     """A request as the pipeline makes one: the VLM's prompt builder renders and builds it."""
     prompt = engine.prompts.build(render(engine, text, len(images)), list(images))
     return GenerationRequest(prompt, max_tokens=max_tokens, **kw)
 
 
-def generate(engine: VlmEngine, req: GenerationRequest):
+def generate(engine: TextEngine, req: GenerationRequest):
     return asyncio.run(run(engine, req))
 
 
@@ -236,7 +237,7 @@ def test_context_is_the_real_prompt_length(worker, model_dir):
     """The completion budget is computed once, from the prompt's exact tokens (its image runs
     expanded): it fills the context to the token; the engine refuses what goes beyond."""
     loaded = load(worker, model_dir, max_model_len=64)
-    eng = VlmEngine(worker, loaded, engine_params(ChatParams(mem=16, max_num_seqs=2)))
+    eng = vlm_engine(worker, loaded, engine_params(ChatParams(mem=16, max_num_seqs=2)))
     one = request(eng, "Hi", [image(1)])
     room = completion_room(len(one.prompt.tokens), eng.max_model_len, eng.stats().kv_max_sequence_tokens)
     _, last = generate(eng, GenerationRequest(one.prompt, max_tokens=min(1000, room)))
@@ -342,5 +343,5 @@ def test_sampled_logprobs_are_the_distribution_drawn_from(engine):
     assert hot[0].top == logprobs(replace(GREEDY, temperature=0.0))[0].top
 
 
-async def deltas(engine: VlmEngine, req: GenerationRequest) -> list[TokenDelta]:
+async def deltas(engine: TextEngine, req: GenerationRequest) -> list[TokenDelta]:
     return [d async for d in engine.stream(req)]

@@ -19,12 +19,13 @@ import pytest
 from PIL import Image
 
 from app.config.schema import ChatParams
-from app.engine.models.vlm import LoadedVlm, VlmEngine, load_vlm
+from app.engine.batch.engine import TextEngine
+from app.engine.models.vlm import LoadedVlm, load_vlm
 from app.engine.prompt import cache_key_tokens
 from app.engine.types import GREEDY, GenerationRequest, TokenDelta
 from app.engine.worker import MLXWorker
 from app.specs import engine_params, load_params
-from tests.engine.engines import run
+from tests.engine.engines import run, vlm_engine
 from tests.fixtures.tiny_vlm import build_tiny_qwen2_vl
 from tests.vision.sample_images import striped_bytes
 
@@ -60,15 +61,15 @@ def tower_calls(loaded, monkeypatch) -> list[int]:
     return calls
 
 
-def make_engine(worker, loaded, feature_cache_bytes: int = 0, **params: Any) -> VlmEngine:
+def make_engine(worker, loaded, feature_cache_bytes: int = 0, **params: Any) -> TextEngine:
     # No disk tier unless asked for: each test starts from an empty cache.
     settings: dict[str, Any] = {"mem": 16, "max_num_seqs": 2, "prefill_chunk_size": 32, "cache_min_tokens": 8,
                                 "prompt_cache_disk_mb": 0, **params}
-    return VlmEngine(worker, loaded, engine_params(ChatParams(**settings)), feature_cache_bytes=feature_cache_bytes)
+    return vlm_engine(worker, loaded, engine_params(ChatParams(**settings)), feature_cache_bytes)
 
 
 @pytest.fixture()
-def engines(worker, loaded) -> tuple[VlmEngine, VlmEngine]:
+def engines(worker, loaded) -> tuple[TextEngine, TextEngine]:
     """(with the prefix cache, without it)"""
     return make_engine(worker, loaded), make_engine(worker, loaded, prompt_cache="off")
 
@@ -81,18 +82,18 @@ def user(text: str, n_images: int = 0) -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": text}]}
 
 
-def request(engine: VlmEngine, messages: list[dict[str, Any]], images, *, max_tokens: int = 8,
+def request(engine: TextEngine, messages: list[dict[str, Any]], images, *, max_tokens: int = 8,
             **kw: Any) -> GenerationRequest:
     """A request as the pipeline makes one: the VLM's prompt builder renders and builds it."""
     prompt = engine.prompts.build(engine.prompts.render(messages), list(images))
     return GenerationRequest(prompt, max_tokens=max_tokens, **kw)
 
 
-def generate(engine: VlmEngine, req: GenerationRequest) -> tuple[str, TokenDelta]:
+def generate(engine: TextEngine, req: GenerationRequest) -> tuple[str, TokenDelta]:
     return asyncio.run(run(engine, req))
 
 
-def two_turns(engine: VlmEngine, first_images, second_text: str = "And the colours?", second_images=(),
+def two_turns(engine: TextEngine, first_images, second_text: str = "And the colours?", second_images=(),
               **kw: Any) -> tuple[str, TokenDelta, GenerationRequest]:
     """Turn one about ``first_images``, then turn two repeating it (and adding ``second_images``)."""
     turn1 = [user("What is this?", len(first_images))]
@@ -238,7 +239,7 @@ def test_sampling_seeds_penalties_logprobs_and_stops_hold_from_cached_kv(engines
     cached, uncached = engines
     sampling = replace(GREEDY, temperature=0.9, seed=11, repetition_penalty=1.3)
 
-    def turn_two(engine: VlmEngine, **kw: Any) -> tuple[str, TokenDelta, list]:
+    def turn_two(engine: TextEngine, **kw: Any) -> tuple[str, TokenDelta, list]:
         turn1 = [user("What is this?", 1)]
         answer, _ = generate(engine, request(engine, turn1, [image(8)]))
         turn2 = [*turn1, {"role": "assistant", "content": answer}, user("And the colours?")]

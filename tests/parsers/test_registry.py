@@ -120,5 +120,8 @@ def test_mistral_call_ids_fit_its_chat_template():
     (start,) = [e for e in events if isinstance(e, ToolCallStart)]
     assert len(start.id) == 9 and start.id.isalnum()
     q = make_parser("qwen", reasoning=False, tools_offered=True)
-    (other,) = [e for e in q.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>') + q.finish() if isinstance(e, ToolCallStart)]
+    (other,) = [
+        e for e in q.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>') + q.finish()
+        if isinstance(e, ToolCallStart)
+    ]
     assert other.id.startswith("call_")

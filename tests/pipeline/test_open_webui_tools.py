@@ -24,7 +24,8 @@ def profile(demo_model_dir):
 
 def prompt_tokens(profile, tools: list[dict]) -> int:
     body = {"model": "demo", "tools": tools, "messages": [
-        {"role": "system", "content": OPEN_WEBUI_SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]}
+        {"role": "system", "content": OPEN_WEBUI_SYSTEM},
+        {"role": "user", "content": "What is the capital of France?"}]}
     if not tools:
         del body["tools"]
     return len(build_chat(profile, ChatCompletionRequest.model_validate(body).to_request()).gen.prompt_tokens)

@@ -69,7 +69,8 @@ def test_named_tool_choice_offers_only_that_tool(tokenizer):
 
 
 def test_required_tool_choice_says_so(tokenizer):
-    assert "You must call one of them" in prepare_chat(profile(tokenizer), chat(tools=TOOLS, tool_choice="required")).prompt_text
+    prompt = prepare_chat(profile(tokenizer), chat(tools=TOOLS, tool_choice="required")).prompt_text
+    assert "You must call one of them" in prompt
 
 
 def test_max_tokens_and_max_completion_tokens(tokenizer):

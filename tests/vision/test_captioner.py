@@ -1,5 +1,5 @@
 """VlmCaptioner on a tiny random Qwen2-VL served by the registry: a ``role: vision``
-entry is an ordinary slot (a VlmEngine), and a caption is a generation in its batch."""
+entry is an ordinary slot (the chat engine, serving a VLM), and a caption is a generation in its batch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.config.schema import VisionParams
-from app.engine.models.vlm import VlmEngine
+from app.engine.batch.engine import TextEngine
 from app.engine.params import ModelSource, ModelSpec, VisionSpec
 from app.engine.registry import Registry
 from app.engine.types import GenerationRecord, GenerationRequest
@@ -87,11 +87,11 @@ def test_fixture_ids_match_its_tokenizer(model_dir):
 
 
 def test_a_vision_entry_is_an_ordinary_slot(served):
-    """Loaded by the registry as a VlmEngine, counted in its budget (weights, the worst-case
+    """Loaded by the registry as the chat engine serving a VLM, counted in its budget (weights, the worst-case
     images' peak, its KV), shown in its snapshot, and served by no API."""
     registry, _ = served
     engine = registry.loaded("tiny-vl")
-    assert isinstance(engine, VlmEngine)
+    assert isinstance(engine, TextEngine) and engine.vision is not None
     row = registry.snapshot()["models"]["tiny-vl"]
     assert row["role"] == "vision" and row["state"] == "loaded" and row["memory_mb"]["weights"] > 0
     assert registry.used_bytes >= engine.loaded.weights_bytes + 16 * 2**20
@@ -251,5 +251,5 @@ def test_a_native_chat_model_captions_with_its_own_copy(worker, model_dir):
     registry, records = serve(worker, spec(model_dir, name="qwen", role="chat"))
     captioner = VlmCaptioner(registry, "qwen", max_tokens=8, max_pixels=MAX_PIXELS)
     caption = asyncio.run(captioner.describe(loaded(striped_bytes(7)), "What is it?"))
-    assert caption and isinstance(registry.loaded("qwen"), VlmEngine)
+    assert caption and registry.loaded("qwen").vision is not None
     assert [r.request_id for r in records] == [CAPTION_REQUEST_ID]

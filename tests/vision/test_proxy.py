@@ -324,7 +324,8 @@ def test_repeated_image_is_not_decoded_again(monkeypatch):
 
     monkeypatch.setattr(proxy_mod, "decode_image_async", counting)
     proxy = VisionProxy(Fixed(), CaptionCache(8), ImagePolicy())
-    msg = typed([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}]}])
+    msg = typed([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(striped_bytes(5))}}]}])
     first = asyncio.run(proxy.rewrite(msg))
     again = asyncio.run(proxy.rewrite(msg))
     assert len(decodes) == 1

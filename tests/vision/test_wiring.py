@@ -10,7 +10,6 @@ import pytest
 
 from app.config.loader import ResolvedConfig, resolve
 from app.config.schema import ModelsFile
-from app.engine.models.vlm import VlmEngine
 from app.engine.registry import Registry
 from app.engine.worker import MLXWorker
 from app.pipeline.request import ImagePart, Message
@@ -65,7 +64,7 @@ def test_build_proxy_loads_the_vision_model(tmp_path, worker):
     registry = registry_of(config, worker)
     proxy, reason = build_proxy(config, registry)
     assert reason is None
-    assert isinstance(registry.loaded("eyes"), VlmEngine), "loaded at start-up, as a registry slot"
+    assert registry.loaded("eyes").vision is not None, "loaded at start-up, as a registry slot"
     assert registry.loaded("eyes").loaded.max_images == 3
     assert isinstance(proxy.captioner, VlmCaptioner) and proxy.captioner.name == "eyes"
     assert proxy.captioner.max_tokens == 5 and proxy.captioner.max_pixels == 112 * 112

@@ -72,9 +72,11 @@ def thinking_signature(thinking: str) -> str:
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:
-    """Anthropic's usage: the prompt is input_tokens + cache_read_input_tokens (the prefix cache's)."""
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.cached_tokens}
+    """Anthropic's usage: the prompt is input_tokens + cache_creation_input_tokens (written to the
+    prefix cache at its breakpoints) + cache_read_input_tokens (read from it)."""
+    fresh = u.prompt_tokens - u.cached_tokens - u.cache_write_tokens
+    return {"input_tokens": fresh, "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": u.cache_write_tokens, "cache_read_input_tokens": u.cached_tokens}
 
 
 def stop_reason(finish: str, stop_sequence: str | None, tool_uses: int) -> str:

@@ -1,7 +1,9 @@
 """Anthropic Messages wire models for requests (pydantic), and their mapping onto the typed request.
 
     system (a string or text blocks), role "system" messages -> system messages (the pipeline
-                                                                gathers them into one, first)
+                                                                gathers them into one, first);
+                                                                Claude Code's billing header block
+                                                                is left out (``BILLING_HEADER``)
     user: text, image (base64 or url source)                 -> a user message's parts
     user: tool_result blocks                                 -> role "tool" messages, before the
                                                                 rest of the user's turn
@@ -29,14 +31,19 @@ Tool-call ids: the pipeline's parser makes them (``call_`` + 24 alphanumerics, o
 id without ``call_`` (``anthropic_tool_id``), and ids coming back lose ``toolu_``
 (``pipeline_tool_id``), so a Mistral call id reaches its template as it was made.
 
-Fields Tandem does not use are accepted and ignored: ``cache_control`` anywhere,
-``metadata``, ``context_management``, ``service_tier``,
+``cache_control`` ({"type": "ephemeral", "ttl": "5m" | "1h"}) on a system block, a tool, a
+content block, or the request itself (its last block) marks where the prefix cache should keep
+the prompt (``app.pipeline.breakpoints``); a tool_use or thinking block's mark falls at the
+end of its turn's text, and more than four marks are refused, as Anthropic does.
+
+Fields Tandem does not use are accepted and ignored: ``metadata``, ``context_management``, ``service_tier``,
 tools' ``defer_loading`` (deferred tools are offered like any other) and ``$schema``.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
@@ -46,6 +53,9 @@ from app.errors import InvalidRequestError
 from app.pipeline import request as typed
 
 TOOL_ID_PREFIX = "toolu_"
+# cache_control's lifetimes, in seconds ("5m" is the default), and how many a request may mark.
+CACHE_TTLS = {"5m": 5 * 60, "1h": 60 * 60}
+MAX_CACHE_CONTROLS = 4
 
 
 def anthropic_tool_id(pipeline_id: str) -> str:
@@ -65,9 +75,42 @@ def _as_blocks(v: Any) -> Any:
     return [{"type": "text", "text": v}] if isinstance(v, str) else v
 
 
+# Claude Code (2.1.29 on) sends its billing header as the first system text block,
+# ``x-anthropic-billing-header: cc_version=2.1.197.7a9; cc_entrypoint=cli; cch=...;``, with
+# a hash that changes on every request: no text for the model, and at the head of the
+# prompt it would make every request's prefix new to the prefix cache. Anthropic's own API
+# does not show it to the model either.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+class CacheControl(Lenient):
+    """``cache_control``: the prompt up to the end of what carries it is worth keeping."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+    def mark(self) -> typed.CacheMark:
+        return typed.CacheMark(CACHE_TTLS[self.ttl])
+
+
+def _mark(control: CacheControl | None) -> typed.CacheMark | None:
+    return control.mark() if control is not None else None
+
+
+def _marked_last(parts: list[typed.Part], mark: typed.CacheMark | None) -> list[typed.Part]:
+    """``parts`` with ``mark`` on the last one; an empty text part carries it when there is
+    none (it renders as nothing, so the prompt is the same with the mark or without)."""
+    if mark is None:
+        return parts
+    if not parts:
+        return [typed.TextPart("", mark)]
+    return [*parts[:-1], replace(parts[-1], cache=mark)]
+
+
 class TextBlock(Lenient):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class Base64Source(Lenient):
@@ -84,12 +127,13 @@ class URLSource(Lenient):
 class ImageBlock(Lenient):
     type: Literal["image"]
     source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
 
     def part(self, where: str) -> typed.ImagePart:
         """The image as the vision path takes it: a URL (``data:`` for base64 sources)."""
         src = self.source
         url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
-        return typed.ImagePart(url, f"{where}.source")
+        return typed.ImagePart(url, f"{where}.source", cache=_mark(self.cache_control))
 
 
 class ToolUseBlock(Lenient):
@@ -97,6 +141,7 @@ class ToolUseBlock(Lenient):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict[str, Any] = Field(default_factory=dict)
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(Lenient):
@@ -104,6 +149,7 @@ class ToolResultBlock(Lenient):
     tool_use_id: str = Field(min_length=1)
     content: list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = Field(default_factory=list)
     is_error: JsonBool = False
+    cache_control: CacheControl | None = None
 
     _blocks = field_validator("content", mode="before")(_as_blocks)
 
@@ -113,6 +159,7 @@ class ThinkingBlock(Lenient):
     thinking: str
     # Anthropic's signature, or Tandem's: either way not checked, the text is the reasoning.
     signature: str = ""
+    cache_control: CacheControl | None = None
 
 
 class RedactedThinkingBlock(Lenient):
@@ -144,25 +191,29 @@ class InputMessage(Lenient):
         results: list[typed.Message] = []
         calls: list[typed.ToolCall] = []
         reasoning: list[str] = []
+        tail_mark = None  # a tool_use or thinking block's mark: the turn's text ends there
         for j, block in enumerate(self.content):
             at = f"{where}.content[{j}]"
             if isinstance(block, UnsupportedPart):
                 raise block.refused(at, "text, image, tool_use, tool_result and thinking blocks")
             _check_role(self.role, block, at)
             if isinstance(block, TextBlock):
-                parts.append(typed.TextPart(block.text))
+                parts.append(typed.TextPart(block.text, _mark(block.cache_control)))
             elif isinstance(block, ImageBlock):
                 parts.append(block.part(at))
             elif isinstance(block, ToolUseBlock):
                 arguments = json.dumps(block.input, ensure_ascii=False)
                 calls.append(typed.ToolCall(pipeline_tool_id(block.id), block.name, arguments))
+                tail_mark = _mark(block.cache_control) or tail_mark
             elif isinstance(block, ToolResultBlock):
                 results.append(_tool_message(block, at))
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
+                tail_mark = _mark(block.cache_control) or tail_mark
             # A redacted thinking block holds nothing a local model can read.
         if results and not (parts or calls):
             return results
+        parts = _marked_last(parts, tail_mark)
         turn = typed.Message(self.role, tuple(parts), tool_calls=tuple(calls),
                              reasoning="\n".join(reasoning) or None, param=where)
         return [*results, turn]
@@ -185,7 +236,9 @@ def _tool_message(block: ToolResultBlock, where: str) -> typed.Message:
     # A failed tool's output says so: the template has no field for it, the model must read it.
     parts: list[typed.Part] = [typed.TextPart("Error:")] if block.is_error else []
     for k, p in enumerate(block.content):
-        parts.append(typed.TextPart(p.text) if isinstance(p, TextBlock) else p.part(f"{where}.content[{k}]"))
+        parts.append(typed.TextPart(p.text, _mark(p.cache_control)) if isinstance(p, TextBlock)
+                     else p.part(f"{where}.content[{k}]"))
+    parts = _marked_last(parts, _mark(block.cache_control))
     return typed.Message("tool", tuple(parts), tool_call_id=pipeline_tool_id(block.tool_use_id), param=where)
 
 
@@ -195,6 +248,7 @@ class CustomTool(Lenient):
     description: str | None = None
     input_schema: dict[str, Any]
     strict: JsonBool | None = None
+    cache_control: CacheControl | None = None
 
 
 class ServerTool(Lenient):
@@ -263,6 +317,8 @@ class _MessagesBody(Lenient):
     output_config: OutputConfig | None = None
     # The structured-outputs beta's name for output_config.format.
     output_format: JsonOutputFormat | None = None
+    # Automatic caching: a mark on the request's last block.
+    cache_control: CacheControl | None = None
 
     _blocks = field_validator("system", mode="before")(_as_blocks)
 
@@ -270,12 +326,29 @@ class _MessagesBody(Lenient):
         """Whether thinking blocks carry their text (``display: omitted`` keeps only signatures)."""
         return self.thinking is None or self.thinking.display != "omitted"
 
+    def _cache_controls(self) -> int:
+        """How many places the request marks with cache_control."""
+        blocks: list[Any] = [*(self.system or ()), *(self.tools or ()), self]
+        for m in self.messages:
+            for b in m.content:
+                blocks += [b, *(b.content if isinstance(b, ToolResultBlock) else ())]
+        return sum(getattr(b, "cache_control", None) is not None for b in blocks)
+
     def _chat_request(self, options: typed.Options) -> typed.ChatRequest:
+        marked = self._cache_controls()
+        if marked > MAX_CACHE_CONTROLS:
+            raise InvalidRequestError(f"A maximum of {MAX_CACHE_CONTROLS} blocks with cache_control may be provided. "
+                                      f"Found {marked}.", param="cache_control")
         system: list[typed.Message] = []
-        if self.system and any(b.text for b in self.system):
-            system.append(typed.Message("system", tuple(typed.TextPart(b.text) for b in self.system), param="system"))
+        blocks = [b for b in self.system or () if not b.text.startswith(BILLING_HEADER)]
+        if any(b.text for b in blocks):
+            system.append(typed.Message("system", tuple(typed.TextPart(b.text, _mark(b.cache_control)) for b in blocks),
+                                        param="system"))
         turns = [m for i, msg in enumerate(self.messages) for m in msg.to_messages(i)]
-        tools = tuple(typed.Tool(t.name, t.description, t.input_schema, bool(t.strict))
+        if self.cache_control is not None and turns:
+            last = turns[-1]
+            turns[-1] = replace(last, content=tuple(_marked_last(list(last.content), self.cache_control.mark())))
+        tools = tuple(typed.Tool(t.name, t.description, t.input_schema, bool(t.strict), _mark(t.cache_control))
                       for t in self.tools or () if isinstance(t, CustomTool))
         choice = self.tool_choice.to_choice() if self.tool_choice else typed.ToolChoice()
         fmt = self.output_format or (self.output_config.format if self.output_config else None)

@@ -40,7 +40,8 @@ from app.pipeline.results import (
 def usage_dict(u: Usage) -> dict[str, Any]:
     """OpenAI's usage object."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens,
                                           "accepted_prediction_tokens": u.accepted_prediction_tokens,
                                           "rejected_prediction_tokens": u.rejected_prediction_tokens}}
@@ -87,6 +88,28 @@ class ChunkWriter:
     # request): OpenAI's "" where the answer cannot be a tool call; null where it may be one,
     # since a tool-call stream must not carry an empty content delta (llama.cpp does the same).
     early_content: str | None = ""
+    # Every chunk's fields before ``choices``, as JSON (``content_json``).
+    _head: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._head = to_json({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                              "model": self.model, "system_fingerprint": "tandem"})[:-1]
+
+    def plain_content(self, step: Step) -> str | None:
+        """The step's text when all it writes is one content delta of a choice already open
+        (nearly every token of an answer), else None."""
+        if step.finish_reason is not None or len(step.events) != 1 or step.index not in self.opened:
+            return None
+        ev = step.events[0]
+        if type(ev) is not ContentDelta or not ev.text or (self.with_logprobs and step.logprobs):
+            return None
+        return ev.text
+
+    def content_json(self, text: str, index: int) -> str:
+        """``to_json(self.chunk({"content": text}, index=index))``, written without the dicts:
+        the per-token path of a streamed answer."""
+        return (f'{self._head},"choices":[{{"index":{index},"delta":{{"content":{to_json(text)}}},'
+                f'"logprobs":null,"finish_reason":null}}]}}')
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, index: int = 0,
               logprobs: list[LogprobInfo] | None = None, **extra: Any) -> dict[str, Any]:
@@ -210,6 +233,10 @@ async def chat_stream(writer: ChunkWriter, steps: AsyncIterator[Step], extras: d
     usages: list[Usage] = []
     pending = extras
     async for step in steps:
+        text = None if pending else writer.plain_content(step)
+        if text is not None:
+            yield writer.content_json(text, step.index)
+            continue
         chunks = writer.step(step)
         if step.finish_reason is not None:
             chunks += writer.last(step.finish_reason, step.index)

@@ -28,6 +28,33 @@ JsonArguments = Annotated[str, BeforeValidator(_arguments_to_json)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+# OpenAI's prompt-cache lifetimes, in seconds; a breakpoint without one takes the request's.
+CACHE_TTLS = {"30m": 30 * 60, "12h": 12 * 3600}
+CacheTTL = Literal["30m", "12h"]
+
+
+class PromptCacheBreakpoint(Lenient):
+    """``prompt_cache_breakpoint`` on a content part: the prompt up to its end is worth keeping."""
+
+    mode: Literal["explicit"]
+    ttl: CacheTTL | None = None
+
+
+class PromptCacheOptions(Lenient):
+    """``prompt_cache_options``: "implicit" lets the cache keep what it chooses besides the
+    breakpoints, "explicit" asks for the breakpoints alone; ``ttl`` is their default lifetime."""
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: CacheTTL = "30m"
+
+
+def cache_mark(breakpoint: PromptCacheBreakpoint | None, options: PromptCacheOptions | None) -> typed.CacheMark | None:
+    """A part's breakpoint as the pipeline's mark, its TTL or else the request's."""
+    if breakpoint is None:
+        return None
+    return typed.CacheMark(CACHE_TTLS[breakpoint.ttl or (options.ttl if options else "30m")])
+
+
 class ImageURL(Lenient):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
@@ -36,11 +63,13 @@ class ImageURL(Lenient):
 class TextPart(Lenient):
     type: Literal["text", "input_text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ImagePart(Lenient):
     type: Literal["image_url", "input_image"]
     image_url: ImageURL
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
     @field_validator("image_url", mode="before")
     @classmethod
@@ -96,15 +125,17 @@ class ChatMessage(Lenient):
             raise ValueError("an 'assistant' message needs content or tool_calls")
         return self
 
-    def to_message(self, i: int) -> typed.Message:
-        """This message as the pipeline's typed one (``i``: its index, for error params)."""
+    def to_message(self, i: int, cache: PromptCacheOptions | None = None) -> typed.Message:
+        """This message as the pipeline's typed one (``i``: its index, for error params;
+        ``cache``: the request's prompt_cache_options, its breakpoints' default TTL)."""
         where = f"messages[{i}]"
         parts: list[typed.Part] = []
         for j, p in enumerate(self.content or ()):
             if isinstance(p, TextPart):
-                parts.append(typed.TextPart(p.text))
+                parts.append(typed.TextPart(p.text, cache_mark(p.prompt_cache_breakpoint, cache)))
             elif isinstance(p, ImagePart):  # image_url, and input_image (the Responses API's image part) alike
-                parts.append(typed.ImagePart(p.image_url.url, f"{where}.content[{j}].image_url", p.image_url.detail))
+                parts.append(typed.ImagePart(p.image_url.url, f"{where}.content[{j}].image_url", p.image_url.detail,
+                                             cache_mark(p.prompt_cache_breakpoint, cache)))
             else:
                 raise p.refused(f"{where}.content[{j}]", SERVED_PARTS)
         calls = tuple(typed.ToolCall(tc.id, tc.function.name, tc.function.arguments) for tc in self.tool_calls or ())
@@ -207,6 +238,9 @@ class _SamplingFields(Lenient):
     logit_bias: dict[int, float] | None = Field(default=None, max_length=1024)
     # vLLM's: requests with different salts never share cached prompt prefixes.
     cache_salt: str | None = None
+    # OpenAI's: scopes cached prefixes as cache_salt does; and the breakpoints' mode and TTL.
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     # Any 64-bit seed, signed or not; MLX takes it unsigned, so negatives wrap (-1 -> 2**64 - 1).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
@@ -241,6 +275,10 @@ class _SamplingFields(Lenient):
             raise ValueError("at most 16 stop sequences")
         return v
 
+    @property
+    def cache_implicit(self) -> bool:
+        return self.prompt_cache_options is None or self.prompt_cache_options.mode == "implicit"
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -258,6 +296,7 @@ class _SamplingFields(Lenient):
         )
         return typed.Options(self.model, sampling, max_tokens if max_tokens is not None else self.max_tokens,
                              stop=self.stop_list(), priority=self.priority, cache_salt=self.cache_salt,
+                             prompt_cache_key=self.prompt_cache_key, cache_implicit=self.cache_implicit,
                              extensions=extensions, n=self.n, logprobs=logprobs,
                              speculation=typed.Speculation(prediction, switches.prompt_lookup, switches.draft))
 
@@ -312,7 +351,7 @@ class ChatCompletionRequest(_SamplingFields):
         return typed.ChatRequest(
             self.to_options(self.max_completion_tokens or self.max_tokens, self.extensions, logprobs,
                             self.prediction.text() if self.prediction is not None else None),
-            tuple(m.to_message(i) for i, m in enumerate(self.messages)),
+            tuple(m.to_message(i, self.prompt_cache_options) for i, m in enumerate(self.messages)),
             tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             output=self.response_format.to_output() if self.response_format else typed.OutputFormat(),
             thinking=self.thinking_requested(), reasoning_effort=self.reasoning_effort,

@@ -56,7 +56,8 @@ from app.pipeline.results import (
 
 def usage_dict(u: Usage) -> dict[str, Any]:
     """The Responses API's usage object."""
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.total_tokens}
 

@@ -13,8 +13,10 @@ model sees them as ``<namespace>__<name>``, and calls come back split into
 ``namespace`` and ``name``). Every other tool type (``web_search``, ``custom``,
 ``file_search``, ``mcp``, ...) is a tool OpenAI's servers run; this server
 cannot, and ignores them, so a client's usual tool list (Codex sends
-``web_search``) never fails a request. Unknown fields are accepted and ignored;
-``prompt_cache_key``, ``safety_identifier``, ``user``, ``service_tier`` and
+``web_search``) never fails a request. ``prompt_cache_key`` scopes the prefix cache as
+``cache_salt`` does (and is echoed), and ``prompt_cache_breakpoint`` on input_text and
+input_image parts marks what it should keep (``app.pipeline.breakpoints``). Unknown fields
+are accepted and ignored; ``safety_identifier``, ``user``, ``service_tier`` and
 ``max_tool_calls`` are read only to be echoed. ``metadata`` is echoed and stored with the
 response, within OpenAI's bounds: 16 keys, of at most 64 characters, with string
 values of at most 512.
@@ -36,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.api.openai.protocol import JsonArguments
+from app.api.openai.protocol import JsonArguments, PromptCacheBreakpoint, PromptCacheOptions, cache_mark
 from app.api.wire import UNSUPPORTED, JsonBool, Lenient, UnsupportedPart, part_tag
 from app.errors import InvalidRequestError
 from app.pipeline import request as typed
@@ -73,6 +75,7 @@ def flat_name(namespace: str | None, name: str) -> str:
 class TextContent(Lenient):
     type: Literal["input_text", "output_text", "text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ImageContent(Lenient):
@@ -80,6 +83,7 @@ class ImageContent(Lenient):
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class FileContent(Lenient):
@@ -281,19 +285,21 @@ class ResponsesRequest(Lenient):
     background: JsonBool | None = None
     conversation: Any = None
     prompt: Any = None
-    # Echoed in the response, as OpenAI's are; none changes how it is served. max_tool_calls
-    # bounds calls to built-in tools, and this server runs none; every request is served at
-    # the one service tier there is ("default").
+    # Echoed in the response, as OpenAI's are; none but prompt_cache_key (the prefix cache's
+    # scope, below) changes how it is served. max_tool_calls bounds calls to built-in tools,
+    # and this server runs none; every request is served at the one service tier there is.
     max_tool_calls: int | None = Field(default=None, ge=1)
     service_tier: str | None = None
     safety_identifier: str | None = Field(default=None, max_length=64)
-    prompt_cache_key: str | None = Field(default=None, max_length=512)
     user: str | None = Field(default=None, max_length=512)
     # Tandem extensions, as on chat completions.
     priority: Literal["interactive", "background"] = "interactive"
     extensions: JsonBool = False
     # vLLM's, as on chat completions: requests with different salts never share cached prefixes.
     cache_salt: str | None = None
+    # OpenAI's: scopes cached prefixes as cache_salt does; and the breakpoints' mode and TTL.
+    prompt_cache_key: str | None = Field(default=None, max_length=512)
+    prompt_cache_options: PromptCacheOptions | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -365,7 +371,7 @@ class ResponsesRequest(Lenient):
         """This body, after the stored conversation ``history``, as the pipeline's typed request."""
         items = [("previous_response_id", i) for i in INPUT_ITEMS.validate_python(history)]
         items += [(f"input[{n}]", i) for n, i in enumerate(self.input)]
-        messages = to_messages(items)
+        messages = to_messages(items, self.prompt_cache_options)
         if not messages:
             raise InvalidRequestError("input: give at least one input item (or a previous_response_id)",
                                       param="input")
@@ -374,8 +380,10 @@ class ResponsesRequest(Lenient):
         choice, tools = tool_choice(self.tool_choice, self.served_tools())
         sampling = typed.Sampling(temperature=self.temperature, top_p=self.top_p,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        implicit = self.prompt_cache_options is None or self.prompt_cache_options.mode == "implicit"
         options = typed.Options(self.model, sampling, self.max_output_tokens, max_tokens_param="max_output_tokens",
                                 priority=self.priority, extensions=self.extensions, cache_salt=self.cache_salt,
+                                prompt_cache_key=self.prompt_cache_key, cache_implicit=implicit,
                                 logprobs=(self.top_logprobs or 0) if self.with_logprobs else None)
         return typed.ChatRequest(options, tuple(messages), tools=tools, tool_choice=choice,
                                  parallel_tool_calls=self.parallel_tool_calls,
@@ -425,8 +433,9 @@ class _Turn:
                              param=self.param)
 
 
-def to_messages(items: list[tuple[str, Any]]) -> list[typed.Message]:
-    """Input items (each with where it sits, for errors) as typed messages."""
+def to_messages(items: list[tuple[str, Any]], cache: PromptCacheOptions | None = None) -> list[typed.Message]:
+    """Input items (each with where it sits, for errors) as typed messages; ``cache``: the
+    request's prompt_cache_options, its breakpoints' default TTL."""
     out: list[typed.Message] = []
     turn: _Turn | None = None
     for where, item in items:
@@ -438,33 +447,34 @@ def to_messages(items: list[tuple[str, Any]]) -> list[typed.Message]:
             elif isinstance(item, FunctionCallItem):
                 turn.calls.append(typed.ToolCall(item.call_id, flat_name(item.namespace, item.name), item.arguments))
             else:
-                turn.parts += _parts(item.content, where)
+                turn.parts += _parts(item.content, where, cache)
             continue
         if turn is not None:
             out.append(turn.message())
             turn = None
         if isinstance(item, FunctionCallOutputItem):
-            out.append(typed.Message("tool", tuple(_parts(item.output, f"{where}.output")),
+            out.append(typed.Message("tool", tuple(_parts(item.output, f"{where}.output", cache)),
                                      tool_call_id=item.call_id, param=where))
         else:
             role: typed.Role = "user" if item.role == "user" else "system"
-            out.append(typed.Message(role, tuple(_parts(item.content, f"{where}.content")), param=where))
+            out.append(typed.Message(role, tuple(_parts(item.content, f"{where}.content", cache)), param=where))
     if turn is not None:
         out.append(turn.message())
     return out
 
 
-def _parts(content: list[Any], where: str) -> list[typed.Part]:
+def _parts(content: list[Any], where: str, cache: PromptCacheOptions | None = None) -> list[typed.Part]:
     parts: list[typed.Part] = []
     for j, p in enumerate(content):
         at = f"{where}[{j}]"
         if isinstance(p, TextContent):
-            parts.append(typed.TextPart(p.text))
+            parts.append(typed.TextPart(p.text, cache_mark(p.prompt_cache_breakpoint, cache)))
         elif isinstance(p, RefusalContent):
             parts.append(typed.TextPart(p.refusal))
         elif isinstance(p, ImageContent) and p.image_url:
             detail = p.detail if p.detail in ("auto", "low", "high") else None  # "original" and newer: the default
-            parts.append(typed.ImagePart(p.image_url, f"{at}.image_url", detail))
+            mark = cache_mark(p.prompt_cache_breakpoint, cache)
+            parts.append(typed.ImagePart(p.image_url, f"{at}.image_url", detail, mark))
         elif isinstance(p, ImageContent):
             raise InvalidRequestError(f"{at}: an input_image needs image_url (a data: URL); file_id needs the "
                                       "Files API, which this server does not have", param=at)

@@ -52,6 +52,11 @@ _QUIET = ("/ui", "/health", "/metrics", "/docs")
 T = TypeVar("T")
 
 
+def _ttft(record: GenerationRecord) -> float | None:
+    """A generation's time to first token; None for a scored prompt (a decision's), which has none."""
+    return None if record.outcome == "scored" else record.ttft_s
+
+
 @dataclass
 class RequestRow:
     """One request as the Requests panel lists it; the generation's fields fill in when it ends."""
@@ -100,12 +105,14 @@ class Activity:
             self._ended.append(record)
             row = self._row(record.request_id or f"gen-{id(record)}", time.time() - record.total_s)
             row.model, row.outcome = record.model, record.outcome
-            # n > 1 choices are several generations of one request: their tokens add up.
+            # n > 1 choices are several generations of one request, a decision's questions several
+            # scored prompts (outcome "scored", no first token): their tokens add up.
             row.prompt_tokens += record.prompt_tokens
             row.cached_tokens += record.cached_tokens
             row.completion_tokens += record.completion_tokens
-            if record.ttft_s is not None and (row.ttft_s is None or record.ttft_s < row.ttft_s):
-                row.ttft_s = record.ttft_s
+            ttft = _ttft(record)
+            if ttft is not None and (row.ttft_s is None or ttft < row.ttft_s):
+                row.ttft_s = ttft
             self.version += 1
 
     def _row(self, rid: str, started: float) -> RequestRow:
@@ -181,7 +188,7 @@ class Activity:
             mine = [r for r in ended if r.model == name]
             gaps = sum(sum(r.token_gaps_s) for r in mine)
             tokens = sum(len(r.token_gaps_s) for r in mine)
-            ttfts = [r.ttft_s for r in mine if r.ttft_s is not None]
+            ttfts = [t for r in mine if (t := _ttft(r)) is not None]
             row = per_model.setdefault(name, {"running": 0, "waiting": 0, "kv_used_mb": 0.0})
             row["tok_s"] = round(tokens / gaps, 2) if gaps > 0 else None
             row["ttft_s"] = round(sum(ttfts) / len(ttfts), 4) if ttfts else None

@@ -16,9 +16,11 @@ wide as the widest. It reserves what it holds now plus its next allocation step
 its width, and the engine grows that before every step (``resize``). The running
 set's footprint is
 
-    rows x (widest reservation + KV_STEP - 1) tokens       (``Admission.footprint``)
+    rows x cost(widest reservation + KV_STEP - 1)         (``Admission.footprint``)
 
-rows counting running and paused sequences. The prefix cache's entries (their
+rows counting running and paused sequences, in bytes: ``cost`` is what one row that
+wide holds, layer by layer (``app.engine.kv.geometry``: full-attention layers by tokens,
+sliding windows capped at their window, recurrent states a constant per row). The prefix cache's entries (their
 own exact-size copies) live in the same budget (``mem``): when a waiting request
 does not fit, cached prefixes are evicted first. When the rows' growth does not
 fit either, the engine pauses the lowest-priority row (``victim``): its KV goes to
@@ -83,18 +85,22 @@ class Waiting(Generic[T]):
 
 
 class Admission(Generic[T]):
-    """Tracks the reserved rows (by width) and the queue of requests waiting for room."""
+    """Tracks the reserved rows (by width) and the queue of requests waiting for room; the
+    budget and every figure of memory are bytes, ``cost(width)`` being one row's (the
+    default, one byte a token, lets a test count in tokens)."""
 
     def __init__(
         self,
-        budget_tokens: int,
+        budget_bytes: int,
         max_seqs: int,
         max_queue: int,
         queue_timeout_s: float,
         starvation_s: float = 5.0,
         step: int = KV_STEP,
+        cost: Callable[[int], int] = lambda width: width,
     ) -> None:
-        self.budget_tokens = budget_tokens
+        self.budget_bytes = budget_bytes
+        self.cost = cost
         self.max_seqs = max_seqs
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
@@ -106,22 +112,44 @@ class Admission(Generic[T]):
         self.waiting: deque[Waiting[T]] = deque()
 
     def footprint(self, *extra: int) -> int:
-        """Tokens of KV the reserved rows (and ``extra`` widths, as if admitted) can make
-        MLX hold: every row as wide as the widest, plus an allocation step not yet used."""
+        """Bytes of KV the reserved rows (and ``extra`` widths, as if admitted) can make MLX
+        hold: every row as wide as the widest, plus an allocation step not yet used."""
         rows = len(self._rows) + len(extra)
         if rows == 0:
             return 0
-        return rows * (max([*self._rows.values(), *extra]) + self.step - 1)
+        return rows * self.cost(max([*self._rows.values(), *extra]) + self.step - 1)
 
     @property
     def reserved(self) -> int:
-        """The footprint of what runs now, in tokens."""
+        """The footprint of what runs now, in bytes."""
         return self.footprint()
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The token columns the reserved rows hold room for (each row its own reservation)."""
+        return sum(self._rows.values())
+
+    @property
+    def budget_tokens(self) -> int:
+        """The widest row the budget holds alone (allocation step included)."""
+        return self._widest(self.budget_bytes)
 
     @property
     def max_sequence_tokens(self) -> int:
         """The longest prompt + max_tokens one sequence alone can have."""
         return max(0, self.budget_tokens - (self.step - 1))
+
+    def _widest(self, nbytes: int) -> int:
+        if self.cost(1) > nbytes:
+            return 0
+        lo, hi = 1, 1 << 31
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost(mid) <= nbytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def check(self, tokens: int, arriving: int = 0) -> None:
         """Refuse at once what could never run (``tokens`` is the sequence's width), or what
@@ -130,11 +158,12 @@ class Admission(Generic[T]):
         ``arriving`` counts requests submitted but not yet seen by the engine thread:
         they wait too, except those that free batch slots will take at once.
         """
-        if tokens + self.step - 1 > self.budget_tokens:
+        if self.cost(tokens + self.step - 1) > self.budget_bytes:
             raise ContextLengthError(
                 f"this request needs {tokens + self.step - 1} tokens of KV cache (prompt + max_tokens, "
                 f"prefill padding and the cache's {self.step}-token allocation step), more than this model's "
-                f"KV budget of {self.budget_tokens} tokens (raise `mem` in models.yaml or lower max_tokens)",
+                f"KV budget holds for one sequence ({self.max_sequence_tokens + self.step - 1} tokens; raise "
+                f"`mem` in models.yaml or lower max_tokens)",
                 param="max_tokens",
             )
         waiting = len(self.waiting) + arriving - max(0, self.max_seqs - self.running)
@@ -154,9 +183,9 @@ class Admission(Generic[T]):
         """What a reserved row reserves now (it grows as the row decodes)."""
         self._rows[item] = tokens
 
-    def over(self, cache_tokens: int) -> int:
-        """Tokens the reservations and ``cache_tokens`` of prefix cache exceed the budget by."""
-        return self.footprint() + cache_tokens - self.budget_tokens
+    def over(self, cache_bytes: int) -> int:
+        """Bytes the reservations and ``cache_bytes`` of prefix cache exceed the budget by."""
+        return self.footprint() + cache_bytes - self.budget_bytes
 
     def victim(self, keys: dict[T, tuple[int, int, float]]) -> T | None:
         """The row to pause when the reservations do not fit, of those ``keys`` names (item:
@@ -187,23 +216,32 @@ class Admission(Generic[T]):
 
     def interactive_fits(self) -> bool:
         """Whether an interactive request waits that the KV budget could take now."""
-        return any(w.rank == 0 and self.footprint(w.tokens) <= self.budget_tokens for w in self.waiting)
+        return any(w.rank == 0 and self.footprint(w.tokens) <= self.budget_bytes for w in self.waiting)
 
-    def expire(self, now: float | None = None) -> list[T]:
-        """Waiting requests past the queue timeout, removed from the queue."""
+    def expire(self, now: float | None = None, held: Callable[[T], bool] = lambda _: False) -> list[T]:
+        """Waiting requests past the queue timeout, removed from the queue; not those ``held``
+        (waiting, by the engine's choice, for a running row's work they will reuse): their
+        wait for memory starts when the hold ends (a decision's questions wait for its input's
+        prefill, which may take longer than the timeout, then run)."""
         now = time.monotonic() if now is None else now
+        for w in self.waiting:
+            if held(w.item):
+                w.since = now
         expired = [w for w in self.waiting if not w.paused and now - w.since > self.queue_timeout_s]
         for w in expired:
             self.waiting.remove(w)
         return [w.item for w in expired]
 
-    def admit(self, cache_tokens: int, evict: Callable[[int], int], *, background: bool = True,
-              limit: int | None = None) -> list[T]:
+    def admit(self, cache_bytes: int, evict: Callable[[int, T], int], *, background: bool = True,
+              limit: int | None = None, held: Callable[[T], bool] = lambda _: False) -> list[T]:
         """Pop every waiting request that fits now (at most ``limit``), evicting cache when that helps.
 
-        ``cache_tokens`` is what the prefix cache holds; ``evict(n)`` frees at
-        least ``n`` tokens of it if it can and returns the new cache size.
-        Interactive requests go first; ``background=False`` holds background ones back.
+        ``cache_bytes`` is what the prefix cache holds; ``evict(n, item)`` frees at
+        least ``n`` bytes of it if it can, to admit ``item``, and returns the new cache
+        size (the engine takes ``item``'s own cached prefix first: making room for a
+        request never evicts the prefix it is about to read).
+        Interactive requests go first; ``background=False`` holds background ones back, and
+        ``held`` any the engine holds back itself (they neither run nor block backfill).
         """
         admitted: list[T] = []
         queue = sorted(self.waiting, key=lambda w: w.rank)  # stable: FIFO within a rank
@@ -215,10 +253,12 @@ class Admission(Generic[T]):
                 break
             if w.rank and not background:
                 break
+            if held(w.item):
+                continue
             need = self.footprint(w.tokens)
-            if need + cache_tokens > self.budget_tokens and cache_tokens > 0 and need <= self.budget_tokens:
-                cache_tokens = evict(need + cache_tokens - self.budget_tokens)
-            if need + cache_tokens <= self.budget_tokens:
+            if need + cache_bytes > self.budget_bytes and cache_bytes > 0 and need <= self.budget_bytes:
+                cache_bytes = evict(need + cache_bytes - self.budget_bytes, w.item)
+            if need + cache_bytes <= self.budget_bytes:
                 self.waiting.remove(w)
                 self._rows[w.item] = w.tokens
                 self.running += 1

@@ -1,9 +1,9 @@
-"""What both batching engines share: a request's lifecycle around a batch generator.
+"""A request's lifecycle around a batch step, as the engine runs it.
 
-``TextEngine`` (``app.engine.batch.engine``, mlx-lm's BatchGenerator) and ``VlmEngine``
-(``app.engine.batch.vlm_engine``, mlx-vlm's) serve a request the same way; only how a
-sequence is started and what happens around a batch step differ. A request's way
-through, in either:
+``TextEngine`` (``app.engine.batch.engine``) serves text and image rows alike over Tandem's
+decode step (``app.engine.step``); this base holds what is not about the step: the inbox,
+admission, the running rows, the token path and the end of a request. A request's way
+through:
 
     stream(req)      the engine opens a ``Seq`` (``_open``: its KV width, its channel);
                      ``_submit`` checks the queue and puts it in the inbox; the handler
@@ -20,12 +20,11 @@ through, in either:
 One bad request fails alone; a failed batch step fails the requests in it and starts
 a fresh batch (``_fail_batch``), and the thread goes on.
 
-A base class rather than a helper object the engines hold: the shared part owns most
-of each engine's state (inbox, admission queue, running rows), and its loop and token
-path call back into engine steps at some ten points (start, drop a row, logprobs,
-prompt caching). As a helper, each of those would be a callback crossing the seam both
-ways; as hooks on one object they read in order, and each engine's module is what is
-its own.
+A base class rather than a helper object the engine holds: this part owns most of the
+engine's state (inbox, admission queue, running rows), and its loop and token path call
+back into the engine at some ten points (start, drop a row, logprobs, prompt caching). As
+a helper, each of those would be a callback crossing the seam both ways; as hooks on one
+object they read in order, and the engine's module holds only what is about the step.
 """
 
 from __future__ import annotations
@@ -40,18 +39,21 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.batch.admission import Admission, Waiting, busy_error
-from app.engine.batch.channel import OpenStreams, TokenChannel
-from app.engine.batch.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
-from app.engine.batch.sampling import reset_random_state, token_logprob
+from app.engine.batch.channel import OpenStreams, TokenChannel, deferred_wakes
 from app.engine.batch.stops import StopMatcher
-from app.engine.models.loader import KVGeometry
+from app.engine.kv.geometry import KVGeometry
 from app.engine.params import EngineParams
 from app.engine.prompt import PromptBuilder
+from app.engine.step import ScoreResponse
+from app.engine.step.reasoning import BudgetProcessor, ReasoningTracker, piece_reader
+from app.engine.step.sampling import reset_random_state, token_logprob
 from app.engine.types import (
+    SCORED,
     ConstraintProcessor,
     EngineStats,
     GenerationRecord,
     GenerationRequest,
+    ScoreResult,
     TokenDelta,
     TokenLogprob,
 )
@@ -91,6 +93,8 @@ class Seq:
     # Its prediction's tokens kept and refused so far (speculative decoding's Predicted Outputs).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Prompt tokens it wrote to the prefix cache at a cache breakpoint (``cache_write_tokens``).
+    cache_write_tokens: int = 0
 
     @property
     def background(self) -> bool:
@@ -139,9 +143,11 @@ class BatchingEngine(Generic[S, L]):
         self.loaded = loaded
         self.params = params
         self.tokenizer = loaded.tokenizer
+        # What one row holds, layer by layer (``app.engine.kv.geometry``).
+        self.geometry = loaded.kv
         self.admission: Admission[S] = Admission(
-            loaded.kv.budget_tokens(params.kv_mem_mb), params.max_num_seqs, params.max_queue,
-            params.queue_timeout_s, starvation_s=params.starvation_s,
+            params.kv_mem_mb * 2**20, params.max_num_seqs, params.max_queue,
+            params.queue_timeout_s, starvation_s=params.starvation_s, cost=self.geometry.row_bytes,
         )
         self._listeners: list[Listener] = []
         self._streams = OpenStreams(params.channel_max_pending)
@@ -152,7 +158,7 @@ class BatchingEngine(Generic[S, L]):
         self._running: dict[int, S] = {}
         self._accepting = True
         self._bg: Any = None
-        # Token id -> text, for reasoning markers (``app.engine.batch.reasoning``).
+        # Token id -> text, for reasoning markers (``app.engine.step.reasoning``).
         self._piece = piece_reader(self.tokenizer)
 
     # ---- called from the event loop -------------------------------------------------
@@ -239,8 +245,11 @@ class BatchingEngine(Generic[S, L]):
             active=len(self._running),
             waiting=len(self.admission.waiting) + len(self._inbox),
             kv_budget_tokens=self.admission.budget_tokens,
-            kv_reserved_tokens=self.admission.reserved,
+            kv_reserved_tokens=self.admission.reserved_tokens,
             prompt_cache_bytes=0,
+            kv_budget_bytes=self.admission.budget_bytes,
+            kv_reserved_bytes=self.admission.reserved,
+            kv_layers=self.geometry.summary(),
             kv_max_sequence_tokens=self.admission.max_sequence_tokens,
         )
 
@@ -312,6 +321,10 @@ class BatchingEngine(Generic[S, L]):
             return []
         return [BudgetProcessor(block, self._piece, prompt_len)]
 
+    def _held(self, seq: S) -> bool:
+        """Whether the engine holds a waiting ``seq`` back (it neither runs nor times out)."""
+        return False
+
     def _distribution(self, seq: S, r: Any) -> Any:
         """The log-probabilities ``r``'s token was drawn from (requests with logprobs only)."""
         raise NotImplementedError
@@ -337,10 +350,15 @@ class BatchingEngine(Generic[S, L]):
             return True
         self._on_batch_next(prompt_responses)
         self._on_prompt_progress(prompt_responses)
-        for r in gen_responses:
-            seq = self._running.get(r.uid)
-            if seq is not None:
-                self._on_token(seq, r)
+        with deferred_wakes():  # the event loop is woken once for the step's tokens, not once a stream
+            for r in gen_responses:
+                seq = self._running.get(r.uid)
+                if seq is None:
+                    continue
+                if isinstance(r, ScoreResponse):
+                    self._on_scored(seq, r)
+                else:
+                    self._on_token(seq, r)
         return True
 
     def _take_inbox(self) -> None:
@@ -370,16 +388,16 @@ class BatchingEngine(Generic[S, L]):
 
     def _expire_waiting(self) -> None:
         with self._lock:
-            expired = self.admission.expire()
+            expired = self.admission.expire(held=self._held)
             for_slot = self.admission.running >= self.admission.max_seqs
         for seq in expired:
             self._finish_with_error(seq, busy_error(time.monotonic() - seq.enqueued, for_slot))
 
-    def _admit(self, cache_tokens: int = 0, evict: Callable[[int], int] = lambda _: 0, *,
+    def _admit(self, cache_bytes: int = 0, evict: Callable[[int, S], int] = lambda n, _: 0, *,
                background: bool = True, limit: int | None = None) -> list[S]:
         """Waiting requests that fit now (``Admission.admit``), each now holding its reservation."""
         with self._lock:
-            admitted = self.admission.admit(cache_tokens, evict, background=background, limit=limit)
+            admitted = self.admission.admit(cache_bytes, evict, background=background, limit=limit, held=self._held)
         for seq in admitted:
             seq.holds = True
         return admitted
@@ -419,6 +437,16 @@ class BatchingEngine(Generic[S, L]):
             self._release(seq)
             self._finish_with_error(seq, EngineError(f"generation failed: {exc}"))
 
+    def _on_scored(self, seq: S, r: ScoreResponse) -> None:
+        """A score row's pass (``GenerationRequest.score``): its answer on its final delta,
+        nothing generated; the step has let the row go."""
+        delta = TokenDelta(finish_reason=SCORED, scores=ScoreResult(r.tail, r.next),
+                           prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                           cache_write_tokens=seq.cache_write_tokens)
+        self._release(seq)
+        self._end(seq, SCORED)
+        seq.channel.put(delta)
+
     @staticmethod
     def _time_token(seq: Seq) -> None:
         now = time.monotonic()
@@ -438,6 +466,7 @@ class BatchingEngine(Generic[S, L]):
             delta.reasoning_tokens = seq.reasoning.spent if seq.reasoning is not None else 0
             delta.accepted_prediction_tokens = seq.accepted_prediction_tokens
             delta.rejected_prediction_tokens = seq.rejected_prediction_tokens
+            delta.cache_write_tokens = seq.cache_write_tokens
             self._release(seq)
             self._end(seq, finish)
         seq.channel.put(delta)
@@ -491,6 +520,8 @@ class BatchingEngine(Generic[S, L]):
             self._finish_with_error(seq, err)
         self._running.clear()
         self._parked.clear()
+        # And any stream the thread held in no list when it died (admitted, being inserted).
+        self._streams.end_all(err)
 
     def _abort_all(self, exc: BaseException) -> None:
         self._take_inbox()

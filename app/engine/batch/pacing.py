@@ -1,13 +1,15 @@
-"""Prefill chunks sized by time, so decoding streams keep moving beside a long prompt.
+"""Prefill chunks sized by time, so no step outlasts its budget.
 
-mlx-lm's BatchGenerator runs, in each step, one token for every decoding row and then
-one chunk (``prefill_step_size`` tokens) of every prompt being prefilled. A stream that
-decodes beside a long prompt therefore waits a whole chunk per token: on a slow
-machine a 512-token chunk is tens of seconds. While rows decode, the chunk is sized so
-that the step stays within a time budget (``prefill_step_ms``): what the budget leaves
-after the decode, at the prefill rate measured on this model. With nothing decoding,
-nobody waits for the step, and the chunk is the configured cap (``prefill_chunk_size``),
-the most efficient size. Until a rate is measured the cap is used too.
+Each engine step runs one token for every decoding row and one chunk of every prompt
+being prefilled. A stream that decodes beside a long prompt waits a whole chunk per
+token, and a request that arrives waits for the step in progress before it is even
+admitted: on a slow machine a 512-token chunk is tens of seconds. So every step is
+sized to a time budget (``prefill_step_ms``), decoding rows or not: the chunk is what
+the budget leaves after the decode, at the prefill rate measured on this model, shared
+by the prompts in the step. A step then ends within about its budget, and what waits
+between steps (admission, cancellations, queue deadlines, shutdown) waits no longer.
+Until a rate is measured the chunk is small (``FIRST_CHUNK``), which measures it; a
+budget of 0 turns pacing off (every chunk the cap, ``prefill_chunk_size``).
 
 Both rates are measured from recent steps, per model (each engine has its own pacer):
 a step with no prefill gives the decode time, a step with prefill gives seconds per
@@ -18,8 +20,10 @@ step, tests feed it numbers.
 
 from __future__ import annotations
 
-# The smallest chunk while rows decode: a prompt keeps moving however slow the decode is.
-MIN_CHUNK = 16
+# The smallest chunk: a prompt keeps moving however slow the step is.
+MIN_CHUNK = 1
+# The chunk of a model's first prefill steps, before a rate is measured.
+FIRST_CHUNK = 64
 # Weight of the newest step in the moving averages.
 SMOOTHING = 0.3
 
@@ -42,9 +46,11 @@ class PrefillPacer:
     def chunk(self, *, decoding: bool, prompts: int = 1) -> int:
         """The chunk for the next step: ``prompts`` are prefilled in it, each by this many
         tokens, beside decoding rows or not."""
-        if not decoding or self.budget_s <= 0 or not self.prefill_s_per_token:
+        if self.budget_s <= 0:
             return self.cap
-        left = self.budget_s - (self.decode_s or 0.0)
+        if not self.prefill_s_per_token:
+            return min(self.cap, FIRST_CHUNK)
+        left = self.budget_s - ((self.decode_s or 0.0) if decoding else 0.0)
         n = int(left / (self.prefill_s_per_token * max(1, prompts)))
         return max(min(MIN_CHUNK, self.cap), min(self.cap, n))
 

@@ -26,14 +26,21 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
-from app.engine.mlx_internals import vlm_blank_features, vlm_encode_images, vlm_feature_rows, vlm_input_embeddings
-from app.engine.prompt import PromptImage
+from app.engine.mlx_internals import (
+    vlm_blank_features,
+    vlm_embedding_features,
+    vlm_encode_images,
+    vlm_feature_rows,
+)
+from app.engine.models.vlm_forward import row_inputs
+from app.engine.prompt import MultimodalPrompt, Prompt, PromptImage
+from app.engine.step.rows import RowInputs
 from app.engine.types import CacheTierStats
 
 
@@ -96,22 +103,54 @@ def feature_key(scope: str, image: PromptImage, grid: Sequence[int], max_pixels:
     return "\x00".join((scope, image.digest, f"{max_pixels}/{min_pixels}", "x".join(map(str, grid))))
 
 
-def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,
-                     scope: str, max_pixels: int, min_pixels: int, *, cached_tokens: int = 0) -> dict[str, Any]:
-    """``vlm_input_embeddings`` for one prompt, each image's features from ``cache`` when
-    it holds them, the rest through the vision tower (then kept). An image within the
-    first ``cached_tokens`` tokens, whose KV the prefix cache gave, needs none: blank rows
-    stand for it, and those tokens are never prefilled. MLX thread."""
+def prompt_row_inputs(model: Any, prompt: Prompt, cache: FeatureCache | None, scope: str, max_pixels: int,
+                      min_pixels: int, *, cached_tokens: int = 0) -> RowInputs | None:
+    """A native VLM's row for ``prompt`` in the decode step, from its ``cached_tokens`` on:
+    its embeddings (image features merged in, from ``cache`` where the model allows, as
+    ``image_features``) and the model's extras, cut where the cached prefix ends
+    (``vlm_forward.row_inputs``). None for a prompt without images: a text row, which the
+    forward call embeds and places itself as the model does a text prompt. MLX thread."""
+    if not isinstance(prompt, MultimodalPrompt):
+        return None
+    inputs = {"input_ids": mx.array([prompt.tokens]), **_grown(prompt.inputs, len(prompt.tokens))}
+    features = image_features(model, inputs, prompt.images, cache, scope, max_pixels, min_pixels, cached_tokens)
+    return row_inputs(vlm_embedding_features(model, inputs, features), cached_tokens)
+
+
+def _grown(inputs: Mapping[str, mx.array], n: int) -> dict[str, mx.array]:
+    """The processor's inputs for a prompt with text tokens after what it processed (a
+    decision's option read whole): its per-token arrays (those as long as its attention mask)
+    grown to ``n`` tokens as it gives them for text: the mask with ones, token types with zeros."""
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.ndim != 2 or mask.shape[1] >= n:
+        return dict(inputs)
+    m = mask.shape[1]
+    out = {}
+    for name, value in inputs.items():
+        if value.ndim == 2 and value.shape == (1, m):
+            fill = mx.ones if name == "attention_mask" else mx.zeros
+            value = mx.concatenate([value, fill((1, n - m), dtype=value.dtype)], axis=1)
+        out[name] = value
+    return out
+
+
+def image_features(model: Any, inputs: dict[str, Any], images: Sequence[PromptImage], cache: FeatureCache | None,
+                   scope: str, max_pixels: int, min_pixels: int, cached_tokens: int = 0) -> mx.array | None:
+    """Every image's rows of vision features, in order, for ``get_input_embeddings``'
+    ``cached_image_features``: from ``cache``, through the tower one image at a time (then
+    kept), or blank for an image inside the first ``cached_tokens``. None (the tower runs on
+    the whole prompt's images inside ``get_input_embeddings``) where the model cannot take
+    features image by image, or there is nothing to gain."""
     skip = any(img.start + img.length <= cached_tokens for img in images)
     rows = vlm_feature_rows(model, inputs) if (cache is not None or skip) and images else None
     if rows is None or len(rows) != len(images):
-        return vlm_input_embeddings(model, inputs)
+        return None
     grids = inputs["image_grid_thw"].tolist()
     keys = [feature_key(scope, img, grid, max_pixels, min_pixels) for img, grid in zip(images, grids, strict=True)]
     features: list[mx.array] = []
     for i, key in enumerate(keys):  # in order: an image twice in one prompt is encoded once
         if images[i].start + images[i].length <= cached_tokens:
-            features.append(vlm_blank_features(model, images[i].length))
+            features.append(vlm_blank_features(model, images[i].placeholders))
             continue
         found = cache.get(key) if cache is not None else None
         if found is None:  # one image at a time: each entry owns exactly its rows
@@ -124,5 +163,4 @@ def input_embeddings(model: Any, inputs: dict[str, Any], images: Sequence[Prompt
                 cache.encoded += 1
                 cache.put(key, found)
         features.append(found)
-    merged = mx.concatenate(features, axis=0)
-    return vlm_input_embeddings(model, inputs, merged)
+    return mx.concatenate(features, axis=0)

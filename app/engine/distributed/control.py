@@ -1,6 +1,6 @@
 """The control channel between rank 0 and the other ranks: plain TCP, beside MLX's collectives.
 
-Rank 0 sends each batch step's decisions to every follower here (``app.engine.distributed.mirror``),
+Rank 0 sends each batch step's decisions to every follower here (``app.engine.step.mirror``),
 and pings them; followers answer the pings and report their own failure before they exit.
 Why not MLX collectives, as mlx_lm.server does: a rank waiting in a ring collective spins
 a core (the ring backend polls its sockets), so followers of an idle server would burn a

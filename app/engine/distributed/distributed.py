@@ -37,9 +37,9 @@ import mlx.core as mx
 
 from app.engine.batch.engine import TextEngine
 from app.engine.distributed.control import ControlClient, ControlError, ControlServer
-from app.engine.distributed.mirror import DesyncError, Follower, MirrorOps
 from app.engine.distributed.sharding import load_shard
 from app.engine.params import ModelSpec
+from app.engine.step.mirror import DesyncError, Follower, MirrorOps
 from app.engine.worker import MLXWorker
 from app.errors import ConfigError, EngineDeadError
 

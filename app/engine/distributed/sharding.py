@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from app.engine.mlx_internals import sharded_load, sharding_support
 from app.engine.models.loader import (
     LoadedModel,
-    activation_dtype,
     apply_params,
-    kv_geometry,
     loaded_model,
+    model_geometry,
     model_source,
 )
 from app.engine.params import LoadParams, ModelSource
@@ -102,11 +100,9 @@ def load_shard(entry: ModelSource, params: LoadParams, world_size: int) -> Loade
     except ValueError as exc:
         raise ConfigError(f"model {entry.name!r}: cannot shard {source}: {exc}") from exc
     apply_params(model, params)
-    kv = kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
-    if pipeline:  # this rank's layers only (rank 0 holds the most: the low ranks take the extra ones)
-        kv = replace(kv, layers=len(model.layers))
-    else:  # every rank holds kv_heads / world_size of each layer's heads
-        kv = replace(kv, kv_heads=kv.kv_heads // world_size)
+    # This rank's own part, read off its shard's cache: pipeline, its layers only (rank 0 holds
+    # the most: the low ranks take the extra ones); tensor parallel, its share of each layer's heads.
+    kv = model_geometry(model, params.kv_cache_bits)
     loaded = loaded_model(entry, params, source, model, tokenizer, config, kv)
     log.info("model %s: this rank's %s shard: %.0f MB of weights, KV %d bytes/token", entry.name,
              params.distributed, loaded.weights_bytes / 2**20, kv.bytes_per_token)

@@ -30,12 +30,14 @@ import stat
 import struct
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from io import RawIOBase
 from pathlib import Path
 
-FORMAT = "tandem-kv/1"
+# Version 2: every cache kind (rotating windows, recurrent state, lists) and checkpoints; files
+# of version 1 are ignored (another identity, and refused by their format).
+FORMAT = "tandem-kv/2"
 TMP_PREFIX = ".tmp-"
 # safetensors dtype names -> bytes per element.
 ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
@@ -123,53 +125,36 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_file(path: Path, expected: dict[str, tuple[str, tuple[int, ...]]] | None = None
+# What a file must hold: name -> (dtype, shape), or a function of its metadata that says so
+# (a file's checkpoints, named in its metadata, add tensors).
+Expected = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def read_file(path: Path, expected: Expected | Callable[[dict[str, str]], Expected] | None = None
               ) -> tuple[dict[str, str], dict[str, Tensor]]:
-    """The metadata and tensors of an intact file; with ``expected`` (name -> dtype, shape),
-    only a file that holds exactly those tensors.
+    """The metadata and tensors of an intact file; with ``expected`` (name -> dtype, shape, or a
+    function of the file's metadata that gives them), only a file that holds exactly those tensors.
 
     Only a regular file is opened, never through a symbolic link, and without blocking (a FIFO
     in its place is refused, not waited on); its size must be the one its header describes, and
     its tensors the expected ones, before its data is read. Raises FileNotFoundError when it is
-    gone (evicted meanwhile), DamagedFileError when it is anything else than what is asked for.
+    gone (evicted meanwhile), DamagedFileError when it is anything else than what is asked for
+    (``expected`` may raise it too, for metadata it cannot read).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise DamagedFileError("a symbolic link, not a file") from exc
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DamagedFileError("not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        if st.st_size < 8:
-            raise DamagedFileError("shorter than a header")
-        (n,) = struct.unpack("<Q", _read_exact(f, 8))
-        if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
-            raise DamagedFileError(f"header length {n} does not fit a file of {st.st_size} bytes")
-        try:
-            header = json.loads(_read_exact(f, n))
-            meta = header["__metadata__"]
-            crc = meta.pop("crc32")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise DamagedFileError(f"unreadable header ({exc})") from exc
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise DamagedFileError(f"not a {FORMAT} file")
+    with _open_regular(path) as f:
+        size_on_disk = os.fstat(f.fileno()).st_size
+        n, header, meta, crc = _read_header(f, size_on_disk)
         table = _table(header)
         size = table[-1][4] if table else 0
-        if 8 + n + size != st.st_size:
-            raise DamagedFileError(f"{st.st_size - 8 - n} data bytes, the header describes {size}")
+        if 8 + n + size != size_on_disk:
+            raise DamagedFileError(f"{size_on_disk - 8 - n} data bytes, the header describes {size}")
         if expected is not None:
+            want = expected(meta) if callable(expected) else expected
             found = {name: (dtype, shape) for name, dtype, shape, _, _ in table}
-            if found != expected:
-                wrong = sorted(k for k in found.keys() | expected.keys() if found.get(k) != expected.get(k))
+            if found != want:
+                wrong = sorted(k for k in found.keys() | want.keys() if found.get(k) != want.get(k))
                 raise DamagedFileError(f"not this model's KV (tensor {wrong[0]}: {found.get(wrong[0])}, "
-                                       f"expected {expected.get(wrong[0])})")
+                                       f"expected {want.get(wrong[0])})")
         data = memoryview(_read_exact(f, size))
     tensors = {name: Tensor(name, dtype, shape, data[begin:end]) for name, dtype, shape, begin, end in table}
     check = zlib.crc32(_canonical(header))
@@ -178,6 +163,52 @@ def read_file(path: Path, expected: dict[str, tuple[str, tuple[int, ...]]] | Non
     if f"{check:08x}" != crc:
         raise DamagedFileError("checksum mismatch")
     return meta, tensors
+
+
+def read_meta(path: Path) -> dict[str, str]:
+    """A file's metadata, from its header alone (what the disk tier's index needs at start-up);
+    nothing in it is trusted until ``read_file`` has checked the whole file. Opened as
+    ``read_file`` opens it; raises as it does."""
+    with _open_regular(path) as f:
+        return _read_header(f, os.fstat(f.fileno()).st_size)[2]
+
+
+def _open_regular(path: Path) -> RawIOBase:
+    """``path`` opened for reading only when it is a regular file: never through a symbolic link,
+    never blocking (a FIFO in its place is refused, not waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DamagedFileError("a symbolic link, not a file") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DamagedFileError("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _read_header(f: RawIOBase, size: int) -> tuple[int, dict, dict[str, str], str]:
+    """(header length, header, metadata without its CRC, the CRC) of a Tandem KV file of ``size`` bytes."""
+    if size < 8:
+        raise DamagedFileError("shorter than a header")
+    (n,) = struct.unpack("<Q", _read_exact(f, 8))
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise DamagedFileError(f"header length {n} does not fit a file of {size} bytes")
+    try:
+        header = json.loads(_read_exact(f, n))
+        meta = header["__metadata__"]
+        crc = meta.pop("crc32")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DamagedFileError(f"unreadable header ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DamagedFileError(f"not a {FORMAT} file")
+    if not all(isinstance(v, str) for v in meta.values()) or not isinstance(crc, str):
+        raise DamagedFileError("metadata that is not text")
+    return n, header, meta, crc
 
 
 def _read_exact(f: RawIOBase, size: int) -> bytes:

@@ -1,7 +1,7 @@
-"""A quantized KV cache that mlx-lm's BatchGenerator can batch.
+"""A quantized KV cache that the decode step can batch.
 
-mlx-lm ships ``QuantizedKVCache`` for one sequence only: BatchGenerator merges
-per-sequence caches into a batch cache (``cache.merge``), pads, filters,
+mlx-lm ships ``QuantizedKVCache`` for one sequence only: the step (``app.engine.step``)
+merges per-sequence caches into a batch cache (``cache.merge``), pads, filters,
 extends and extracts it, and QuantizedKVCache has no batched counterpart. This
 module adds the two halves:
 
@@ -18,13 +18,14 @@ batch neighbours. Both caches carry ``bits`` and ``group_size``, which is how
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from app.engine.mlx_internals import (
-    KVCache,
+    CacheList,
     QuantizedKVCache,
     _BaseCache,
     create_causal_mask,
@@ -37,24 +38,57 @@ from app.errors import ConfigError
 Quantized = tuple[Any, ...]
 
 
-def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int = 64) -> list[SeqQuantizedKVCache]:
-    """One empty quantized cache per layer, for models whose layers all use a plain KVCache."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {KVCache.__name__}:
-        raise ConfigError(
-            f"kv_cache_bits needs a model whose every layer uses a plain KV cache; this one uses "
-            f"{', '.join(sorted(kinds))}"
-        )
-    return [SeqQuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int = 64, *,
+                                plain: bool = False) -> list[Any]:
+    """The model's own cache (``make_prompt_cache``) with every plain KV layer quantized; its
+    other layers (sliding windows, recurrent state) as they are. ``plain``: the model's
+    attention reads plain K/V only (``quantized_attention``), so its quantized layers hand K/V
+    back dequantized. Raises ConfigError for a model that keeps no plain KV layer."""
+    return quantize_caches(make_prompt_cache(model), bits, group_size, plain=plain)
 
 
-def check_quantizable(model: nn.Module, head_dim: int, bits: int, group_size: int = 64) -> None:
-    """Raise ConfigError when this model's KV cannot be quantized at ``group_size``."""
-    make_quantized_prompt_cache(model, bits, group_size)
-    if head_dim % group_size:
-        raise ConfigError(
-            f"kv_cache_bits needs head_dim divisible by {group_size}; this model's head_dim is {head_dim}"
-        )
+def quantize_caches(caches: list[Any], bits: int, group_size: int = 64, *, plain: bool = False) -> list[Any]:
+    """A model's fresh caches with every plain KV layer quantized (see ``make_quantized_prompt_cache``)."""
+    cache = [_quantized(c, bits, group_size, plain) for c in caches]
+    if not any(_has_quantized(c) for c in cache):
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise ConfigError(f"kv_cache_bits quantizes plain KV layers; this model has none (its layers keep "
+                          f"{', '.join(kinds)})")
+    return cache
+
+
+def _quantized(cache: Any, bits: int, group_size: int, plain: bool) -> Any:
+    if type(cache).__name__ == "KVCache":
+        kind = SeqDequantizedKVCache if plain else SeqQuantizedKVCache
+        return kind(group_size=group_size, bits=bits)
+    if type(cache).__name__ == "CacheList":
+        return type(cache)(*(_quantized(c, bits, group_size, plain) for c in cache.caches))
+    return cache
+
+
+def _has_quantized(cache: Any) -> bool:
+    if isinstance(cache, CacheList) or type(cache).__name__ == "CacheList":
+        return any(_has_quantized(c) for c in cache.caches)
+    return isinstance(cache, SeqQuantizedKVCache)
+
+
+def quantized_attention(run: Callable[[list[Any]], Any], make: Callable[[bool], list[Any]], bits: int,
+                        group_size: int) -> bool:
+    """How a model's attention takes quantized KV, found by one token through it (``run(cache)``
+    with ``make(plain)``'s caches): False when it reads the quantized K/V (mlx-lm's quantized
+    attention: the memory and the bandwidth both saved); True when it reads plain K/V only
+    (attention sinks, gpt-oss; an attention calling MLX's fused kernel itself, Gemma 4): its
+    KV is then kept quantized and handed back dequantized each step (the memory saved, not the
+    bandwidth). Raises ConfigError when neither runs (a head_dim the group does not divide)."""
+    errors = []
+    for plain in (False, True):
+        try:
+            mx.eval(run([type(c).merge([c]) if hasattr(type(c), "merge") else c for c in make(plain)]))
+            return plain
+        except Exception as exc:  # noqa: BLE001 - what the model's attention refuses, said as config
+            errors.append(exc)
+    raise ConfigError(f"kv_cache_bits={bits} needs every attention layer's head_dim divisible by {group_size} "
+                      f"(the quantization group): {errors[-1]}") from errors[-1]
 
 
 class SeqQuantizedKVCache(QuantizedKVCache):
@@ -70,6 +104,16 @@ class SeqQuantizedKVCache(QuantizedKVCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else super().nbytes
+
+
+class SeqDequantizedKVCache(SeqQuantizedKVCache):
+    """One sequence's quantized KV for a model whose attention reads plain K/V only
+    (``quantized_attention``): batched, it hands K/V back dequantized (``BatchDequantizedKVCache``).
+    Never given to a model itself: the decode step batches every row."""
+
+    @classmethod
+    def merge(cls, caches: list[SeqQuantizedKVCache]) -> BatchQuantizedKVCache:
+        return BatchDequantizedKVCache.merge(caches)
 
 
 def _as_int(scalar: mx.array) -> int:
@@ -95,27 +139,34 @@ class BatchQuantizedKVCache(_BaseCache):
     """BatchKVCache with K/V quantized: left-padded rows sharing one write index."""
 
     step = 256
+    # What a row extracted from it is.
+    seq_class: type[SeqQuantizedKVCache] = SeqQuantizedKVCache
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
         self.keys: Any = None
         self.values: Any = None
         self.group_size = group_size
-        self.bits = bits
+        self.kv_bits = bits
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
         self._idx = 0
         self._right_padding: mx.array | None = None
 
+    # mlx-lm's attention takes its quantized path for a cache with ``bits``.
+    @property
+    def bits(self) -> int:
+        return self.kv_bits
+
     def _quantize(self, x: mx.array) -> Quantized:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.kv_bits))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
         B, H, N, Dk = keys.shape
         prev = self._idx
         if self.keys is None or prev + N > self.keys[0].shape[2]:
             grow = (self.step + N - 1) // self.step * self.step
-            new_k = _empty_quantized(B, H, grow, Dk, keys.dtype, self.group_size, self.bits)
-            new_v = _empty_quantized(B, H, grow, values.shape[3], values.dtype, self.group_size, self.bits)
+            new_k = _empty_quantized(B, H, grow, Dk, keys.dtype, self.group_size, self.kv_bits)
+            new_v = _empty_quantized(B, H, grow, values.shape[3], values.dtype, self.group_size, self.kv_bits)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -225,7 +276,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def extract(self, idx: int) -> SeqQuantizedKVCache:
         """Row ``idx`` as a standalone cache, without its padding."""
-        cache = SeqQuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        cache = self.seq_class(group_size=self.group_size, bits=self.kv_bits)
         start = _as_int(self.left_padding[idx])
         row = lambda q: tuple(mx.contiguous(x[idx : idx + 1, :, start : self._idx]) for x in q)  # noqa: E731
         cache.keys, cache.values = row(self.keys), row(self.values)  # type: ignore[assignment]
@@ -236,7 +287,7 @@ class BatchQuantizedKVCache(_BaseCache):
     def merge(cls, caches: list[SeqQuantizedKVCache]) -> BatchQuantizedKVCache:
         """One batch cache from per-sequence ones, left-padded to the longest."""
         group_size, bits = caches[0].group_size, caches[0].bits
-        if any((c.group_size, c.bits) != (group_size, bits) for c in caches):
+        if any((c.group_size, c.bits) != (group_size, bits) for c in caches):  # per sequence: bits shown
             raise ValueError("cannot batch quantized KV caches with different bits or group sizes")
         lengths = [c.size() for c in caches]
         longest = max(lengths)
@@ -266,3 +317,21 @@ class BatchQuantizedKVCache(_BaseCache):
         if self.keys is None:
             return 0
         return sum(x.nbytes for x in self.keys + self.values)
+
+
+class BatchDequantizedKVCache(BatchQuantizedKVCache):
+    """A batch of quantized KV that hands K/V back dequantized, for an attention that reads
+    plain K/V only (``quantized_attention``): it shows no ``bits``, so mlx-lm's attention
+    takes its plain path, and every step dequantizes what the rows hold."""
+
+    seq_class = SeqDequantizedKVCache
+
+    @property
+    def bits(self) -> int:
+        raise AttributeError("bits")  # hidden: the attention reads the plain K/V this returns
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        qk, qv = super().update_and_fetch(keys, values)
+        g, b = self.group_size, self.kv_bits
+        return (mx.dequantize(qk[0], qk[1], qk[2], group_size=g, bits=b),
+                mx.dequantize(qv[0], qv[1], qv[2], group_size=g, bits=b))

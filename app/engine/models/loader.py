@@ -5,8 +5,9 @@ The mapping, one line each:
 - ``quantization`` -> ``nn.quantize`` at load (weights already quantized are left alone);
 - ``kv_cache_bits`` -> K/V stored quantized (``kv_quant``), bits/8 bytes per element
                       plus a scale and a bias per group of ``KV_GROUP_SIZE``;
-- ``mem`` (``EngineParams.kv_mem_mb``) -> a KV budget in tokens: layers x kv_heads x
-  head_dim x 2 (K and V) x bytes per element (``KVGeometry``).
+- ``mem`` (``EngineParams.kv_mem_mb``) -> the KV budget in bytes, which admission fills
+  by what each layer of a row really holds (``KVGeometry``, read off the model's cache:
+  full attention by tokens, sliding windows to their size, recurrent state per row).
 Must run on the MLX-owner thread.
 """
 
@@ -21,6 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from app.engine.kv.geometry import KVGeometry, probe_geometry
+from app.engine.kv.layers import batched
+from app.engine.mlx_internals import make_prompt_cache
 from app.engine.models.progress import LoadProgress
 from app.engine.params import LoadParams, ModelSource
 from app.errors import ConfigError
@@ -48,8 +52,8 @@ def model_source(entry: ModelSource, role: str = "chat", progress: LoadProgress 
             raise ConfigError(f"model {entry.name!r}: local_path {path} is not a directory")
         return str(path)
     if entry.weight_file:
-        from app.engine.models.demo_model import cache_root
         from app.engine.models.gguf import convert_gguf
+        from app.engine.paths import cache_root
 
         gguf = Path(entry.weight_file).expanduser()
         if not gguf.is_file():
@@ -65,24 +69,21 @@ def model_source(entry: ModelSource, role: str = "chat", progress: LoadProgress 
     return str(local_snapshot(entry.name, entry.hf_id, role, progress))
 
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """What one token of context costs in the KV cache."""
+def model_geometry(model: nn.Module, kv_bits: int | None, plain: bool = False) -> KVGeometry:
+    """The model's KV cost per layer (``app.engine.kv.geometry``), read off its own cache:
+    with ``kv_bits``, its plain KV layers quantized as the engine will keep them (``plain``:
+    handed back dequantized, ``kv_quant.quantized_attention``)."""
+    from app.engine.kv.kv_quant import make_quantized_prompt_cache
 
-    layers: int
-    kv_heads: int
-    head_dim: int
-    bytes_per_element: float
-
-    @property
-    def bytes_per_token(self) -> int:
-        return int(self.layers * self.kv_heads * self.head_dim * 2 * self.bytes_per_element)
-
-    def budget_tokens(self, mem_mb: int) -> int:
-        return (mem_mb * 1024 * 1024) // max(1, self.bytes_per_token)
+    make = (lambda: make_quantized_prompt_cache(model, kv_bits, KV_GROUP_SIZE, plain=plain)) if kv_bits else \
+        (lambda: make_prompt_cache(model))
+    # As the decode step gives them to the model: one-row batch caches (a quantized layer's is
+    # what hands a plain-attention model its K/V dequantized).
+    return probe_geometry(lambda: batched(make()), lambda tokens, cache: model(tokens, cache=cache))
 
 
-def _config_value(config: dict[str, Any], *keys: str) -> Any:
+def config_value(config: dict[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` in the config or its ``text_config``."""
     text = config.get("text_config", {})
     for key in keys:
         if key in config:
@@ -90,23 +91,6 @@ def _config_value(config: dict[str, Any], *keys: str) -> Any:
         if key in text:
             return text[key]
     return None
-
-
-def kv_geometry(config: dict[str, Any], activation_dtype: mx.Dtype, kv_bits: int | None) -> KVGeometry:
-    """KV geometry from a model config (llama-style field names)."""
-    layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _config_value(config, "num_attention_heads", "n_head")
-    kv_heads = _config_value(config, "num_key_value_heads") or heads
-    head_dim = _config_value(config, "head_dim")
-    if head_dim is None and heads:
-        head_dim = _config_value(config, "hidden_size") // heads
-    if not (layers and kv_heads and head_dim):
-        raise ConfigError("cannot size the KV cache: config lacks layers/heads/head_dim")
-    if kv_bits is None:
-        per_elem = float(activation_dtype.size)
-    else:  # packed codes, plus a scale and a bias (activation dtype) per group
-        per_elem = kv_bits / 8 + 2 * activation_dtype.size / KV_GROUP_SIZE
-    return KVGeometry(int(layers), int(kv_heads), int(head_dim), per_elem)
 
 
 def _is_quantized(model: nn.Module) -> bool:
@@ -162,6 +146,9 @@ class LoadedModel:
     # A digest of what this model's KV depends on (disk_cache.kv_identity): the prefix
     # cache's files are kept per identity, so they never feed another model.
     kv_identity: str = ""
+    # Quantized KV handed back dequantized: the model's attention reads plain K/V only
+    # (``kv_quant.quantized_attention``).
+    kv_plain_attention: bool = False
 
 
 # Bytes of weights evaluated per step of a sliced load: a running stream's longest
@@ -220,15 +207,22 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
                  config: dict[str, Any], kv: KVGeometry | None = None) -> LoadedModel:
     """A loaded (and evaluated) model as the engine takes it; ``kv`` overrides the geometry
     read from the config (a shard holds part of the KV)."""
-    kv = kv or kv_geometry(config, activation_dtype(model), params.kv_cache_bits)
-    if params.kv_cache_bits is not None:
-        from app.engine.kv.kv_quant import check_quantizable
+    plain = False
+    try:
+        if params.kv_cache_bits is not None:
+            from app.engine.kv.kv_quant import make_quantized_prompt_cache, quantized_attention
 
-        try:
-            check_quantizable(model, kv.head_dim, params.kv_cache_bits, KV_GROUP_SIZE)
-        except ConfigError as exc:
-            raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
-    native_len = _config_value(config, "max_position_embeddings") or 4096
+            bits = params.kv_cache_bits
+            plain = quantized_attention(lambda cache: model(mx.array([[0]]), cache=cache),
+                                        lambda p: make_quantized_prompt_cache(model, bits, KV_GROUP_SIZE, plain=p),
+                                        bits, KV_GROUP_SIZE)
+            if plain:
+                log.info("model %s: its attention reads plain K/V only: its KV is kept at %d bits and dequantized "
+                         "for each step", entry.name, bits)
+        kv = kv or model_geometry(model, params.kv_cache_bits, plain)
+    except ConfigError as exc:
+        raise ConfigError(f"model {entry.name!r}: {exc.message}") from exc
+    native_len = config_value(config, "max_position_embeddings") or 4096
     max_len = min(params.max_model_len or native_len, native_len)
     from app.engine.kv.kv_snapshot import kv_identity
 
@@ -237,7 +231,8 @@ def loaded_model(entry: ModelSource, params: LoadParams, source: str, model: nn.
         "quantization_group_size": params.quantization_group_size, "kv_cache_bits": params.kv_cache_bits,
         "kv_group_size": KV_GROUP_SIZE})
     return LoadedModel(entry.name, model, tokenizer, config, kv, int(max_len), source, params.kv_cache_bits,
-                       weights_bytes=sum(a.nbytes for a in _arrays(model)), kv_identity=identity)
+                       weights_bytes=sum(a.nbytes for a in _arrays(model)), kv_identity=identity,
+                       kv_plain_attention=plain)
 
 
 def _arrays(model: nn.Module) -> list[Any]:

@@ -4,7 +4,7 @@ Decoding is bound by memory bandwidth: scoring k proposed tokens in one forward 
 costs about what producing one does (on a GPU or Metal; on a small CPU it does not,
 and the adaptive rule below keeps speculation from costing a row speed). Each
 decoding row of the batch may carry a ``Proposal``; the verify step
-(``app.engine.speculative.verify``, behind the private-API fence) scores every row's
+(``app.engine.step.verify``, part of Tandem's decode step) scores every row's
 proposal in one forward pass, keeps each row's longest accepted run plus the model's
 own next token, and rolls the rejected positions back out of the KV cache. Rows
 without a proposal decode as before in the same step.
@@ -18,8 +18,8 @@ Who proposes (``Drafter``), per model (models.yaml ``speculative``) and per requ
     draft           another chat model of models.yaml, run ahead k tokens (``draft_model``)
 
 The package: ``lookup`` (the prediction and prompt-lookup drafters), ``draft_model`` (a
-draft model), ``adaptive`` (how many tokens pay), ``verify`` (the verify step, mlx-lm's
-generation step owned), ``rows`` (the text engine's per-row drafters around each step).
+draft model), ``adaptive`` (how many tokens pay), ``rows`` (the text engine's per-row
+drafters around each step). The verify step is the decode step's (``app.engine.step.verify``).
 
 Exactness: at temperature 0 the output is token for token the output without
 speculation; with sampling, rejection sampling (accept a proposed token with
@@ -113,16 +113,6 @@ class DraftSource(Protocol):
     def open(self, prompt_tokens: Sequence[int], k: int) -> Drafter:
         """A Drafter for one row whose prompt is ``prompt_tokens``, asked for at most ``k``
         tokens a step. It may prefill the prompt now or on its first ``propose``."""
-
-
-@dataclass
-class DraftCounts:
-    """Proposed and accepted tokens, for one drafter of one model (/metrics, /health)."""
-
-    proposed: int = 0
-    accepted: int = 0
-    # Verify steps that carried this drafter's proposals.
-    steps: int = 0
 
 
 def resolve(proposal: Sequence[int]) -> tuple[int, ...]:

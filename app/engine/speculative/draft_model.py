@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from app.engine.mlx_internals import KVCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
-from app.engine.models.loader import LoadedModel, activation_dtype, kv_geometry
+from app.engine.models.loader import LoadedModel, model_geometry
 from app.engine.speculative import Proposal
 from app.errors import ConfigError
 
@@ -84,7 +84,7 @@ class DraftModelSource:
         self.draft_name = draft.name
         self.target_name = target.name
         # Its own KV, unquantized whatever its entry's kv_cache_bits (a row's draft cache is mlx-lm's plain one).
-        self.kv_bytes_per_token = kv_geometry(draft.config, activation_dtype(draft.model), None).bytes_per_token
+        self.kv_bytes_per_token = model_geometry(draft.model, None).bytes_per_token
         self.kv_allowance_bytes = 0  # set by ``budget``
         # Token ids the target knows: a draft's embedding may be padded past the tokenizer.
         self.vocab_size = len(target.tokenizer.get_vocab())

@@ -7,7 +7,7 @@
     before a step    ``propose``: for each decoding row, the adaptive rule (``adaptive``)
                      says how many tokens each drafter may propose; the first drafter that
                      has a proposal gives it, cut where the row's grammar would refuse it;
-                     the verify batch (``verify.VerifyBatch``) gets them all
+                     the decode step (``app.engine.step``) gets them all
     after the step   ``settle``: each drafter told what was kept (``Drafter.verified``),
                      the row's acceptance and the model's per-drafter counts updated, the
                      step's time recorded under its proposal length
@@ -17,7 +17,7 @@ A row does not speculate while its reasoning budget could still force the closer
 budget processor reads its context token by token and cannot be rolled back); a row
 with a grammar does, the grammar rolled back over what the step rejected. Distributed
 serving: this runs on rank 0 alone; the step's proposals go to the other ranks with the
-step (``app.engine.distributed.mirror``), which verify the same ones.
+step (``app.engine.step.mirror``), which verify the same ones.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.batch.reasoning import BudgetProcessor
 from app.engine.params import SpeculativeParams
-from app.engine.speculative import DraftCounts, Drafter, DraftSource, Proposal
+from app.engine.speculative import Drafter, DraftSource, Proposal
 from app.engine.speculative.adaptive import Adaptive, RowRate, StepCosts
 from app.engine.speculative.lookup import PredictionLookup, PromptLookup
-from app.engine.speculative.verify import RowProposal, VerifyBatch
-from app.engine.types import GenerationRequest, SpeculableConstraint
+from app.engine.step import DecodeBatch, RowProposal
+from app.engine.step.reasoning import BudgetProcessor
+from app.engine.types import DraftCounts, GenerationRequest, SpeculableConstraint
 
 log = logging.getLogger("tandem.engine")
 
@@ -93,7 +93,7 @@ class Speculator:
         rates = {d.name: RowRate.prior(d.name) for d in drafters}
         return RowDrafts(req.request_id, drafters, rates, budget, constraint, len(prediction))
 
-    def propose(self, batch: VerifyBatch, rows: dict[int, RowDrafts]) -> None:
+    def propose(self, batch: DecodeBatch, rows: dict[int, RowDrafts]) -> None:
         """Ask each decoding row's drafters, and hand the batch their proposals."""
         asks: dict[int, list[tuple[Drafter, int]]] = {}
         for uid, row in rows.items():
@@ -144,7 +144,7 @@ class Speculator:
             return RowProposal(tuple(run), rewind, q)
         return None
 
-    def settle(self, batch: VerifyBatch, seconds: float, timed: bool) -> None:
+    def settle(self, batch: DecodeBatch, seconds: float, timed: bool) -> None:
         """After the step: what each proposal came to. ``timed``: the step only decoded, so
         its ``seconds`` are a fair measure of a step of its proposal length."""
         if timed:

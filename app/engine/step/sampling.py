@@ -28,7 +28,7 @@ def build_sampler(p: SamplingParams) -> RowSampler:
 
 class RowSampler:
     """A row's sampler: ``(logprobs) -> token``, mlx-lm's sampler contract, and ``draw``
-    for the speculative verify step (``app.engine.speculative.verify``), which scores several
+    for the speculative verify step (``app.engine.step.verify``), which scores several
     positions of one row at once.
 
     A token is drawn as ``argmax(shaped + gumbel)``: ``shaped`` is the row's

@@ -1,12 +1,12 @@
 """The batch and prompt-cache operations TextEngine makes, run here or on every rank.
 
-``TextEngine`` never calls mlx-lm's BatchGenerator, its prompt cache or the KV-cache
-helpers directly; it calls a ``BatchOps``:
+``TextEngine`` never makes its decode step (``app.engine.step``), its prefix cache's
+memory tier or a quantized cache directly; it calls a ``BatchOps``:
 
 - ``LocalOps`` (one process) makes each call as it is;
 - ``MirrorOps`` (rank 0 of a distributed launch) makes each call here and records it,
   and before every batch step sends the record to the other ranks (``control``), whose
-  ``Follower`` replays it on its own BatchGenerator and prompt cache, over its own shard
+  ``Follower`` replays it on its own decode step and prefix cache, over its own shard
   of the model. So every rank runs the same batch steps in lockstep, and rank 0 alone
   decides: admission, priorities, cancellations, stop strings, what is cached.
 
@@ -23,7 +23,7 @@ different chip's rounding on another Mac cannot make them drift.
 Speculative decoding: rank 0's drafters propose (they run there alone, as does the
 adaptive rule that says how many tokens); the step's record carries the proposals
 (``propose``), which each follower hands its own verify batch
-(``app.engine.speculative.verify``) before replaying the step, so every rank runs the same
+(``app.engine.step.verify``) before replaying the step, so every rank runs the same
 verify forward pass. Rank 0 draws each row's token at each position with the row's own
 sampler (``TokenSync.draw``), decides what each row keeps, and one ``all_sum`` of that
 (rows, k + 2) table (``TokenSync.agree``; followers add zeros) gives every rank the same
@@ -31,9 +31,9 @@ acceptance, emitted tokens, KV rollback and context. The step's ``check`` then c
 every emitted token, as for a plain step.
 
 Prefix cache eviction: a rank's cache holds its own shard, so byte counts differ between
-ranks (pipeline stages hold different layer counts); rank 0 sends how many entries its
-cache keeps after each change, and the follower (unbounded otherwise) trims to that
-count. Both caches see the same inserts in the same order, so the same entries go.
+ranks (pipeline stages hold different layer counts), and only rank 0 knows what its
+requests hold or share; both caches see the same inserts in the same order, so an
+entry has the same ``serial`` on both, and rank 0 sends the serials it evicts.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from app.engine.kv.kv_quant import make_quantized_prompt_cache
-from app.engine.mlx_internals import LRUPromptCache, new_batch_generator, trim_prompt_cache
-from app.engine.speculative.verify import RowProposal, VerifyBatch, install
+from app.engine.kv.layers import SeqCache
+from app.engine.kv.memory_tier import MemoryTier
+from app.engine.step import DecodeBatch, Drawn, RowProposal, ScoreSpec, new_decode_batch
 
 log = logging.getLogger("tandem.distributed")
 
@@ -65,21 +66,18 @@ class BatchOps(Protocol):
     # make caches of its own around these calls (a disk tier of the prefix cache stays off).
     replicated: bool
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
-        """A BatchGenerator (``new_batch_generator``'s settings)."""
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
+        """A decode step (``app.engine.step.new_decode_batch``'s settings)."""
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        """An LRUPromptCache."""
+    def prompt_cache(self) -> Any:
+        """The prefix cache's memory tier (``app.engine.kv.memory_tier.MemoryTier``)."""
 
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        """Drop the last ``n`` tokens of a per-sequence cache."""
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        """An empty quantized per-sequence cache (``plain``: handed back dequantized)."""
 
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        """An empty quantized per-sequence cache."""
-
-    def verify_batch(self, batch: Any) -> VerifyBatch:
-        """``batch``'s (a ``new_batch``) generation batch made a speculative ``VerifyBatch``, whose
-        proposals each step carries (``app.engine.speculative.verify.install``)."""
+    def verify_batch(self, batch: Any) -> DecodeBatch:
+        """``batch`` (a ``new_batch``) as the decode step that takes proposals each step
+        (``DecodeBatch.propose``), the ranks agreeing on each verify step when mirrored."""
 
 
 class StepWatch(Protocol):
@@ -95,20 +93,17 @@ class LocalOps:
 
     replicated = False
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
-        return new_batch_generator(model, tokenizer, **settings)
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
+        return new_decode_batch(model, tokenizer, **settings)
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        return LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
+    def prompt_cache(self) -> Any:
+        return MemoryTier()
 
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        trim_prompt_cache(cache, n)
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        return make_quantized_prompt_cache(model, bits, group_size, plain=plain)
 
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        return make_quantized_prompt_cache(model, bits, group_size)
-
-    def verify_batch(self, batch: Any) -> VerifyBatch:
-        return install(batch)
+    def verify_batch(self, batch: Any) -> DecodeBatch:
+        return batch
 
 
 LOCAL_OPS = LocalOps()
@@ -118,8 +113,8 @@ class DesyncError(RuntimeError):
     """A follower's batch no longer matches rank 0's: it cannot go on."""
 
 
-class TrackedCache(list[Any]):
-    """A per-sequence cache on rank 0, named on every rank by ``handle``."""
+class TrackedCache(SeqCache):
+    """A per-sequence cache on rank 0 (its checkpoints with it), named on every rank by ``handle``."""
 
     handle: int
 
@@ -128,7 +123,7 @@ def _handle(cache: Any) -> int:
     handle = getattr(cache, "handle", None)
     if handle is None:
         raise DesyncError("a cache that did not come through MirrorOps reached it (distributed mode "
-                          "mirrors every cache it hands out; see app/engine/distributed/mirror.py)")
+                          "mirrors every cache it hands out; see app/engine/step/mirror.py)")
     return int(handle)
 
 
@@ -237,30 +232,27 @@ class MirrorOps:
 
     # ---- BatchOps ------------------------------------------------------------------------
 
-    def new_batch(self, model: Any, tokenizer: Any, **settings: int) -> Any:
+    def new_batch(self, model: Any, tokenizer: Any, **settings: Any) -> Any:
         if self.failed:
             raise DesyncError("a batch step failed on rank 0; the ranks can no longer be kept in step")
         self._ops.append(["batch", settings])
-        return _MirroredBatch(self, new_batch_generator(model, tokenizer, **settings))
+        return _MirroredBatch(self, new_decode_batch(model, tokenizer, **settings))
 
-    def prompt_cache(self, max_size: int, max_bytes: int) -> Any:
-        return _MirroredPromptCache(self, LRUPromptCache(max_size=max_size, max_bytes=max_bytes))
+    def prompt_cache(self) -> Any:
+        return _MirroredPromptCache(self, MemoryTier())
 
-    def trim_cache(self, cache: list[Any], n: int) -> None:
-        self._ops.append(["trim_kv", _handle(cache), n])
-        trim_prompt_cache(cache, n)
-
-    def quantized_cache(self, model: Any, bits: int, group_size: int) -> list[Any]:
-        cache = self.track(make_quantized_prompt_cache(model, bits, group_size))
-        self._ops.append(["qcache", cache.handle, bits, group_size])
+    def quantized_cache(self, model: Any, bits: int, group_size: int, plain: bool = False) -> list[Any]:
+        cache = self.track(make_quantized_prompt_cache(model, bits, group_size, plain=plain))
+        self._ops.append(["qcache", cache.handle, bits, group_size, plain])
         return cache
 
-    def verify_batch(self, batch: Any) -> VerifyBatch:
+    def verify_batch(self, batch: Any) -> DecodeBatch:
         if not isinstance(batch, _MirroredBatch):
             raise DesyncError("a batch that did not come through MirrorOps.new_batch")
-        batch.verify = install(batch.bg, agree=self.token_sync.agree)
+        batch.bg.agree = self.token_sync.agree
+        batch.verify = batch.bg
         self._ops.append(["verify"])
-        return batch.verify
+        return batch.bg
 
     # ---- recording and sending -----------------------------------------------------------
 
@@ -309,25 +301,33 @@ class MirrorOps:
 
 
 class _MirroredBatch:
-    """Rank 0's BatchGenerator: the calls TextEngine makes, each made and recorded."""
+    """Rank 0's decode step: the calls TextEngine makes, each made and recorded."""
 
     def __init__(self, ops: MirrorOps, bg: Any) -> None:
         self._ops = ops
         self.bg = bg
         # Its speculative verify batch (``MirrorOps.verify_batch``): each step sends its proposals.
-        self.verify: VerifyBatch | None = None
+        self.verify: DecodeBatch | None = None
 
     def insert_segments(self, segments: list[list[list[int]]], *, max_tokens: list[int],
                         caches: list[Any] | None, all_tokens: list[list[int]], samplers: list[Any],
-                        logits_processors: list[Any]) -> list[int]:
+                        logits_processors: list[Any], drawn: list[Drawn | None] | None = None,
+                        scores: list[ScoreSpec | None] | None = None, inputs: list[Any] | None = None) -> list[int]:
+        if inputs is not None and any(i is not None for i in inputs):
+            raise DesyncError("a VLM's rows are never split across ranks")
         handles = [None if c is None else _handle(c) for c in caches] if caches is not None else None
         plain = [None if c is None else list(c) for c in caches] if caches is not None else None
         uids = self.bg.insert_segments(segments, max_tokens=max_tokens, caches=plain, all_tokens=all_tokens,
                                        samplers=[self._ops.token_sync] * len(samplers),
                                        logits_processors=[[*procs, self._ops.token_sync.row(sample)]
                                                           for procs, sample in zip(logits_processors, samplers,
-                                                                                   strict=True)])
-        self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids])
+                                                                                   strict=True)],
+                                       drawn=drawn, scores=scores)
+        # Followers need only whether a row resumes with a drawn token (rank 0 alone samples)
+        # and what a score row scores.
+        marks = [d is not None for d in drawn] if drawn else None
+        spec = [None if sc is None else [sc.tail, list(sc.next_tokens)] for sc in scores] if scores else None
+        self._ops.record(["insert", segments, max_tokens, handles, all_tokens, uids, marks, spec])
         return list(uids)
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
@@ -363,6 +363,11 @@ class _MirroredBatch:
     def close(self) -> None:
         self.bg.close()
 
+    def pending_of(self, uid: int) -> tuple[int, Any] | None:
+        """A decoding row's drawn token not yet fed: the same on every rank (rank 0's draws reach
+        every rank through the step's all_sum), so nothing is recorded."""
+        return self.bg.pending_of(uid)
+
     @property
     def prompt_cache_nbytes(self) -> int:
         return int(self.bg.prompt_cache_nbytes)
@@ -382,7 +387,9 @@ class _MirroredBatch:
 
 
 class _MirroredPromptCache:
-    """Rank 0's LRUPromptCache: lookups, inserts and trims, each made and recorded."""
+    """Rank 0's memory tier: lookups, inserts and evictions, each made and recorded. Both ranks
+    insert in the same order, so an entry has the same ``serial`` on both; evictions travel
+    as serials (rank 0 alone knows the order it evicts in)."""
 
     def __init__(self, ops: MirrorOps, cache: Any) -> None:
         self._ops = ops
@@ -395,6 +402,15 @@ class _MirroredPromptCache:
     def __len__(self) -> int:
         return len(self._cache)
 
+    def nearest(self, key: str, tokens: list[int]) -> Any:
+        return self._cache.nearest(key, tokens)
+
+    def entries(self) -> Any:
+        return self._cache.entries()
+
+    def pin(self, key: str, tokens: list[int], until: float) -> bool:
+        return bool(self._cache.pin(key, tokens, until))
+
     def fetch_nearest_cache(self, key: str, tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = self._cache.fetch_nearest_cache(key, tokens)
         if cache is None:  # a miss here is a miss on every rank: nothing to send
@@ -403,13 +419,22 @@ class _MirroredPromptCache:
         self._ops.record(["fetch", tracked.handle, key, list(tokens), len(rest)])
         return tracked, rest
 
-    def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant") -> None:
-        self._cache.insert_cache(key, tokens, list(cache), cache_type=cache_type)
-        self._ops.record(["store", key, list(tokens), _handle(cache), cache_type, len(self._cache)])
+    def insert_cache(self, key: str, tokens: list[int], cache: Any, *, cache_type: str = "assistant",
+                     owner: str = "", pinned_until: float = 0.0) -> None:
+        before = self._cache.serials()
+        self._cache.insert_cache(key, tokens, SeqCache(cache), cache_type=cache_type, owner=owner,
+                                 pinned_until=pinned_until)
+        self._ops.record(["store", key, list(tokens), _handle(cache), cache_type])
+        self._record_evictions(before - self._cache.serials())
 
-    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
-        self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
-        self._ops.record(["trim", len(self._cache)])
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None, order: Any = None) -> None:
+        before = self._cache.serials()
+        self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes, order=order)
+        self._record_evictions(before - self._cache.serials())
+
+    def _record_evictions(self, gone: set[int]) -> None:
+        if gone:
+            self._ops.record(["evict", sorted(gone)])
 
 
 class Follower:
@@ -422,9 +447,9 @@ class Follower:
         self._sampler = sampler  # every row's: one call, one all_sum per step (TokenSync)
         self._agree = agree  # a verify step's one all_sum (TokenSync.agree)
         self.batch: Any = None
-        self.verify: VerifyBatch | None = None
+        self.verify: DecodeBatch | None = None
         # Unbounded: rank 0 says how many entries to keep.
-        self.prompt_cache = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+        self.prompt_cache = MemoryTier()
         self.caches: dict[int, list[Any]] = {}
         self.steps = 0
         self._finished: dict[int, list[Any]] = {}
@@ -445,20 +470,21 @@ class Follower:
         self._finished = {r.uid: r.prompt_cache for r in gen if r.finish_reason is not None}
         self._last = [[r.uid, r.token, r.finish_reason] for r in gen]
 
-    def _op_batch(self, settings: dict[str, int]) -> None:
+    def _op_batch(self, settings: dict[str, Any]) -> None:
         if self.batch is not None:
             self.batch.close()
-        self.batch = new_batch_generator(self.model, self.tokenizer, **settings)
+        self.batch = new_decode_batch(self.model, self.tokenizer, **settings)
         self.verify = None
 
     def _op_verify(self) -> None:
-        self.verify = install(self.batch, agree=self._agree)
+        self.batch.agree = self._agree
+        self.verify = self.batch
 
     def _op_propose(self, rows: list[list[Any]]) -> None:
         if self.verify is None:
             raise DesyncError("rank 0 sent proposals for a batch that does not speculate here")
-        missing = {uid for uid, _ in rows} - set(self.verify.uids)
-        if missing or not self.verify.speculable():
+        missing = {uid for uid, _ in rows} - set(self.verify.pending())
+        if missing:
             raise DesyncError(f"rank 0 proposed for rows this rank cannot verify ({sorted(missing)} not decoding)")
         self.verify.propose({uid: RowProposal(tuple(tokens)) for uid, tokens in rows})
 
@@ -471,17 +497,17 @@ class Follower:
             raise DesyncError(f"prefix cache lookup differs from rank 0's (rest {len(rest)} vs {n_rest} tokens)")
         self.caches[handle] = cache
 
-    def _op_qcache(self, handle: int, bits: int, group_size: int) -> None:
-        self.caches[handle] = make_quantized_prompt_cache(self.model, bits, group_size)
-
-    def _op_trim_kv(self, handle: int, n: int) -> None:
-        trim_prompt_cache(self._cache(handle), n)
+    def _op_qcache(self, handle: int, bits: int, group_size: int, plain: bool = False) -> None:
+        self.caches[handle] = make_quantized_prompt_cache(self.model, bits, group_size, plain=plain)
 
     def _op_insert(self, segments: list[list[list[int]]], max_tokens: list[int], handles: list[int | None] | None,
-                   all_tokens: list[list[int]], uids: list[int]) -> None:
+                   all_tokens: list[list[int]], uids: list[int], marks: list[bool] | None = None,
+                   spec: list[Any] | None = None) -> None:
         caches = [None if h is None else self._cache(h) for h in handles] if handles is not None else None
+        drawn = [Drawn() if m else None for m in marks] if marks else None
+        scores = [None if sc is None else ScoreSpec(sc[0], tuple(sc[1])) for sc in spec] if spec else None
         got = self.batch.insert_segments(segments, max_tokens=max_tokens, caches=caches, all_tokens=all_tokens,
-                                         samplers=[self._sampler] * len(segments))
+                                         samplers=[self._sampler] * len(segments), drawn=drawn, scores=scores)
         if list(got) != uids:
             raise DesyncError(f"sequence ids differ from rank 0's ({list(got)} vs {uids})")
 
@@ -503,12 +529,11 @@ class Follower:
         if expected != self._last:
             raise DesyncError(f"step {self.steps} differs from rank 0's: {self._last[:4]} vs {expected[:4]}")
 
-    def _op_store(self, key: str, tokens: list[int], handle: int, cache_type: str, n_entries: int) -> None:
-        self.prompt_cache.insert_cache(key, tokens, list(self._cache(handle)), cache_type=cache_type)
-        self.prompt_cache.trim_to(n_sequences=n_entries)
+    def _op_store(self, key: str, tokens: list[int], handle: int, cache_type: str) -> None:
+        self.prompt_cache.insert_cache(key, tokens, SeqCache(self._cache(handle)), cache_type=cache_type)
 
-    def _op_trim(self, n_entries: int) -> None:
-        self.prompt_cache.trim_to(n_sequences=n_entries)
+    def _op_evict(self, serials: list[int]) -> None:
+        self.prompt_cache.evict_serials(set(serials))
 
     def _op_drop(self, handles: list[int]) -> None:
         for handle in handles:

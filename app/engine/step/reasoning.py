@@ -24,7 +24,7 @@ tokenized its own way (``"\\n</think>"`` merged) still ends the block. A closer 
 several tokens is not counted as reasoning, once it is seen whole. In the batch the
 processor runs after penalties and logit bias and before the constraint; distributed,
 rank 0 runs it and its tokens reach the other ranks as every sampled token does
-(``app.engine.distributed.mirror``).
+(``app.engine.step.mirror``).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class BudgetProcessor:
     @property
     def settled(self) -> bool:
         """Whether the block is behind the row (closed): from then on this processor changes
-        nothing and keeps no state, so the row may speculate (``app.engine.speculative.verify``)."""
+        nothing and keeps no state, so the row may speculate (``app.engine.step.verify``)."""
         return self._tracker.phase is Phase.AFTER
 
     @property
