@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from app.engine.kv.geometry import widest
 from app.errors import ContextLengthError, EngineBusyError, RateLimitError
 
 T = TypeVar("T")
@@ -140,16 +141,7 @@ class Admission(Generic[T]):
         return max(0, self.budget_tokens - (self.step - 1))
 
     def _widest(self, nbytes: int) -> int:
-        if self.cost(1) > nbytes:
-            return 0
-        lo, hi = 1, 1 << 31
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.cost(mid) <= nbytes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return widest(self.cost, nbytes)
 
     def check(self, tokens: int, arriving: int = 0) -> None:
         """Refuse at once what could never run (``tokens`` is the sequence's width), or what

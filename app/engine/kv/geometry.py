@@ -80,14 +80,7 @@ class KVGeometry:
             return 0
         if self.bytes_per_token == 0 and self.row_bytes(1 << 31) <= nbytes:
             return 1 << 31
-        lo, hi = 1, 1 << 31
-        while lo < hi:  # the largest width whose row fits
-            mid = (lo + hi + 1) // 2
-            if self.row_bytes(mid) <= nbytes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return widest(self.row_bytes, nbytes)
 
     def budget_tokens(self, mem_mb: int) -> int:
         """Tokens one sequence alone could hold in ``mem_mb`` (what /v1/models reports)."""
@@ -144,3 +137,19 @@ def _per_token(x: Any) -> float:
     if isinstance(x, (tuple, list)):
         return sum(_per_token(part) for part in x)
     return x.nbytes / max(1, x.shape[2])
+
+
+def widest(cost: Callable[[int], int], nbytes: int) -> int:
+    """The largest width (at most 2**31) whose ``cost`` (bytes, growing with the width) fits
+    ``nbytes``; 0 when not even one token's does."""
+    if cost(1) > nbytes:
+        return 0
+    lo, hi = 1, 1 << 31
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= nbytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
